@@ -1,0 +1,25 @@
+"""Shared helpers of the algorithm scripts: log-prob/masking/KL utilities, KL controllers, value-head and
+reference models, the offline built-in presets and run setup. Everything algorithm-specific stays in the scripts."""
+
+from common.core import (
+    INVALID_LOGPROB,
+    AdaptiveKLController,
+    FixedKLController,
+    clip_by_value,
+    entropy_from_logits,
+    exact_div,
+    kl_estimate,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+from common.models import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    create_reference_model,
+    peft_model_of,
+    reference_context,
+)
+from common.presets import check_columns, load_data, load_pretrained, load_tokenizer, train_eval_split
+from common.run import RunLogger, atomic_directory, start_run

@@ -1,0 +1,118 @@
+"""Log-prob, masking and KL utilities, and the KL controllers.
+
+Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-preferences).
+All masks are float or bool tensors of the same shape as the values they mask.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# Log-prob written into positions that are padding: an obviously-wrong value makes a masking bug visible
+INVALID_LOGPROB = 1.0
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels) under softmax(logits): [..., V], [...] -> [...].
+
+    Memory-lean: one log_softmax, then a gather; no second full-vocabulary copy.
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is 1 (over `axis`, or over everything)."""
+    if axis is not None:
+        return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+    return (values * mask).sum() / mask.sum()
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over the masked positions; Bessel-corrected by n / (n - 1) with n the mask's count."""
+    mask_sum = mask.sum()
+    if mask_sum == 0:
+        raise ValueError("masked_var: the mask is empty (no position is 1), so the variance is undefined.")
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        if mask_sum == 1:
+            raise ValueError(
+                "masked_var: the mask selects one value; the unbiased variance needs at least two "
+                "(use a larger batch, or unbiased=False)."
+            )
+        variance = variance * mask_sum / (mask_sum - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked positions; the mean is added back if not shift_mean."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last axis: logsumexp(z) - sum(p * z)."""
+    logits = logits.float()
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
+    """Element-wise clamp of x between two tensors (torch.clamp takes tensors only in newer versions)."""
+    return torch.max(torch.min(x, tensor_max), tensor_min)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "kl") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
+
+    kind: "kl" (k1: logp - ref), "abs" (|logp - ref|), "mse" (0.5 * (logp - ref)^2),
+    "k3" (exp(ref - logp) - 1 - (ref - logp), unbiased and non-negative, Schulman 2020),
+    "full" (exact KL over the vocabulary; both inputs are then full log-prob tensors [..., V]).
+    """
+    if kind == "kl":
+        return logprobs - ref_logprobs
+    if kind == "abs":
+        return (logprobs - ref_logprobs).abs()
+    if kind == "mse":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if kind == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return log_ratio.exp() - 1 - log_ratio
+    if kind == "full":
+        # F.kl_div(input, target) = target_p * (log target - input): target is the policy here
+        return F.kl_div(ref_logprobs, logprobs, log_target=True, reduction="none").sum(-1)
+    raise ValueError(f"Unknown KL penalty {kind!r}: choose one of kl, abs, mse, k3, full.")
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 (lm-human-preferences `AdaptiveKLController`).
+
+    After each batch: err = clip(KL / target - 1, -0.2, 0.2); kl_coef *= 1 + err * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+def exact_div(a: int, b: int, what: str = "") -> int:
+    """a // b, or a clear error naming the two sizes when b does not divide a."""
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what or 'size'}: {a} is not divisible by {b}; choose sizes where it is.")
+    return a // b

@@ -1,0 +1,156 @@
+"""Value-head models and reference-model creation (TRL 0.8 `trl/models` semantics, shared layers fixed)."""
+
+import contextlib
+import copy
+import json
+import os
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from common.presets import load_pretrained
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueHead(nn.Module):
+    """hidden state -> scalar. init "zero" (lm-human-preferences) or "normal" with std `init_std`."""
+
+    def __init__(self, hidden_size: int, dropout: float = 0.0, init: str = "zero", init_std: float = 0.2):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.summary = nn.Linear(hidden_size, 1)
+        if init == "zero":
+            nn.init.zeros_(self.summary.weight)
+        elif init == "normal":
+            nn.init.normal_(self.summary.weight, std=init_std)
+        else:
+            raise ValueError(f"Unknown value head init {init!r}: choose zero or normal.")
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(hidden_states.to(self.summary.weight.dtype))
+        return self.summary(hidden_states).squeeze(-1)
+
+
+class AutoModelForCausalLMWithValueHead(nn.Module):
+    """A causal LM (plain or peft) plus a scalar value head on its last hidden state.
+
+    forward(...) -> (logits [B, T, V], values [B, T]). `save_pretrained` writes the LM as usual (so plain
+    `AutoModelForCausalLM.from_pretrained` loads it) and the head in `value_head.safetensors` beside it.
+    """
+
+    auto_class = AutoModelForCausalLM
+
+    def __init__(self, pretrained_model: nn.Module, **value_head_kwargs):
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        self.config = pretrained_model.config
+        hidden_size = self.config.get_text_config().hidden_size
+        self.v_head = ValueHead(hidden_size, **value_head_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, value_head_kwargs: dict | None = None, **model_kwargs):
+        """Load a hub id, local folder or built-in preset; a folder's value head and peft adapter load back."""
+        adapter_config = os.path.join(name_or_path, "adapter_config.json")
+        if os.path.isfile(adapter_config):
+            with open(adapter_config) as f:
+                base_name = json.load(f)["base_model_name_or_path"]
+            base = load_pretrained(base_name, cls.auto_class, **model_kwargs)
+            pretrained_model = PeftModel.from_pretrained(base, name_or_path, is_trainable=True)
+        else:
+            pretrained_model = load_pretrained(name_or_path, cls.auto_class, **model_kwargs)
+        model = cls(pretrained_model, **(value_head_kwargs or {}))
+        head_file = os.path.join(name_or_path, VALUE_HEAD_FILE)
+        if os.path.isfile(head_file):
+            model.v_head.load_state_dict(load_file(head_file))
+        return model
+
+    def _last_hidden_state(self, outputs) -> torch.Tensor:
+        return outputs.hidden_states[-1]
+
+    def forward(self, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs = self.pretrained_model(**inputs, output_hidden_states=True, use_cache=False)
+        return outputs.logits, self.v_head(self._last_hidden_state(outputs))
+
+    def generate(self, *args, **kwargs):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        save_file({k: v.contiguous() for k, v in self.v_head.state_dict().items()},
+                  os.path.join(save_directory, VALUE_HEAD_FILE))
+
+
+class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
+    """The same for encoder-decoder models (T5, BART): the head reads the decoder's last hidden state."""
+
+    auto_class = AutoModelForSeq2SeqLM
+
+    def _last_hidden_state(self, outputs) -> torch.Tensor:
+        return outputs.decoder_hidden_states[-1]
+
+
+def peft_model_of(model: nn.Module) -> PeftModel | None:
+    """The PeftModel inside `model` (itself, or the LM of a value-head wrapper), or None."""
+    inner = getattr(model, "pretrained_model", model)
+    return inner if isinstance(inner, PeftModel) else None
+
+
+def reference_context(model: nn.Module, ref_model: nn.Module | None):
+    """Context in which the reference model runs: for a peft policy (ref_model None) its adapter is off."""
+    if ref_model is not None:
+        return contextlib.nullcontext()
+    peft_model = peft_model_of(model)
+    if peft_model is None:
+        raise ValueError("ref_model is None but the policy is not a peft model: there is no reference to run.")
+    return peft_model.disable_adapter()
+
+
+# Name of the k-th transformer block's parameters, per architecture family
+LAYER_PATTERNS = {
+    "gpt2": "transformer.h.{layer}.",
+    "gpt-neox": "gpt_neox.layers.{layer}.",
+    "llama-style": "model.layers.{layer}.",
+    "opt": "model.decoder.layers.{layer}.",
+}
+
+
+def create_reference_model(model: nn.Module, num_shared_layers: int | None = None, pattern: str | None = None):
+    """A frozen, eval-mode reference copy of `model`, or None for a peft model.
+
+    For a peft model the reference is the model with its adapter disabled (see `reference_context`), so no
+    copy is made. With `num_shared_layers=k`, every parameter that comes before block k (the embeddings and
+    blocks 0..k-1) is frozen in the policy and *shared* with the reference (same storage); only the rest is
+    copied. `pattern` names block parameters, e.g. "transformer.h.{layer}."; it is guessed for GPT-2,
+    GPT-NeoX, Llama-style and OPT models.
+    """
+    if peft_model_of(model) is not None:
+        return None
+    named = list(model.named_parameters())
+    memo = {}
+    if num_shared_layers is not None:
+        if pattern is None:
+            pattern = next((p for p in LAYER_PATTERNS.values() if any(p.format(layer=0) in n for n, _ in named)), None)
+            if pattern is None:
+                raise ValueError(
+                    f"Cannot find the transformer blocks of {type(model).__name__} to share: pass pattern= "
+                    f"(the parameter-name prefix of block k with {{layer}}, e.g. 'transformer.h.{{layer}}.')."
+                )
+        marker = pattern.format(layer=num_shared_layers)
+        first_unshared = next((i for i, (n, _) in enumerate(named) if marker in n), None)
+        if first_unshared is None:
+            raise ValueError(
+                f"num_shared_layers={num_shared_layers}, but no parameter matches {marker!r}: the model has "
+                "fewer blocks than that (sharing all of them would leave nothing to train)."
+            )
+        for _, param in named[:first_unshared]:
+            param.requires_grad_(False)
+            memo[id(param)] = param  # deepcopy returns these objects themselves: true sharing
+    ref_model = copy.deepcopy(model, memo)
+    for param in ref_model.parameters():
+        param.requires_grad_(False)
+    return ref_model.eval()

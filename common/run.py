@@ -1,0 +1,93 @@
+"""Run setup shared by every script: seeding, run name, TensorBoard / wandb logging, sample tables, atomic saves."""
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from rich.console import Console
+from rich.table import Table
+
+
+def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
+    """Seed every RNG with `args.seed + rank`, name the run and open its logger (main process only).
+
+    `args` needs exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity (CleanRL fields).
+    """
+    set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    return run_name, RunLogger(run_name, args, enabled=accelerator.is_main_process)
+
+
+class RunLogger:
+    """TensorBoard under runs/{run_name} (always) and wandb synced from it (`--track`), on the main process."""
+
+    def __init__(self, run_name: str, args, enabled: bool = True):
+        self.writer = None
+        if not enabled:
+            return
+        config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=config, name=run_name, save_code=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(getattr(args, "log_dir", "runs"), run_name))
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, float(value), step)
+
+    def samples(self, title: str, columns: dict[str, list], step: int, max_rows: int = 8) -> None:
+        """Print a table of sample generations and log it to TensorBoard as markdown."""
+        if self.writer is None:
+            return
+        table = Table(title=title, show_lines=True)
+        for name in columns:
+            table.add_column(name)
+        rows = list(zip(*columns.values()))[:max_rows]
+        for row in rows:
+            table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+        Console().print(table)
+        markdown = "|" + "|".join(columns) + "|\n|" + "-|" * len(columns) + "\n"
+        markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|"
+                              for row in rows)
+        self.writer.add_text(title, markdown, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str):
+    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path` in one rename.
+
+    A crash mid-save leaves the previous `path` intact (at worst a stray `.tmp-*` folder beside it).
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.exists(path):
+        old = tempfile.mkdtemp(prefix=f".old-{os.path.basename(path)}-", dir=parent)
+        os.rename(path, os.path.join(old, "previous"))
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

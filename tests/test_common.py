@@ -1,0 +1,211 @@
+import json
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from common import (
+    AdaptiveKLController,
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    FixedKLController,
+    atomic_directory,
+    check_columns,
+    clip_by_value,
+    create_reference_model,
+    entropy_from_logits,
+    exact_div,
+    kl_estimate,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    reference_context,
+)
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
+
+
+def test_masked_mean_and_var_by_hand():
+    assert masked_mean(VALUES, MASK).item() == pytest.approx(7 / 3)
+    assert masked_mean(VALUES, MASK, axis=1).tolist() == pytest.approx([1.5, 4.0])
+    # squared deviations from 7/3: 16/9, 1/9, 25/9 -> sum 42/9; biased /3, unbiased /2
+    assert masked_var(VALUES, MASK, unbiased=False).item() == pytest.approx(42 / 27)
+    assert masked_var(VALUES, MASK).item() == pytest.approx(42 / 18)
+    with pytest.raises(ValueError, match="empty"):
+        masked_var(VALUES, torch.zeros_like(MASK))
+
+
+def test_masked_whiten_2x3_by_hand():
+    std = math.sqrt(42 / 18 + 1e-8)
+    whitened = masked_whiten(VALUES, MASK)
+    for (i, j), value in {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 4.0}.items():
+        assert whitened[i, j].item() == pytest.approx((value - 7 / 3) / std)
+    assert masked_mean(whitened, MASK).item() == pytest.approx(0.0, abs=1e-6)
+    unshifted = masked_whiten(VALUES, MASK, shift_mean=False)
+    assert unshifted[0, 0].item() == pytest.approx((1.0 - 7 / 3) / std + 7 / 3)
+
+
+def test_logprobs_and_entropy_against_explicit_formula():
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[2, 1]])
+    z = math.exp(1) + math.exp(2) + math.exp(3)
+    assert logprobs_from_logits(logits, labels)[0].tolist() == pytest.approx([3 - math.log(z), -math.log(3)])
+    p = [math.exp(k) / z for k in (1, 2, 3)]
+    assert entropy_from_logits(logits)[0].tolist() == pytest.approx([-sum(q * math.log(q) for q in p), math.log(3)])
+
+
+def test_clip_by_value_takes_tensor_bounds():
+    x = torch.tensor([0.0, 5.0, -5.0])
+    assert clip_by_value(x, torch.tensor([-1.0, 1.0, -2.0]), torch.tensor([1.0, 2.0, 0.0])).tolist() == [0.0, 2.0, -2.0]
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert kl_estimate(logp, ref, "kl").tolist() == pytest.approx([0.5, -1.0])
+    assert kl_estimate(logp, ref, "abs").tolist() == pytest.approx([0.5, 1.0])
+    assert kl_estimate(logp, ref, "mse").tolist() == pytest.approx([0.125, 0.5])
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1])
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])
+    full = kl_estimate(p.log()[None], q.log()[None], "full")
+    assert full.item() == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p.tolist(), q.tolist())), rel=1e-5)
+    with pytest.raises(ValueError, match="Unknown KL penalty"):
+        kl_estimate(logp, ref, "nope")
+
+
+def test_adaptive_kl_controller_follows_formula_over_updates():
+    controller, expected = AdaptiveKLController(0.2, target=6.0, horizon=10000), 0.2
+    for kl, n_steps in [(9.0, 256), (3.0, 256), (6.6, 100), (6.0, 64)]:
+        controller.update(kl, n_steps)
+        expected *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * n_steps / 10000
+        assert controller.value == pytest.approx(expected)
+    assert controller.value != pytest.approx(0.2)
+    fixed = FixedKLController(0.1)
+    fixed.update(100.0, 1000)
+    assert fixed.value == 0.1
+
+
+def test_exact_div():
+    assert exact_div(64, 16) == 4
+    with pytest.raises(ValueError, match="batch_size: 10 is not divisible by 4"):
+        exact_div(10, 4, "batch_size")
+
+
+def test_value_head_round_trip(tmp_path):
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        "builtin:tiny-gpt2", value_head_kwargs=dict(init="normal", init_std=0.5)).eval()
+    input_ids = torch.tensor([[10, 20, 30, 40]])
+    logits, values = model(input_ids=input_ids)
+    assert logits.shape == (1, 4, 50258) and values.shape == (1, 4) and values.abs().sum() > 0
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)  # the LM alone loads with plain transformers
+    assert torch.allclose(plain(input_ids=input_ids).logits, logits, atol=1e-5)
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path)).eval()
+    logits2, values2 = loaded(input_ids=input_ids)
+    assert torch.allclose(logits2, logits, atol=1e-5) and torch.allclose(values2, values, atol=1e-6)
+    zero_head = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2")
+    assert zero_head(input_ids=input_ids)[1].abs().sum() == 0  # lm-human-preferences zero init
+
+
+def test_seq2seq_value_head():
+    model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained("builtin:tiny-t5")
+    logits, values = model(input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[50257, 8]]))
+    assert logits.shape[:2] == (1, 2) and values.shape == (1, 2)
+
+
+def test_value_head_with_peft_round_trip(tmp_path):
+    base = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False)
+    model = AutoModelForCausalLMWithValueHead(get_peft_model(base, lora), init="normal").eval()
+    input_ids = torch.tensor([[1, 2, 3]])
+    logits, values = model(input_ids=input_ids)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"] == "builtin:tiny-gpt2"
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path)).eval()
+    logits2, values2 = loaded(input_ids=input_ids)
+    assert torch.allclose(logits2, logits, atol=1e-5) and torch.allclose(values2, values, atol=1e-6)
+
+
+def test_reference_model_shares_bottom_layers():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2")
+    ref = create_reference_model(model, num_shared_layers=1)
+    policy_params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    for name in ["pretrained_model.transformer.wte.weight", "pretrained_model.transformer.h.0.attn.c_attn.weight"]:
+        assert ref_params[name].data_ptr() == policy_params[name].data_ptr()
+        assert not policy_params[name].requires_grad
+    for name in ["pretrained_model.transformer.h.1.attn.c_attn.weight", "v_head.summary.weight"]:
+        assert ref_params[name].data_ptr() != policy_params[name].data_ptr()
+        assert policy_params[name].requires_grad and not ref_params[name].requires_grad
+    assert not ref.training
+    full_copy = create_reference_model(model)
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(model.parameters(), full_copy.parameters()))
+    with pytest.raises(ValueError, match="fewer blocks"):
+        create_reference_model(model, num_shared_layers=2)
+    with pytest.raises(ValueError, match="pattern="):
+        create_reference_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), num_shared_layers=1)
+
+
+def test_peft_reference_is_the_disabled_adapter():
+    base = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+    input_ids = torch.tensor([[1, 2, 3]])
+    base_logits = base(input_ids=input_ids).logits
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False)
+    model = AutoModelForCausalLMWithValueHead(get_peft_model(base, lora)).eval()
+    assert create_reference_model(model) is None  # no copy at all
+    assert not torch.allclose(model(input_ids=input_ids)[0], base_logits)
+    with reference_context(model, None):
+        assert torch.allclose(model(input_ids=input_ids)[0], base_logits, atol=1e-6)
+
+
+def test_builtin_presets_are_seeded_and_offline():
+    a = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    b = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id and len(tokenizer) == 50258
+    assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
+
+
+def test_tokenizer_without_pad_is_a_clear_error(tmp_path):
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no pad token"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_builtin_and_local_datasets(tmp_path):
+    preferences = load_data("builtin:vader-preferences")
+    assert len(preferences) > 1000 and preferences.column_names == ["prompt", "chosen", "rejected"]
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+    for row in preferences.select(range(20)):
+        assert analyzer.polarity_scores(row["chosen"])["compound"] > analyzer.polarity_scores(row["rejected"])["compound"]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(3)))
+    local = load_data(str(path))
+    assert local["question"] == ["q0", "q1", "q2"]
+    with pytest.raises(ValueError, match=r"no column \['prompt'\].*'question'"):
+        check_columns(local, ["prompt"])
+
+
+def test_atomic_directory_keeps_previous_on_failure(tmp_path):
+    target = tmp_path / "ckpt"
+    with atomic_directory(str(target)) as tmp:
+        (tmp_path / tmp / "a.txt").write_text("first")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(str(target)) as tmp:
+            (tmp_path / tmp / "a.txt").write_text("half")
+            raise RuntimeError("crash mid-save")
+    assert (target / "a.txt").read_text() == "first"
+    with atomic_directory(str(target)) as tmp:
+        (tmp_path / tmp / "a.txt").write_text("second")
+    assert (target / "a.txt").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
