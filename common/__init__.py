@@ -21,5 +21,5 @@ from common.models import (
     peft_model_of,
     reference_context,
 )
-from common.presets import check_columns, load_data, load_pretrained, load_tokenizer, train_eval_split
+from common.presets import check_columns, load_config, load_data, load_pretrained, load_tokenizer, train_eval_split
 from common.run import RunLogger, atomic_directory, start_run

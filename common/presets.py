@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 from datasets import Dataset, load_dataset
-from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
+from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
 PAD_TOKEN = "<|pad|>"
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -61,6 +61,11 @@ def builtin_config(name: str, **kwargs):
         return T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                         decoder_start_token_id=tokenizer.pad_token_id, **special, **kwargs)
     raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-gpt2 or builtin:tiny-t5.")
+
+
+def load_config(name: str):
+    """The config of a built-in preset, hub id or local folder."""
+    return builtin_config(name) if is_builtin(name) else AutoConfig.from_pretrained(name)
 
 
 def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):

@@ -1,0 +1,671 @@
+"""PPO for language models: RLHF as in Ziegler et al. 2019 (lm-human-preferences) and TRL 0.7-0.8's PPOTrainer.
+
+Each update: sample queries, generate responses, score them (a reward function or a reward model), compute a
+per-token reward = -kl_coef * KL(policy || reference) with the score added at the last response token, estimate
+advantages with GAE, then run `ppo_epochs` of clipped PPO over mini-batches. Details follow "The N Implementation
+Details of RLHF with PPO" (Huang et al. 2023): left padding with explicit position_ids, logprobs computed with the
+sampling temperature, truncation after the first EOS, zero-initialised value head, dropout disabled.
+
+Usage:
+    python ppo.py                                   # offline: tiny GPT-2, chatterbot prompts, VADER sentiment reward
+    accelerate launch ppo.py --learning-rate 1.41e-5
+    accelerate launch --config_file configs/multi_gpu.yaml ppo.py --model-name gpt2 --reward-model outputs/reward_model
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoModelForSequenceClassification, get_scheduler
+
+from common import (
+    INVALID_LOGPROB,
+    AdaptiveKLController,
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    FixedKLController,
+    atomic_directory,
+    check_columns,
+    clip_by_value,
+    create_reference_model,
+    entropy_from_logits,
+    exact_div,
+    kl_estimate,
+    load_config,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    peft_model_of,
+    reference_context,
+    start_run,
+    train_eval_split,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-gpt2"
+    """policy: a hub id, a local folder, or a built-in preset (builtin:tiny-gpt2, builtin:tiny-t5); encoder-decoder
+    models (T5) are detected from their config"""
+    dataset_name: str = "builtin:chatterbot-prompts"
+    """prompts: a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-prompts"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    query_column: str = "prompt"
+    """the dataset column holding the query text"""
+    eval_fraction: float = 0.05
+    """fraction of the prompts held out for evaluation"""
+    max_query_length: int = 48
+    """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries)"""
+    truncate_queries: bool = False
+    """keep the last `max_query_length` tokens of long queries instead of stopping with an error"""
+    reward_model: str | None = None
+    """a sequence-classification reward model (hub id / local folder, e.g. the output of reward_modeling.py);
+    None scores with `reward_fn` in this file (VADER sentiment of the response)"""
+    reward_batch_size: int = 64
+    """batch size of the reward model's forward passes"""
+
+    # Generation
+    min_new_tokens: int = 16
+    """each rollout batch generates L new tokens, L drawn uniformly from [min_new_tokens, max_new_tokens]
+    (TRL's LengthSampler)"""
+    max_new_tokens: int = 16
+    """see min_new_tokens"""
+    temperature: float = 1.0
+    """sampling temperature; logprobs are computed from logits / temperature too (TRL 0.8 did not divide)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    stop_sequences: list[str] = field(default_factory=list)
+    """responses are truncated after the first of these strings (trlX `stop_sequences`), as after an EOS"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses that end without EOS or a stop sequence (TRL PPOv2); None: none"""
+    generation_batch_size: int | None = None
+    """queries per `generate` call (None: the whole batch at once)"""
+
+    # PPO (defaults: TRL 0.8 PPOConfig, except where the tiny random default model needs otherwise)
+    total_episodes: int = 6144
+    """total number of queries answered over the run, across all processes"""
+    batch_size: int = 64
+    """queries per PPO update on each process"""
+    mini_batch_size: int = 16
+    """samples per forward/backward pass in the optimisation phase"""
+    gradient_accumulation_steps: int = 1
+    """mini-batches per optimizer step"""
+    ppo_epochs: int = 4
+    """optimisation epochs over each batch of rollouts"""
+    learning_rate: float = 3e-4
+    """Adam learning rate (TRL's 1.41e-5 suits pretrained GPT-2; the random tiny default needs a larger one)"""
+    lr_anneal: bool = False
+    """if toggled, the learning rate decays linearly to 0 over the run"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (lm-human-preferences)"""
+    max_grad_norm: float | None = None
+    """gradient clipping norm (None: no clipping)"""
+    init_kl_coef: float = 0.2
+    """initial KL penalty coefficient"""
+    adap_kl_ctrl: bool = True
+    """adapt the KL coefficient towards `target` (Ziegler et al. 2019); otherwise it stays fixed"""
+    target: float = 6.0
+    """target KL of the adaptive controller"""
+    horizon: float = 10000
+    """horizon of the adaptive controller"""
+    kl_penalty: Literal["kl", "abs", "mse", "k3", "full"] = "kl"
+    """per-token KL estimate in the reward: kl (logp - ref), abs, mse (0.5 * diff^2), k3, full (exact, over the
+    vocabulary: keeps [batch, response_len, vocab] tensors)"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """PPO policy clip range"""
+    cliprange_value: float = 0.2
+    """PPO value clip range"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards before GAE (mean kept)"""
+    ratio_threshold: float = 10.0
+    """skip a mini-batch (zero loss) whose mean probability ratio exceeds this"""
+    early_stopping: bool = False
+    """stop the PPO epochs of an update when policy KL > 1.5 * target_kl"""
+    target_kl: float = 1.0
+    """KL threshold for early stopping"""
+    use_score_scaling: bool = False
+    """divide scores by their running std"""
+    use_score_norm: bool = False
+    """with use_score_scaling: also subtract the running mean"""
+    score_clip: float | None = None
+    """clip scores to [-score_clip, score_clip] (after scaling)"""
+    num_shared_layers: int | None = None
+    """share (and freeze) the embeddings and the first k blocks between policy and reference"""
+    disable_dropout: bool = True
+    """set every dropout probability of the policy to 0 (logprobs of rollouts and updates then agree)"""
+    value_head_init: Literal["zero", "normal"] = "zero"
+    """value head init: zero (lm-human-preferences) or normal(0, 0.2)"""
+
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters; the reference is the policy with its adapter disabled (no second model)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: list[str] | None = None
+    """modules to adapt (None: peft's default for the architecture)"""
+
+    # Logging, evaluation, saving
+    log_freq: int = 5
+    """log a table of sample generations every this many updates"""
+    eval_freq: int = 20
+    """evaluate on the held-out prompts every this many updates (and at the end); 0: only at the end"""
+    eval_samples: int = 64
+    """held-out prompts per evaluation"""
+    save_freq: int = 0
+    """write a checkpoint every this many updates (0: only the final model)"""
+    output_dir: str = "outputs/ppo"
+    """where the final model goes (plain from_pretrained format, value head in value_head.safetensors)"""
+    checkpoint_dir: str | None = None
+    """where --save-freq checkpoints go (None: {output_dir}_checkpoints)"""
+    resume_from: str | None = None
+    """a checkpoint folder to resume from (model, optimizer, scheduler, KL controller, RNG, step)"""
+    push_to_hub: bool = False
+    """push the final model to the hub as `hub_model_id`"""
+    hub_model_id: str | None = None
+    """the hub repository for --push-to-hub"""
+
+    # to be filled in runtime
+    world_size: int = 0
+    """number of processes"""
+    num_updates: int = 0
+    """number of PPO updates"""
+
+
+def reward_fn(queries: list[str], responses: list[str]) -> list[float]:
+    """The default reward: VADER compound sentiment of each response, in [-1, 1]. Replace it with your own."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = reward_fn.analyzer = getattr(reward_fn, "analyzer", None) or SentimentIntensityAnalyzer()
+    return [analyzer.polarity_scores(r)["compound"] for r in responses]
+
+
+def metric_fn(queries: list[str], responses: list[str]) -> dict[str, list[float]]:
+    """Extra evaluation metrics (trlX `metric_fn`): name -> one value per sample. Replace it with your own."""
+    return {"response_words": [float(len(r.split())) for r in responses],
+            "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses]}
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef, kl_penalty="kl"):
+    """Per-token rewards: -kl_coef * KL at every response token, plus the score at the last one (TRL 0.8).
+
+    scores [B]; logprobs, ref_logprobs [B, T] (or [B, T, V] for kl_penalty="full"); masks [B, T] with each row
+    a run of ones from the first response token. Returns (rewards, non_score_rewards, kls), each [B, T].
+    """
+    kls = kl_estimate(logprobs, ref_logprobs, kl_penalty) * masks
+    non_score_rewards = -kl_coef * kls
+    last_index = (masks.cumsum(1) == masks.sum(1, keepdim=True)).long().argmax(1)  # last response token
+    rewards = non_score_rewards.clone()
+    rewards[torch.arange(len(scores)), last_index] += scores
+    return rewards, non_score_rewards, kls
+
+
+def compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards=False):
+    """GAE (Schulman et al. 2016, eq. 16) over the response tokens, exactly TRL 0.8's `compute_advantages`.
+
+    values, rewards, mask: [B, T]. Returns (values * mask, whitened advantages, returns = advantages + values).
+    """
+    values, rewards = values * mask, rewards * mask
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    lastgaelam, advantages_reversed, gen_len = 0.0, [], rewards.shape[-1]
+    for t in reversed(range(gen_len)):
+        nextvalues = values[:, t + 1] if t < gen_len - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values
+    advantages = masked_whiten(advantages, mask).detach()
+    return values, advantages, returns
+
+
+def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, cliprange, cliprange_value,
+             vf_coef, ratio_threshold=10.0):
+    """Clipped PPO objective (Schulman et al. 2017, eq. 7) and clipped value loss, as TRL 0.8's `loss`.
+
+    All inputs [B, T]. Returns (pg_loss, vf_coef * vf_loss, stats); both losses are zeroed when the mean ratio
+    exceeds `ratio_threshold` (the mini-batch is skipped, stats["skipped"] = 1).
+    """
+    vpredclipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
+    vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    skipped = masked_mean(ratio, mask).item() > ratio_threshold
+    if skipped:
+        pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
+    with torch.no_grad():
+        stats = {
+            "ppo/loss/policy": pg_loss, "ppo/loss/value": vf_coef * vf_loss,
+            "ppo/loss/total": pg_loss + vf_coef * vf_loss,
+            "ppo/policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),
+            "ppo/policy/policykl": masked_mean(old_logprobs - logprobs, mask),
+            "ppo/policy/clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses).float(), mask),
+            "ppo/policy/ratio": masked_mean(ratio, mask),
+            "ppo/returns/mean": masked_mean(returns, mask), "ppo/returns/var": masked_var(returns, mask),
+            "ppo/val/vpred": masked_mean(vpreds, mask), "ppo/val/error": masked_mean(vf_losses1, mask),
+            "ppo/val/clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask),
+            "ppo/val/var_explained": 1 - masked_var(returns - vpreds, mask) / masked_var(returns, mask),
+            "ppo/skipped": torch.tensor(float(skipped)),
+        }
+    return pg_loss, vf_coef * vf_loss, stats
+
+
+def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None):
+    """Policy/reference forward pass over query+response: (logits / temperature, values) at the response tokens.
+
+    queries [B, Q] left-padded, responses [B, T]; returns logits [B, T, V] where logits[:, t] predicts
+    responses[:, t], and values [B, T] (the value of the state before token t). Encoder-decoder models are
+    marked by their `decoder_start_token_id`.
+    """
+    if decoder_start_token_id is not None:  # the query goes to the encoder; the decoder reads <start> + response[:-1]
+        start = torch.full_like(responses[:, :1], decoder_start_token_id)
+        decoder_input_ids = torch.cat([start, responses[:, :-1]], 1)
+        decoder_mask = torch.cat([torch.ones_like(start), response_mask[:, :-1]], 1)
+        logits, values = model(input_ids=queries, attention_mask=query_mask, decoder_input_ids=decoder_input_ids,
+                               decoder_attention_mask=decoder_mask)
+        return (logits / temperature if temperature != 1.0 else logits), values
+    input_ids = torch.cat([queries, responses], 1)
+    attention_mask = torch.cat([query_mask, response_mask], 1)
+    # Left padding: positions must count real tokens only, or logits differ from the unpadded ones
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # Only the last T + 1 logits are needed: skips the vocabulary projection over the query
+    T = responses.shape[1]
+    logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1)
+    logits = logits[:, :-1]
+    return (logits / temperature if temperature != 1.0 else logits), values[:, -T - 1:-1]
+
+
+def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=()):
+    """Cut each response after its first EOS or stop sequence; return (responses, mask, ended).
+
+    The mask marks tokens up to and including the first EOS (or the end of a stop sequence); later tokens
+    become padding. A pad token sampled mid-response stays a real token: the mask does not look at pad ids.
+    `ended` is True for responses that hit an EOS or a stop sequence.
+    """
+    T = responses.shape[1]
+    positions = torch.arange(T, device=responses.device)
+    is_eos = responses == eos_token_id
+    ended = is_eos.any(1)
+    ends = torch.where(ended, is_eos.float().argmax(1), T - 1)
+    for stop in stop_token_ids:  # a stop sequence ends at index i if responses[i-len+1 : i+1] == stop
+        if len(stop) > T:
+            continue
+        windows = responses.unfold(1, len(stop), 1)  # [B, T - len + 1, len]
+        hit = (windows == torch.tensor(stop, device=responses.device)).all(-1)
+        stop_end = torch.where(hit.any(1), hit.float().argmax(1) + len(stop) - 1, T - 1)
+        ends, ended = torch.minimum(ends, stop_end), ended | hit.any(1)
+    mask = (positions[None] <= ends[:, None]).long()
+    return responses.masked_fill(mask == 0, pad_token_id), mask, ended
+
+
+class RunningMoments:
+    """Running mean/std of the scores over all processes (TRL 0.8 `RunningMoments`, parallel Welford)."""
+
+    def __init__(self):
+        self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs_count = xs.numel()
+        xs_var, xs_mean = torch.var_mean(xs.float(), unbiased=False)
+        delta, tot_count = xs_mean.item() - self.mean, self.count + xs_count
+        old_sum = self.var * self.count + delta**2 * self.count * xs_count / tot_count
+        self.mean += delta * xs_count / tot_count
+        self.var = (old_sum + xs_var.item() * xs_count) / tot_count
+        self.std = math.sqrt(self.var * tot_count / (tot_count - 1))
+        self.count = tot_count
+
+
+def check_scores(scores, n: int, source: str) -> torch.Tensor:
+    """The reward must be one finite number per sample: a clear error otherwise."""
+    scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    if scores.numel() != n:
+        raise ValueError(f"{source} returned {scores.numel()} scores for {n} responses: return one float each.")
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"{source} returned a NaN or infinite score: {scores.tolist()}")
+    return scores
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    device = accelerator.device
+    args.world_size = accelerator.num_processes
+
+    # ---- sizes, checked before anything expensive ----
+    exact_div(args.batch_size, args.mini_batch_size * args.gradient_accumulation_steps,
+              "batch_size / (mini_batch_size * gradient_accumulation_steps)")
+    args.num_updates = exact_div(args.total_episodes, args.batch_size * args.world_size,
+                                 "total_episodes / (batch_size * world_size)")
+    if not 1 <= args.min_new_tokens <= args.max_new_tokens:
+        raise ValueError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
+    generation_batch_size = args.generation_batch_size or args.batch_size
+    exact_div(args.batch_size, generation_batch_size, "batch_size / generation_batch_size")
+    run_name, logger = start_run(args, accelerator)
+
+    # ---- models ----
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
+    wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
+    model = wrapper_class.from_pretrained(
+        args.resume_from or args.model_name, value_head_kwargs=dict(init=args.value_head_init))
+    # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
+    decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
+    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
+        raise ValueError(f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
+                         f"exceeds the model's context of {context} tokens: shorten one of them.")
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if args.use_peft and peft_model_of(model) is None:
+        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                          target_modules=args.lora_target_modules, task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM")
+        model.pretrained_model = get_peft_model(model.pretrained_model, lora)
+    ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
+    reward_model = reward_tokenizer = None
+    if args.reward_model is not None:
+        reward_model = load_pretrained(args.reward_model, AutoModelForSequenceClassification, num_labels=1).eval()
+        reward_tokenizer = load_tokenizer(args.reward_model, padding_side="right")
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator.print(f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
+                      f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
+                      f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}")
+
+    # ---- data: tokenised queries, a held-out split for evaluation ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    check_columns(dataset, [args.query_column], "--query-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
+    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
+    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
+    if too_long and not args.truncate_queries:
+        raise ValueError(f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
+                         f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
+    train_queries = [q[-args.max_query_length:] for q in train_queries if q]
+    eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
+    per_update = args.batch_size * args.world_size
+    batches_per_epoch = len(train_queries) // per_update
+    if batches_per_epoch == 0:
+        raise ValueError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
+    accelerator.print(f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
+                      f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
+                      f"{len(train_queries) % per_update} queries (different ones each pass)")
+
+    def batch_indices(update: int) -> list[int]:
+        """This rank's query indices for an update: a seeded reshuffle per data pass, so a resume continues exactly."""
+        epoch, i = divmod(update, batches_per_epoch)
+        order = torch.randperm(len(train_queries), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * args.world_size + accelerator.process_index) * args.batch_size
+        return order[start: start + args.batch_size].tolist()
+
+    def pad_left(queries: list[list[int]]):
+        batch = tokenizer.pad({"input_ids": queries}, return_tensors="pt")
+        return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+    stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
+
+    @torch.no_grad()
+    def generate(policy, queries, query_mask, max_new_tokens: int):
+        """Sample responses in batches of generation_batch_size (KV cache, left padding); returns token ids [B, T]."""
+        outputs = []
+        for i in range(0, len(queries), generation_batch_size):
+            out = policy.generate(
+                input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
+                max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
+        width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
+        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
+                          for o in outputs])
+
+    @torch.no_grad()
+    def score(queries_text: list[str], responses_text: list[str]) -> torch.Tensor:
+        """One score per (query, response): the reward model's logit, or `reward_fn`."""
+        if reward_model is None:
+            return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
+        scores = []
+        for i in range(0, len(queries_text), args.reward_batch_size):
+            texts = [q + r for q, r in zip(queries_text[i: i + args.reward_batch_size], responses_text[i: i + args.reward_batch_size])]
+            batch = reward_tokenizer(texts, padding=True, return_tensors="pt").to(device)
+            scores.append(reward_model(**batch).logits[:, 0].float().cpu())
+        return check_scores(torch.cat(scores), len(responses_text), f"reward model {args.reward_model}")
+
+    score(["Hello", "Hi"], [" there", " you"])  # a bad reward (wrong length, NaN) fails now, not after a rollout
+
+    # ---- optimiser, KL controller, resume ----
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps)
+    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // (args.mini_batch_size * args.gradient_accumulation_steps)
+    # accelerate's prepared scheduler steps once per process per optimizer step
+    scheduler = get_scheduler("linear" if args.lr_anneal else "constant", optimizer, num_warmup_steps=0,
+                              num_training_steps=optimizer_steps * args.world_size)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    if ref_model is not None:
+        ref_model = ref_model.to(device)
+    if reward_model is not None:
+        reward_model = reward_model.to(device)
+    kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(args.init_kl_coef)
+    running = RunningMoments()
+    start_update = 0
+    if args.resume_from:
+        accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
+        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
+            state = json.load(f)
+        start_update, kl_ctl.value = state["update"], state["kl_coef"]
+        running.__dict__.update(state["running_moments"])
+        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
+
+    def save_checkpoint(path: str, update: int) -> None:
+        """Model + value head, optimizer, scheduler, RNG (accelerate), KL controller and step; written atomically."""
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with atomic_directory(path) as tmp:
+                unwrapped.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump(dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__), f)
+        accelerator.wait_for_everyone()
+
+    @torch.no_grad()
+    def evaluate(update: int) -> dict[str, float]:
+        """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
+        queries, query_mask = pad_left(eval_queries)
+        unwrapped.eval()
+        responses, _, _ = truncate_responses(generate(unwrapped, queries, query_mask, args.max_new_tokens),
+                                             tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
+        queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
+        responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        scores = score(queries_text, responses_text)
+        metrics = {"eval/reward_mean": scores.mean().item()}
+        metrics.update({f"eval/{k}": float(np.mean(v)) for k, v in metric_fn(queries_text, responses_text).items()})
+        metrics = {k: accelerator.reduce(torch.tensor(v, device=device), "mean").item() for k, v in metrics.items()}
+        logger.log(metrics, update)
+        logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
+        return metrics
+
+    first_eval = evaluate(start_update)
+    reward_history, start_time = [], time.time()
+    progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
+    for update in progress:
+        # ---- rollout ----
+        t0 = time.time()
+        indices = batch_indices(update)
+        queries, query_mask = pad_left([train_queries[i] for i in indices])
+        max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))  # LengthSampler
+        unwrapped.eval()
+        responses, response_mask, ended = truncate_responses(
+            generate(unwrapped, queries, query_mask, max_new_tokens), tokenizer.eos_token_id,
+            tokenizer.pad_token_id, stop_token_ids)
+        t_rollout = time.time() - t0
+
+        # ---- score ----
+        t0 = time.time()
+        queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
+        responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        raw_scores = score(queries_text, responses_text).to(device)
+        scores = raw_scores.clone()
+        if args.missing_eos_penalty is not None:
+            scores[~ended] -= args.missing_eos_penalty
+        if args.use_score_scaling:
+            running.update(accelerator.gather(scores))
+            scores = (scores - running.mean if args.use_score_norm else scores) / (running.std + torch.finfo(scores.dtype).eps)
+        if args.score_clip is not None:
+            scores = scores.clamp(-args.score_clip, args.score_clip)
+        t_score = time.time() - t0
+
+        # ---- forward passes: old logprobs and values, reference logprobs ----
+        t0 = time.time()
+        full = args.kl_penalty == "full"
+        old_logprobs, ref_logprobs, values = [], [], []
+        with torch.no_grad():
+            for i in range(0, args.batch_size, args.mini_batch_size):
+                mb = slice(i, i + args.mini_batch_size)
+                fwd = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start)
+                logits, value = forward(unwrapped, *fwd)
+                with reference_context(unwrapped, ref_model):
+                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *fwd)
+                old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
+                ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1) if full else logprobs_from_logits(ref_logits, responses[mb]))
+                values.append(value)
+                if full:  # keep the full policy distribution for the exact KL
+                    old_logprobs[-1] = (old_logprobs[-1], torch.log_softmax(logits.float(), -1))
+            if full:
+                full_logprobs = torch.cat([lp[1] for lp in old_logprobs])
+                old_logprobs = [lp[0] for lp in old_logprobs]
+            old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
+            mask = response_mask.float()
+
+            # ---- rewards and advantages ----
+            rewards, non_score_rewards, kls = compute_rewards(
+                scores, full_logprobs if full else old_logprobs, ref_logprobs, mask, kl_ctl.value, args.kl_penalty)
+            if full:
+                ref_logprobs = ref_logprobs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+                del full_logprobs
+            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam, args.whiten_rewards)
+            old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
+
+        # ---- optimise ----
+        model.train()
+        all_stats = []
+        for epoch in range(args.ppo_epochs):
+            for i, mb in enumerate(torch.randperm(args.batch_size).split(args.mini_batch_size)):
+                with accelerator.accumulate(model):
+                    logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb],
+                                             args.temperature, decoder_start)
+                    logprobs = logprobs_from_logits(logits, responses[mb])
+                    pg_loss, vf_loss, stats = ppo_loss(
+                        old_logprobs[mb], values[mb], logprobs, vpreds, mask[mb], advantages[mb], returns[mb],
+                        args.cliprange, args.cliprange_value, args.vf_coef, args.ratio_threshold)
+                    accelerator.backward(pg_loss + vf_loss)
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    stats["ppo/policy/entropy"] = masked_mean(entropy_from_logits(logits), mask[mb])
+                all_stats.append(stats)
+            if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks
+                policykl = accelerator.reduce(stats["ppo/policy/policykl"].to(device), "mean").item()
+                if policykl > 1.5 * args.target_kl:
+                    optimizer.zero_grad()
+                    break
+        t_optimise = time.time() - t0
+
+        # ---- log ----
+        with torch.no_grad():
+            mean_kl = accelerator.reduce(kls.sum(1).mean(), "mean").item()
+            metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean().to(device) for k in all_stats[0]}
+            metrics.update({
+                "objective/kl": torch.tensor(mean_kl), "objective/kl_coef": torch.tensor(kl_ctl.value),
+                "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
+                "objective/non_score_reward": non_score_rewards.sum(1).mean(),
+                "env/reward_mean": raw_scores.mean(), "env/reward_std": raw_scores.std(),
+                "env/score_mean": scores.mean(), "env/contains_eos": ended.float().mean(),
+                "tokens/query_len": query_mask.sum(1).float().mean(), "tokens/response_len": mask.sum(1).mean(),
+                "ppo/epochs_done": torch.tensor(float(epoch + 1)),
+            })
+            metrics = {k: accelerator.reduce(v.float().to(device), "mean").item() for k, v in metrics.items()}
+        kl_ctl.update(mean_kl, args.batch_size * args.world_size)
+        step_time = t_rollout + t_score + t_optimise
+        metrics.update({"time/rollout": t_rollout, "time/score": t_score, "time/optimise": t_optimise,
+                        "throughput/episodes_per_s": per_update / step_time,
+                        "throughput/tokens_per_s": per_update * (metrics["tokens/query_len"] + metrics["tokens/response_len"]) / step_time,
+                        "charts/learning_rate": scheduler.get_last_lr()[0], "charts/episodes": (update + 1) * per_update})
+        logger.log(metrics, update + 1)
+        reward_history.append(metrics["env/reward_mean"])
+        progress.set_postfix(reward=f"{metrics['env/reward_mean']:.3f}", kl=f"{mean_kl:.2f}")
+        if (update + 1) % args.log_freq == 0:
+            logger.samples("samples", {"query": queries_text, "response": responses_text, "score": raw_scores.tolist()}, update + 1)
+        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
+            evaluate(update + 1)
+        if args.save_freq and (update + 1) % args.save_freq == 0:
+            save_checkpoint(os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}"), update + 1)
+
+    # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
+    last_eval = evaluate(args.num_updates)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if peft_model_of(unwrapped) is not None:  # merge LoRA into the base: loads with plain from_pretrained
+            unwrapped.pretrained_model = unwrapped.pretrained_model.merge_and_unload()
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        if args.push_to_hub:
+            unwrapped.pretrained_model.push_to_hub(args.hub_model_id or run_name)
+            tokenizer.push_to_hub(args.hub_model_id or run_name)
+    window = max(1, len(reward_history) // 10)
+    accelerator.print(
+        f"ppo: {args.num_updates - start_update} updates, {(args.num_updates - start_update) * per_update} episodes in "
+        f"{time.time() - start_time:.0f}s; train reward {np.mean(reward_history[:window]):.3f} -> "
+        f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
+        f"{last_eval['eval/reward_mean']:.3f}; model saved to {args.output_dir}")
+    logger.close()
