@@ -245,10 +245,11 @@ def compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards=False):
     """GAE (Schulman et al. 2016, eq. 16) over the response tokens, exactly TRL 0.8's `compute_advantages`.
 
     values, rewards, mask: [B, T]. Returns (values * mask, whitened advantages, returns = advantages + values).
+    With `whiten_rewards`, padded positions stay 0 (TRL PPOv2); everything else is TRL 0.8 exactly.
     """
     values, rewards = values * mask, rewards * mask
-    if whiten_rewards:
-        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    if whiten_rewards:  # re-masked after whitening (as TRL PPOv2): TRL 0.8 let padding's shifted mean leak into GAE
+        rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
     lastgaelam, advantages_reversed, gen_len = 0.0, [], rewards.shape[-1]
     for t in reversed(range(gen_len)):
         nextvalues = values[:, t + 1] if t < gen_len - 1 else 0.0
@@ -312,7 +313,7 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
     input_ids = torch.cat([queries, responses], 1)
     attention_mask = torch.cat([query_mask, response_mask], 1)
     # Left padding: positions must count real tokens only, or logits differ from the unpadded ones
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
     # Only the last T + 1 logits are needed: skips the vocabulary projection over the query
     T = responses.shape[1]
     logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

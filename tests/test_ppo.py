@@ -1,0 +1,163 @@
+import glob
+import math
+import os
+import statistics
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits, masked_mean
+from conftest import ROOT, run_script
+from ppo import check_scores, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
+
+PPO = os.path.join(ROOT, "ppo.py")
+LOGPROBS = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
+REF_LOGPROBS = torch.tensor([[-1.5, -1.0, -3.0], [-2.0, -1.0, -4.0]])
+MASKS = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # row 2: last token is padding
+
+
+def close(tensor, expected, atol=1e-5):
+    assert torch.allclose(tensor, torch.tensor(expected), atol=atol), (tensor, expected)
+
+
+def test_compute_rewards_by_hand():
+    rewards, non_score, kls = compute_rewards(torch.tensor([1.0, 2.0]), LOGPROBS, REF_LOGPROBS, MASKS, 0.1)
+    close(kls, [[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])
+    close(non_score, [[-0.05, 0.1, 0.0], [-0.1, 0.0, 0.0]])
+    # the score lands on the last *unmasked* token
+    close(rewards, [[-0.05, 0.1, 1.0], [-0.1, 2.0, 0.0]])
+
+
+@pytest.mark.parametrize("penalty, expected", [
+    ("abs", [[0.5, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+    ("mse", [[0.125, 0.5, 0.0], [0.5, 0.0, 0.0]]),
+    ("k3", [[math.exp(-0.5) - 0.5, math.exp(1) - 2, 0.0], [math.exp(-1), 0.0, 0.0]]),
+])
+def test_compute_rewards_kl_penalties(penalty, expected):
+    rewards, _, kls = compute_rewards(torch.zeros(2), LOGPROBS, REF_LOGPROBS, MASKS, 1.0, penalty)
+    close(kls, expected)
+    close(rewards, (-torch.tensor(expected)).tolist())
+
+
+def test_compute_rewards_full_kl_over_vocabulary():
+    p = torch.tensor([[[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]])
+    q = torch.tensor([[[0.4, 0.4, 0.2], [0.5, 0.25, 0.25]]])
+    _, _, kls = compute_rewards(torch.tensor([3.0]), p.log(), q.log(), torch.ones(1, 2), 1.0, "full")
+    expected = sum(a * math.log(a / b) for a, b in zip([0.7, 0.2, 0.1], [0.4, 0.4, 0.2]))
+    close(kls, [[expected, 0.0]])
+
+
+def test_compute_advantages_by_hand_with_padding():
+    values = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 5.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 7.0]])  # row 2's last position is padding
+    out_values, advantages, returns = compute_advantages(values, rewards, MASKS, gamma=1.0, lam=0.5)
+    # row 1: deltas (t=2,1,0) = 1-3, 0+3-2, 0+2-1 -> A = [1 + .5*0, 1 + .5*(-2), -2] = [1, 0, -2]
+    # row 2 (masked to values [1, 2, 0], rewards [0, 1, 0]): deltas 0, -1, 1 -> A = [0.5, -1, 0]
+    raw = [1.0, 0.0, -2.0, 0.5, -1.0]
+    close(returns, [[2.0, 2.0, 1.0], [1.5, 1.0, 0.0]])
+    close(out_values, [[1.0, 2.0, 3.0], [1.0, 2.0, 0.0]])
+    mean, std = statistics.mean(raw), math.sqrt(statistics.variance(raw) + 1e-8)
+    expected = [(a - mean) / std for a in raw]
+    assert advantages[MASKS.bool()].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_compute_advantages_whiten_rewards_keeps_mean():
+    values, rewards = torch.zeros(2, 3), torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    _, _, returns = compute_advantages(values, rewards, MASKS, gamma=1.0, lam=1.0, whiten_rewards=True)
+    # with zero values and gamma = lam = 1, returns are reward-to-go of the whitened-with-mean rewards
+    masked = [1.0, 2.0, 3.0, 4.0, 5.0]
+    mean, std = statistics.mean(masked), math.sqrt(statistics.variance(masked) + 1e-8)
+    w = [(r - mean) / std + mean for r in masked]
+    close(returns, [[w[0] + w[1] + w[2], w[1] + w[2], w[2]], [w[3] + w[4], w[4], 0.0]])
+
+
+def ppo_inputs(logprobs):
+    return dict(old_logprobs=torch.tensor([[-1.0, -1.0, 5.0]]), values=torch.tensor([[0.0, 0.0, 9.0]]),
+                logprobs=logprobs, vpreds=torch.tensor([[0.5, -0.1, -9.0]]), mask=torch.tensor([[1.0, 1.0, 0.0]]),
+                advantages=torch.tensor([[1.0, -1.0, 100.0]]), returns=torch.tensor([[1.0, 1.0, 50.0]]),
+                cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+
+
+def test_ppo_loss_by_hand():
+    pg_loss, vf_loss, stats = ppo_loss(**ppo_inputs(torch.tensor([[-0.5, -1.5, 0.0]])))
+    # ratios e^0.5, e^-0.5 -> clipped 1.2, 0.8; max(-A*r, -A*clip) = max(-1.649, -1.2), max(0.607, 0.8)
+    assert pg_loss.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["ppo/policy/clipfrac"].item() == pytest.approx(1.0)
+    # vpred clipped to [-0.2, 0.2]: 0.5 -> 0.2; losses max((0.5-1)^2, (0.2-1)^2) = 0.64, max(1.21, 1.21)
+    assert vf_loss.item() == pytest.approx(0.1 * 0.5 * (0.64 + 1.21) / 2)
+    assert stats["ppo/val/clipfrac"].item() == pytest.approx(0.5)
+    assert stats["ppo/policy/approxkl"].item() == pytest.approx(0.5 * (0.25 + 0.25) / 2)
+    assert stats["ppo/skipped"].item() == 0.0
+
+
+def test_ppo_loss_ratio_threshold_skips_minibatch():
+    pg_loss, vf_loss, stats = ppo_loss(**ppo_inputs(torch.tensor([[2.0, 2.0, 0.0]])))  # ratio e^3 ~ 20 > 10
+    assert pg_loss.item() == 0.0 and vf_loss.item() == 0.0 and stats["ppo/skipped"].item() == 1.0
+    pg_loss, _, _ = ppo_loss(**ppo_inputs(torch.tensor([[2.0, 2.0, 0.0]])) | dict(ratio_threshold=50.0))
+    assert pg_loss.item() != 0.0
+
+
+def test_ppo_loss_gradient_pushes_logprob_along_advantage():
+    logprobs = torch.tensor([[-1.0, -1.0, 0.0]], requires_grad=True)
+    pg_loss, _, _ = ppo_loss(**ppo_inputs(logprobs))
+    pg_loss.backward()
+    assert logprobs.grad[0, 0] < 0 < logprobs.grad[0, 1] and logprobs.grad[0, 2] == 0  # A=+1 up, A=-1 down
+
+
+def test_left_padding_gives_the_same_logprobs():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2").eval()
+    short, long = torch.tensor([[11, 12]]), torch.tensor([[21, 22, 23, 24, 25]])
+    responses = torch.tensor([[31, 32, 33], [41, 42, 43]])
+    pad = 50257
+    queries = torch.cat([torch.cat([torch.full((1, 3), pad), short], 1), long])
+    query_mask = (queries != pad).long()
+    with torch.no_grad():
+        logits, values = forward(model, queries, query_mask, responses, torch.ones_like(responses), 1.0)
+        for i, q in enumerate([short, long]):
+            alone_logits, alone_values = forward(model, q, torch.ones_like(q), responses[i:i + 1], torch.ones(1, 3), 1.0)
+            assert torch.allclose(logprobs_from_logits(logits[i:i + 1], responses[i:i + 1]),
+                                  logprobs_from_logits(alone_logits, responses[i:i + 1]), atol=1e-5)
+        # temperature divides the logits used for logprobs
+        hot, _ = forward(model, queries, query_mask, responses, torch.ones_like(responses), 2.0)
+        assert torch.allclose(hot, logits / 2.0, atol=1e-6)
+
+
+def test_truncate_responses_after_eos_and_stop_sequences():
+    eos, pad = 9, 0
+    responses = torch.tensor([[1, 2, 9, 3, 4], [1, 5, 6, 7, 8], [1, 2, 3, 4, 5]])
+    out, mask, ended = truncate_responses(responses, eos, pad, stop_token_ids=[[5, 6]])
+    assert out.tolist() == [[1, 2, 9, 0, 0], [1, 5, 6, 0, 0], [1, 2, 3, 4, 5]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert ended.tolist() == [True, True, False]
+
+
+def test_check_scores_rejects_bad_rewards():
+    assert check_scores([0.5, 1.0], 2, "reward_fn").tolist() == [0.5, 1.0]
+    with pytest.raises(ValueError, match="returned 1 scores for 2 responses"):
+        check_scores([0.5], 2, "reward_fn")
+    with pytest.raises(ValueError, match="NaN"):
+        check_scores([0.5, float("nan")], 2, "reward_fn")
+
+
+def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
+    import subprocess
+    import sys
+
+    def fails(*flags):
+        result = subprocess.run([sys.executable, PPO, *flags], cwd=tmp_path, capture_output=True, text=True,
+                                env=dict(os.environ, PYTHONPATH=ROOT))
+        assert result.returncode != 0
+        return result.stderr
+
+    assert "is not divisible by" in fails("--batch-size", "10", "--mini-batch-size", "4")
+    assert "longer than max_query_length=4" in fails("--max-query-length", "4")
+
+
+def read_scalars(run_dir: str, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
+    accumulator.Reload()
+    return [event.value for event in accumulator.Scalars(tag)]
