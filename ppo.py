@@ -393,8 +393,9 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
-    model = wrapper_class.from_pretrained(
-        args.resume_from or args.model_name, value_head_kwargs=dict(init=args.value_head_init))
+    # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
+    # from the checkpoint's accelerate state below
+    model = wrapper_class.from_pretrained(args.model_name, value_head_kwargs=dict(init=args.value_head_init))
     # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
     context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
@@ -516,8 +517,10 @@ if __name__ == "__main__":
         accelerator.wait_for_everyone()
 
     @torch.no_grad()
+    @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
     def evaluate(update: int) -> dict[str, float]:
         """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
+        torch.manual_seed(args.seed + accelerator.process_index)
         queries, query_mask = pad_left(eval_queries)
         unwrapped.eval()
         responses, _, _ = truncate_responses(generate(unwrapped, queries, query_mask, args.max_new_tokens),

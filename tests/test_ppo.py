@@ -161,3 +161,64 @@ def read_scalars(run_dir: str, tag: str) -> list[float]:
     accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
     accumulator.Reload()
     return [event.value for event in accumulator.Scalars(tag)]
+
+
+TINY = ["--batch-size", "8", "--mini-batch-size", "4", "--min-new-tokens", "8", "--max-new-tokens", "8",
+        "--eval-samples", "8", "--ppo-epochs", "2", "--log-freq", "1"]
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    """4 updates straight == 2 updates, checkpoint, resume for 2 more (same weights, bit for bit)."""
+    run_script([PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path)
+    checkpoint = tmp_path / "straight_checkpoints" / "update_2"
+    assert (checkpoint / "trainer_state.json").exists()
+    out = run_script([PPO, *TINY, "--total-episodes", "32", "--resume-from", str(checkpoint),
+                      "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "ppo: 2 updates" in out
+    straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    at_checkpoint = load_file(checkpoint / "model.safetensors")
+    assert any(not torch.equal(straight[k], at_checkpoint[k]) for k in straight)  # training moved on after update 2
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    assert torch.equal(load_file(tmp_path / "straight" / "value_head.safetensors")["summary.weight"],
+                       load_file(tmp_path / "resumed" / "value_head.safetensors")["summary.weight"])
+
+
+def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):
+    out = run_script([PPO, *TINY, "--total-episodes", "16", "--use-peft", "--lora-r", "4"], tmp_path)
+    assert "reference: adapter disabled" in out
+    trainable, total = [int(x.replace(",", "")) for x in out.split("policy builtin:tiny-gpt2: ")[1].split(" parameters")[0].split(" trainable of ")]
+    assert trainable < total / 10  # only the adapters (and value head) train
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo")  # merged: plain transformers loads it
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+def test_seq2seq_policy_runs(tmp_path):
+    out = run_script([PPO, *TINY, "--total-episodes", "8", "--model-name", "builtin:tiny-t5"], tmp_path)
+    assert "ppo: 1 updates" in out
+
+
+@pytest.mark.parametrize("flags", [["--kl-penalty", "full", "--whiten-rewards", "--use-score-scaling", "--use-score-norm",
+                                    "--score-clip", "1.0", "--missing-eos-penalty", "1.0", "--stop-sequences", ".",
+                                    "--early-stopping", "--max-grad-norm", "1.0", "--num-shared-layers", "1",
+                                    "--lr-anneal", "--temperature", "0.7", "--top-k", "50"]])
+def test_options_run(tmp_path, flags):
+    out = run_script([PPO, *TINY, "--total-episodes", "16", *flags], tmp_path)
+    assert "ppo: 2 updates" in out and "1 shared blocks" in out
+
+
+def test_reward_model_from_local_folder(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from common import load_pretrained, load_tokenizer
+
+    load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).save_pretrained(tmp_path / "rm")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
+    out = run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
+    assert "ppo: 1 updates" in out
+
+
+def test_two_process_ddp(tmp_path):
+    out = run_script(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", PPO, *TINY,
+                      "--total-episodes", "32"], tmp_path)
+    assert "ppo: 2 updates, 32 episodes" in out
