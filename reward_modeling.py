@@ -1,0 +1,277 @@
+"""Reward modelling from pairwise preferences: the second stage of the RLHF pipeline.
+
+A sequence-classification model with one output scores prompt + response at its last non-pad token, trained
+with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin) (Stiennon et al. 2020, eq. 1; the margin
+of Llama 2, Touvron et al. 2023, section 3.2.2). TRL 0.7-0.8 `RewardTrainer` semantics. Optionally the rewards are
+normalised after training to mean 0 and std 1 (lm-human-preferences), folded into the saved model's weights.
+
+Usage:
+    python reward_modeling.py                       # offline: tiny GPT-2 on the built-in VADER-labelled pairs
+    accelerate launch reward_modeling.py --model-name path/to/minilm --normalize-reward
+    accelerate launch --config_file configs/multi_gpu.yaml reward_modeling.py --model-name gpt2 --dataset-name pairs.jsonl
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoModelForSequenceClassification, get_scheduler
+
+from common import (
+    atomic_directory,
+    check_columns,
+    load_config,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    peft_model_of,
+    start_run,
+    train_eval_split,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-gpt2"
+    """backbone: a hub id, a local folder (e.g. an encoder such as all-MiniLM-L6-v2), or builtin:tiny-gpt2"""
+    dataset_name: str = "builtin:vader-preferences"
+    """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    prompt_column: str = "prompt"
+    """the prompt column ("" when chosen/rejected already hold the full texts)"""
+    chosen_column: str = "chosen"
+    """the preferred response"""
+    rejected_column: str = "rejected"
+    """the other response"""
+    margin_column: str | None = None
+    """an optional per-pair margin (Llama 2): loss = -logsigmoid(r_chosen - r_rejected - margin)"""
+    max_length: int = 128
+    """prompt + response tokens; longer pairs are truncated from the left (the response end is kept)"""
+    eval_fraction: float = 0.1
+    """fraction of the pairs held out for evaluation"""
+
+    # Optimisation
+    learning_rate: float = 3e-4
+    """peak learning rate (high because the default model is tiny and random; ~1e-5 for a pretrained one)"""
+    lr_scheduler_type: str = "linear"
+    """a transformers scheduler name"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    batch_size: int = 16
+    """pairs per forward/backward pass on each process (2x sequences: chosen and rejected together)"""
+    gradient_accumulation_steps: int = 1
+    """forward/backward passes per optimizer step"""
+    num_epochs: int = 4
+    """passes over the training pairs"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    eval_steps: int = 50
+    """evaluate every this many optimizer steps (and at the end)"""
+    normalize_reward: bool = False
+    """after training, fold a gain and bias into the model so rewards on the training responses have mean 0, std 1"""
+    output_dir: str = "outputs/reward_model"
+    """where the final model and tokenizer go (plain from_pretrained format)"""
+
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters and the score head (merged into the saved model)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: list[str] | None = None
+    """modules to adapt (None: peft's default for the architecture)"""
+
+
+def reward_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None):
+    """Pairwise loss -log sigmoid(r_chosen - r_rejected - margin), averaged (Stiennon et al. 2020; Llama 2 margin)."""
+    logits = rewards_chosen - rewards_rejected
+    if margin is not None:
+        logits = logits - margin
+    return -F.logsigmoid(logits).mean()
+
+
+def fold_reward_normalization(model, gain: float, bias: float) -> None:
+    """Make the model output gain * r + bias, in its own weights, so plain from_pretrained applies it.
+
+    The gain scales the score head. The bias goes into the head's bias, or, for heads without one (GPT-2,
+    Llama), into the bias of the norm feeding the head: a shift along the head's weight w by bias * w / |w|^2.
+    """
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+    with torch.no_grad():
+        head.weight.mul_(gain)
+        if head.bias is not None:
+            head.bias.mul_(gain).add_(bias)
+            return
+        norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and getattr(m, "bias", None) is not None]
+        if not norms or norms[-1].bias.shape != head.weight.shape[1:]:
+            raise ValueError(f"Cannot fold a reward bias into {type(model).__name__}: its score head has no bias "
+                             "and no final norm with a bias feeds it; train without --normalize-reward.")
+        norms[-1].bias.add_(bias * head.weight[0] / head.weight[0].square().sum())
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    device = accelerator.device
+    run_name, logger = start_run(args, accelerator)
+    # Right padding is fine: the classifier scores the last non-pad token, and pad is distinct from EOS
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    config = load_config(args.model_name)
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if context and args.max_length > context:
+        raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
+
+    # ---- data: (prompt + chosen, prompt + rejected) token ids ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
+    check_columns(dataset, columns, "--prompt-column / --chosen-column / --rejected-column / --margin-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+
+    def tokenize(split) -> list[dict]:
+        """Each pair -> chosen and rejected ids, prompt + " " + response, EOS-terminated, left-truncated."""
+        pairs = []
+        for row in split:
+            prompt = row[args.prompt_column] + " " if args.prompt_column else ""
+            ids = [(tokenizer(prompt + row[c])["input_ids"] + [tokenizer.eos_token_id])[-args.max_length:]
+                   for c in (args.chosen_column, args.rejected_column)]
+            pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=float(row[args.margin_column]) if args.margin_column else 0.0))
+        return pairs
+
+    train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
+    identical = sum(p["chosen"] == p["rejected"] for p in train_pairs)
+    if identical == len(train_pairs):
+        raise ValueError("Every chosen response equals its rejected one: there is no preference to learn.")
+    if identical:
+        accelerator.print(f"warning: {identical} pairs have identical chosen and rejected texts (they add a constant loss)")
+
+    def collate(batch: list[dict]) -> dict:
+        """Chosen and rejected stacked into one batch of 2B sequences, right-padded: one forward pass."""
+        sequences = [p["chosen"] for p in batch] + [p["rejected"] for p in batch]
+        padded = tokenizer.pad({"input_ids": sequences}, return_tensors="pt")
+        return dict(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                    margin=torch.tensor([p["margin"] for p in batch]))
+
+    train_loader = torch.utils.data.DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate,
+                                               generator=torch.Generator().manual_seed(args.seed))
+    eval_loader = torch.utils.data.DataLoader(eval_pairs, batch_size=args.batch_size, collate_fn=collate)
+
+    # ---- model and optimiser ----
+    model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last non-pad token with it
+    if args.use_peft:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                                 target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * args.num_epochs
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps * accelerator.num_processes)
+    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
+    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps")
+
+    def pair_metrics(batch: dict) -> tuple[torch.Tensor, dict]:
+        """Loss and metrics of a batch of pairs from one concatenated forward pass."""
+        rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].float()
+        chosen, rejected = rewards.chunk(2)
+        loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None)
+        return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean(),
+                      "margin": (chosen - rejected).mean().detach(), "reward_chosen": chosen.mean().detach(),
+                      "reward_rejected": rejected.mean().detach()}
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict[str, float]:
+        """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
+        model.eval()
+        sums, count = {}, torch.zeros((), device=device)
+        for batch in eval_loader:
+            _, metrics = pair_metrics(batch)
+            n = torch.tensor(float(len(batch["margin"])), device=device)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v * n
+            count += n
+        total = accelerator.reduce(count, "sum")
+        results = {f"eval/{k}": (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
+        logger.log(results, step)
+        model.train()
+        return results
+
+    # ---- train ----
+    first_eval, step, start_time = evaluate(0), 0, time.time()
+    progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="reward model")
+    model.train()
+    for epoch in range(args.num_epochs):
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                loss, metrics = pair_metrics(batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            progress.update(1)
+            metrics = {f"train/{k}": accelerator.reduce(v, "mean").item() for k, v in metrics.items()}
+            logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch}, step)
+            progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
+            if step % args.eval_steps == 0 and step < total_steps:
+                evaluate(step)
+    progress.close()
+    last_eval = evaluate(step)
+
+    # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----
+    unwrapped = accelerator.unwrap_model(model)
+    if peft_model_of(unwrapped) is not None:
+        unwrapped = unwrapped.merge_and_unload()
+    if args.normalize_reward:
+        unwrapped.eval()
+        with torch.no_grad():
+            rewards = torch.cat([unwrapped(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits[:, 0]
+                                 for b in train_loader])
+        rewards = accelerator.gather(rewards).float()
+        gain = 1.0 / rewards.std().item()
+        fold_reward_normalization(unwrapped, gain, -rewards.mean().item() * gain)
+        accelerator.print(f"reward normalised: mean {rewards.mean().item():.3f}, std {rewards.std().item():.3f} -> 0, 1")
+
+    # ---- save (plain from_pretrained format) ----
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    accelerator.print(f"reward model: {step} steps in {time.time() - start_time:.0f}s; eval accuracy "
+                      f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, loss {first_eval['eval/loss']:.3f} "
+                      f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")
+    logger.close()

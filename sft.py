@@ -1,0 +1,301 @@
+"""Supervised fine-tuning (SFT) of a causal LM: the first stage of the RLHF pipeline (TRL 0.7-0.8 `SFTTrainer`).
+
+Trains next-token prediction on a text column, or on prompt/completion columns with the loss on the completion
+only. Options: constant-length packing of EOS-separated texts, a completion-only loss after a response template,
+LoRA, NEFTune embedding noise (Jain et al. 2023), gradient checkpointing.
+
+Usage:
+    python sft.py                                   # offline: tiny GPT-2 on the built-in chatterbot dialogue
+    accelerate launch sft.py --packing --max-seq-length 128
+    accelerate launch --config_file configs/multi_gpu.yaml sft.py --model-name gpt2 --dataset-name data.jsonl
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from common import (
+    atomic_directory,
+    check_columns,
+    load_config,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    peft_model_of,
+    start_run,
+    train_eval_split,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-gpt2"
+    """a hub id, a local folder, or builtin:tiny-gpt2"""
+    dataset_name: str = "builtin:chatterbot-dialogue"
+    """a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-dialogue"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    text_column: str = "text"
+    """the column of plain text to train on (used when prompt_column is None)"""
+    prompt_column: str | None = None
+    """with completion_column: train on prompt + completion, the loss on the completion tokens only"""
+    completion_column: str = "completion"
+    """the completion column (with prompt_column)"""
+    response_template: str | None = None
+    """completion-only loss on text: tokens up to and including this string get no loss (TRL
+    DataCollatorForCompletionOnlyLM); examples without it are dropped with a warning"""
+    max_seq_length: int = 128
+    """longer examples are truncated; with packing, the length of every block"""
+    packing: bool = False
+    """concatenate EOS-separated texts and cut them into full blocks of max_seq_length (ConstantLengthDataset)"""
+    eval_fraction: float = 0.05
+    """fraction of the examples held out for evaluation"""
+
+    # Optimisation
+    learning_rate: float = 1e-3
+    """peak learning rate (high because the default model is tiny and random; ~2e-5 for a pretrained model)"""
+    lr_scheduler_type: str = "cosine"
+    """a transformers scheduler name (linear, cosine, constant_with_warmup, ...)"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    batch_size: int = 16
+    """examples per forward/backward pass on each process"""
+    gradient_accumulation_steps: int = 1
+    """forward/backward passes per optimizer step"""
+    num_epochs: int = 3
+    """passes over the training set"""
+    max_steps: int = -1
+    """optimizer steps to run (overrides num_epochs when > 0)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    neftune_noise_alpha: float | None = None
+    """NEFTune: add uniform noise of scale alpha / sqrt(seq_len * hidden) to the input embeddings in training"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    save_steps: int = 0
+    """write a checkpoint every this many optimizer steps (0: only the final model)"""
+    output_dir: str = "outputs/sft"
+    """where the final model and tokenizer go (plain from_pretrained format)"""
+    num_sample_generations: int = 4
+    """held-out prompts to generate from at the end"""
+
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters (merged into the saved model)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: list[str] | None = None
+    """modules to adapt (None: peft's default for the architecture)"""
+
+
+def pack_sequences(token_lists: list[list[int]], seq_length: int, eos_token_id: int) -> list[list[int]]:
+    """Concatenate the texts, each followed by EOS, and cut the stream into full blocks of `seq_length`.
+
+    As TRL's ConstantLengthDataset: the incomplete tail block is dropped, texts may span two blocks.
+    """
+    stream = [token for tokens in token_lists for token in (*tokens, eos_token_id)]
+    return [stream[i: i + seq_length] for i in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def completion_only_labels(input_ids: list[int], response_template_ids: list[int]) -> list[int] | None:
+    """Labels with -100 on every token up to and including the first response template; None if it is absent."""
+    n = len(response_template_ids)
+    for start in range(len(input_ids) - n + 1):
+        if input_ids[start: start + n] == response_template_ids:
+            return [-100] * (start + n) + input_ids[start + n:]
+    return None
+
+
+def neftune_hook(alpha: float):
+    """Forward hook for the input embeddings: uniform noise of magnitude alpha / sqrt(L * d) (NEFTune, eq. 1)."""
+
+    def hook(module, inputs, output):
+        if module.training:
+            magnitude = alpha / math.sqrt(output.shape[1] * output.shape[2])
+            output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+        return output
+
+    return hook
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    context = getattr(load_config(args.model_name), "n_positions", None) or getattr(load_config(args.model_name), "max_position_embeddings", None)
+    if context and args.max_seq_length > context:
+        raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
+
+    # ---- data: tokenise, label, pack ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    columns = [args.prompt_column, args.completion_column] if args.prompt_column else [args.text_column]
+    check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    template_ids = tokenizer(args.response_template, add_special_tokens=False)["input_ids"] if args.response_template else None
+
+    def tokenize(split) -> list[dict]:
+        """Each example -> input_ids and labels (-100 where no loss is taken)."""
+        examples = []
+        for row in split:
+            if args.prompt_column:
+                prompt = tokenizer(row[args.prompt_column])["input_ids"]
+                completion = tokenizer(row[args.completion_column])["input_ids"] + [tokenizer.eos_token_id]
+                ids = (prompt + completion)[: args.max_seq_length]
+                labels = ([-100] * len(prompt) + completion)[: args.max_seq_length]
+            else:
+                ids = (tokenizer(row[args.text_column])["input_ids"] + [tokenizer.eos_token_id])[: args.max_seq_length]
+                labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
+            if labels is not None and any(label != -100 for label in labels):
+                examples.append(dict(input_ids=ids, labels=labels))
+        return examples
+
+    train_examples, eval_examples = tokenize(train_dataset), tokenize(eval_dataset)
+    if len(train_examples) < len(train_dataset):
+        accelerator.print(f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
+                          "(no response template, or nothing left to learn after truncation)")
+    if args.packing:
+        if args.prompt_column or template_ids:
+            raise ValueError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
+        train_examples, eval_examples = (
+            [dict(input_ids=b, labels=b) for b in pack_sequences([e["input_ids"][:-1] for e in examples],
+                                                                 args.max_seq_length, tokenizer.eos_token_id)]
+            for examples in (train_examples, eval_examples))
+    if not train_examples or not eval_examples:
+        raise ValueError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
+                         "examples): use more data, a smaller --max-seq-length with --packing, or a larger --eval-fraction.")
+
+    def collate(batch: list[dict]) -> dict:
+        """Right padding; labels padded with -100."""
+        width = max(len(e["input_ids"]) for e in batch)
+        pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+        return dict(input_ids=torch.tensor([pad(e["input_ids"], tokenizer.pad_token_id) for e in batch]),
+                    attention_mask=torch.tensor([pad([1] * len(e["input_ids"]), 0) for e in batch]),
+                    labels=torch.tensor([pad(e["labels"], -100) for e in batch]))
+
+    train_loader = torch.utils.data.DataLoader(train_examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate,
+                                               generator=torch.Generator().manual_seed(args.seed))
+    eval_loader = torch.utils.data.DataLoader(eval_examples, batch_size=args.batch_size, collate_fn=collate)
+
+    # ---- model and optimiser ----
+    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.use_peft:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                                 target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
+    if args.neftune_noise_alpha:
+        model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
+    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps * accelerator.num_processes)
+    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
+    accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
+                      f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
+
+    @torch.no_grad()
+    def evaluate(step: int) -> float:
+        """Token-weighted eval loss over all ranks, and perplexity."""
+        model.eval()
+        total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+        for batch in eval_loader:
+            n_tokens = (batch["labels"][:, 1:] != -100).sum()
+            total_loss += model(**batch).loss * n_tokens
+            total_tokens += n_tokens
+        loss = (accelerator.reduce(total_loss, "sum") / accelerator.reduce(total_tokens, "sum")).item()
+        logger.log({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}, step)
+        model.train()
+        return loss
+
+    # ---- train ----
+    first_eval_loss, step, start_time = evaluate(0), 0, time.time()
+    progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="sft")
+    model.train()
+    while step < total_steps:
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            progress.update(1)
+            train_loss = accelerator.reduce(loss.detach(), "mean").item()
+            progress.set_postfix(loss=f"{train_loss:.3f}")
+            logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
+                        "train/epoch": step / steps_per_epoch}, step)
+            if step % args.eval_steps == 0 and step < total_steps:
+                evaluate(step)
+            if args.save_steps and step % args.save_steps == 0:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    with atomic_directory(os.path.join(f"{args.output_dir}_checkpoints", f"step_{step}")) as tmp:
+                        accelerator.unwrap_model(model).save_pretrained(tmp)
+                        tokenizer.save_pretrained(tmp)
+            if step >= total_steps:
+                break
+    progress.close()
+    last_eval_loss = evaluate(step)
+
+    # ---- save (plain from_pretrained format; LoRA merged) and sample ----
+    unwrapped = accelerator.unwrap_model(model)
+    if peft_model_of(unwrapped) is not None:
+        unwrapped = unwrapped.merge_and_unload()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
+                   [text.split(args.response_template)[0] + args.response_template if args.response_template
+                    else " ".join(text.split()[:4]) for text in eval_dataset[args.text_column]])[: args.num_sample_generations]
+        tokenizer.padding_side = "left"
+        batch = tokenizer(prompts, return_tensors="pt", padding=True).to(accelerator.device)
+        unwrapped.eval()
+        with torch.no_grad():
+            out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)
+        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        logger.samples("samples", {"prompt": prompts, "completion": completions}, step)
+    accelerator.print(f"sft: {step} steps in {time.time() - start_time:.0f}s; eval loss {first_eval_loss:.3f} -> "
+                      f"{last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); model saved to {args.output_dir}")
+    logger.close()

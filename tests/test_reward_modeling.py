@@ -1,0 +1,83 @@
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from common import load_pretrained, load_tokenizer
+from conftest import ROOT, run_script
+from reward_modeling import fold_reward_normalization, reward_loss
+
+RM = os.path.join(ROOT, "reward_modeling.py")
+
+
+def test_reward_loss_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
+    # -log sigmoid(1) and -log sigmoid(-1)
+    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1))) / 2
+    assert reward_loss(chosen, rejected).item() == pytest.approx(expected)
+    with_margin = (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1))) / 2  # margins 0.5, 0
+    assert reward_loss(chosen, rejected, torch.tensor([0.5, 0.0])).item() == pytest.approx(with_margin)
+
+
+def test_scores_equal_under_left_and_right_padding():
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    texts = ["Hi there<|endoftext|>", "A much longer response, which ends with EOS.<|endoftext|>"]
+    scores = {}
+    for side in ("left", "right"):
+        tokenizer.padding_side = side
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        if side == "left":
+            batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            scores[side] = model(**batch).logits[:, 0]
+    assert torch.allclose(scores["left"], scores["right"], atol=1e-5)
+    # the EOS is scored: x and x<eos> differ (pad is distinct from EOS)
+    with torch.no_grad():
+        without_eos = model(**tokenizer(["Hi there"], return_tensors="pt")).logits[0, 0]
+    assert not torch.allclose(without_eos, scores["right"][0])
+
+
+def test_fold_reward_normalization_applies_gain_and_bias():
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    batch = tokenizer(["one text", "another, longer text"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        before = model(**batch).logits[:, 0]
+        fold_reward_normalization(model, gain=2.0, bias=-0.5)
+        after = model(**batch).logits[:, 0]
+    assert torch.allclose(after, 2.0 * before - 0.5, atol=1e-4)
+
+
+def test_reward_model_learns_the_preferences(tmp_path):
+    out = run_script([RM, "--num-epochs", "2", "--normalize-reward", "--eval-steps", "1000"], tmp_path)
+    first, last = [float(x) for x in out.split("eval accuracy ")[1].split(",")[0].split(" -> ")]
+    assert last > 0.7 and last > first + 0.15, out[-500:]
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "outputs" / "reward_model")
+    tokenizer = load_tokenizer(str(tmp_path / "outputs" / "reward_model"))
+    with torch.no_grad():
+        good, bad = model(**tokenizer(["Hi I love this, it is wonderful and great<|endoftext|>",
+                                       "Hi I hate this, it is awful and terrible<|endoftext|>"],
+                                      padding=True, return_tensors="pt")).logits[:, 0]
+    assert good > bad
+
+
+def test_reward_model_options_and_errors(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    rows = [dict(prompt=f"q{i}", chosen="great answer", rejected="bad", margin=1.0) for i in range(20)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_script([RM, "--dataset-name", str(tmp_path / "pairs.jsonl"), "--margin-column", "margin", "--num-epochs", "1",
+                "--use-peft", "--lora-r", "4"], tmp_path)
+    result = subprocess.run([sys.executable, RM, "--chosen-column", "good"], cwd=tmp_path, capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode != 0 and "no column ['good']" in result.stderr
+    same = [dict(prompt="q", chosen="x", rejected="x")] * 10
+    (tmp_path / "same.jsonl").write_text("\n".join(json.dumps(r) for r in same))
+    result = subprocess.run([sys.executable, RM, "--dataset-name", str(tmp_path / "same.jsonl")], cwd=tmp_path,
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode != 0 and "no preference to learn" in result.stderr

@@ -1,0 +1,75 @@
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common import load_tokenizer
+from conftest import ROOT, run_script
+from sft import completion_only_labels, neftune_hook, pack_sequences
+
+SFT = os.path.join(ROOT, "sft.py")
+
+
+def test_packing_gives_full_blocks_with_eos_separators():
+    blocks = pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9]], seq_length=4, eos_token_id=0)
+    # stream: 1 2 3 0 4 5 0 6 7 8 9 0 -> three full blocks, nothing left over
+    assert blocks == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+    assert pack_sequences([[1, 2, 3], [4]], seq_length=4, eos_token_id=0) == [[1, 2, 3, 0]]  # tail "4 0" dropped
+
+
+def test_completion_only_labels_mask_exactly_the_prompt():
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    template = tokenizer("\nAnswer:", add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("What is AI?\nAnswer:")["input_ids"]
+    ids = prompt + tokenizer(" A field of science.")["input_ids"]
+    labels = completion_only_labels(ids, template)
+    assert labels[: len(prompt)] == [-100] * len(prompt)
+    assert labels[len(prompt):] == ids[len(prompt):] and -100 not in labels[len(prompt):]
+    assert completion_only_labels([1, 2, 3], [7, 8]) is None
+
+
+def test_neftune_noise_scale_and_train_only():
+    embedding = torch.nn.Embedding(10, 8)
+    embedding.register_forward_hook(neftune_hook(alpha=5.0))
+    ids = torch.arange(6)[None]
+    clean = embedding.weight[ids]
+    noise = embedding(ids) - clean
+    bound = 5.0 / math.sqrt(6 * 8)
+    assert noise.abs().max() <= bound + 1e-6 and noise.abs().max() > bound / 2
+    embedding.eval()
+    assert torch.equal(embedding(ids), clean)
+
+
+def test_sft_learns_and_saves_a_loadable_model(tmp_path):
+    out = run_script([SFT, "--num-epochs", "1", "--max-steps", "60", "--eval-steps", "1000", "--max-seq-length", "48"], tmp_path)
+    first, last = [float(x) for x in out.split("eval loss ")[1].split(" (")[0].split(" -> ")]
+    assert last < first - 3.0, out[-500:]  # random init ~10.8 nats; the dialogue is learnable
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")
+    assert model.config.n_layer == 2 and (tmp_path / "outputs" / "sft" / "tokenizer.json").exists()
+
+
+def test_sft_options_run(tmp_path, ):
+    run_script([SFT, "--max-steps", "3", "--packing", "--max-seq-length", "32", "--use-peft", "--lora-r", "4",
+                "--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2"], tmp_path)
+    assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    run_script([SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion"], tmp_path)
+
+
+def test_sft_bad_input_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    def fails(*flags):
+        result = subprocess.run([sys.executable, SFT, *flags], cwd=tmp_path, capture_output=True, text=True,
+                                env=dict(os.environ, PYTHONPATH=ROOT))
+        assert result.returncode != 0
+        return result.stderr
+
+    assert "no column ['body']" in fails("--text-column", "body")
+    assert "exceeds the model's context of 256" in fails("--max-seq-length", "1000")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "empty" in fails("--dataset-name", str(tmp_path / "empty.jsonl")).lower()
