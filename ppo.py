@@ -469,18 +469,20 @@ if __name__ == "__main__":
                           for o in outputs])
 
     @torch.no_grad()
-    def score(queries_text: list[str], responses_text: list[str]) -> torch.Tensor:
-        """One score per (query, response): the reward model's logit, or `reward_fn`."""
+    def score(queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
+        """One score per (query, response): `reward_fn`, or the reward model's logit on the text as
+        reward_modeling.py trains it: "query response<eos>", the EOS only for responses that ended."""
         if reward_model is None:
             return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
+        eos = reward_tokenizer.eos_token or ""
+        texts = [f"{q} {r.strip()}{eos if e else ''}" for q, r, e in zip(queries_text, responses_text, ended)]
         scores = []
-        for i in range(0, len(queries_text), args.reward_batch_size):
-            texts = [q + r for q, r in zip(queries_text[i: i + args.reward_batch_size], responses_text[i: i + args.reward_batch_size])]
-            batch = reward_tokenizer(texts, padding=True, return_tensors="pt").to(device)
+        for i in range(0, len(texts), args.reward_batch_size):
+            batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
             scores.append(reward_model(**batch).logits[:, 0].float().cpu())
-        return check_scores(torch.cat(scores), len(responses_text), f"reward model {args.reward_model}")
+        return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model}")
 
-    score(["Hello", "Hi"], [" there", " you"])  # a bad reward (wrong length, NaN) fails now, not after a rollout
+    score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails now
 
     # ---- optimiser, KL controller, resume ----
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps)
@@ -524,11 +526,11 @@ if __name__ == "__main__":
         torch.manual_seed(args.seed + accelerator.process_index)
         queries, query_mask = pad_left(eval_queries)
         unwrapped.eval()
-        responses, _, _ = truncate_responses(generate(unwrapped, queries, query_mask, args.max_new_tokens),
-                                             tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
+        responses, _, ended = truncate_responses(generate(unwrapped, queries, query_mask, args.max_new_tokens),
+                                                 tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = score(queries_text, responses_text)
+        scores = score(queries_text, responses_text, ended.tolist())
         metrics = {"eval/reward_mean": scores.mean().item()}
         metrics.update({f"eval/{k}": float(np.mean(v)) for k, v in metric_fn(queries_text, responses_text).items()})
         metrics = {k: accelerator.reduce(torch.tensor(v, device=device), "mean").item() for k, v in metrics.items()}
@@ -555,7 +557,7 @@ if __name__ == "__main__":
         t0 = time.time()
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        raw_scores = score(queries_text, responses_text).to(device)
+        raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)
         scores = raw_scores.clone()
         if args.missing_eos_penalty is not None:
             scores[~ended] -= args.missing_eos_penalty
@@ -568,8 +570,8 @@ if __name__ == "__main__":
 
         # ---- forward passes: old logprobs and values, reference logprobs ----
         t0 = time.time()
-        full = args.kl_penalty == "full"
-        old_logprobs, ref_logprobs, values = [], [], []
+        full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
+        old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
         with torch.no_grad():
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
@@ -578,23 +580,20 @@ if __name__ == "__main__":
                 with reference_context(unwrapped, ref_model):
                     ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *fwd)
                 old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
-                ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1) if full else logprobs_from_logits(ref_logits, responses[mb]))
+                ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
                 values.append(value)
-                if full:  # keep the full policy distribution for the exact KL
-                    old_logprobs[-1] = (old_logprobs[-1], torch.log_softmax(logits.float(), -1))
-            if full:
-                full_logprobs = torch.cat([lp[1] for lp in old_logprobs])
-                old_logprobs = [lp[0] for lp in old_logprobs]
+                if full:
+                    full_logprobs.append(torch.log_softmax(logits.float(), -1))
+                    full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
             old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
             mask = response_mask.float()
 
             # ---- rewards and advantages ----
-            rewards, non_score_rewards, kls = compute_rewards(
-                scores, full_logprobs if full else old_logprobs, ref_logprobs, mask, kl_ctl.value, args.kl_penalty)
-            if full:
-                ref_logprobs = ref_logprobs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-                del full_logprobs
-            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam, args.whiten_rewards)
+            kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
+            rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_ctl.value, args.kl_penalty)
+            del kl_inputs, full_logprobs, full_ref_logprobs
+            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
+                                                             args.whiten_rewards)
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
 
         # ---- optimise ----

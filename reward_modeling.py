@@ -157,11 +157,11 @@ if __name__ == "__main__":
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
     def tokenize(split) -> list[dict]:
-        """Each pair -> chosen and rejected ids, prompt + " " + response, EOS-terminated, left-truncated."""
+        """Each pair -> chosen and rejected ids of "prompt response<eos>" (the format ppo.py scores), left-truncated."""
         pairs = []
         for row in split:
             prompt = row[args.prompt_column] + " " if args.prompt_column else ""
-            ids = [(tokenizer(prompt + row[c])["input_ids"] + [tokenizer.eos_token_id])[-args.max_length:]
+            ids = [(tokenizer(prompt + row[c].strip())["input_ids"] + [tokenizer.eos_token_id])[-args.max_length:]
                    for c in (args.chosen_column, args.rejected_column)]
             pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=float(row[args.margin_column]) if args.margin_column else 0.0))
         return pairs

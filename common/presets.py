@@ -146,6 +146,8 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
                          "builtin:chatterbot-dialogue or builtin:vader-preferences.")
     extension = os.path.splitext(name)[1].lower()
     if os.path.isfile(name):
+        if os.path.getsize(name) == 0:
+            raise ValueError(f"The dataset file {name!r} is empty.")
         if extension not in DATA_FILE_TYPES:
             raise ValueError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
         return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")

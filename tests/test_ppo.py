@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits, masked_mean
-from conftest import ROOT, run_script
+from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
 from ppo import check_scores, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -219,9 +219,9 @@ def test_reward_model_from_local_folder(tmp_path):
 
 
 def test_two_process_ddp(tmp_path):
-    out = run_script(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", PPO, *TINY,
-                      "--total-episodes", "32"], tmp_path)
-    assert "ppo: 2 updates, 32 episodes" in out
+    out = run_script([*DDP_LAUNCH, PPO, *TINY, "--total-episodes", "32"], tmp_path, **DDP_ENV)
+    assert "ppo: 2 updates, 32 episodes" in out  # 2 updates of 2 ranks x 8 queries
+    assert out.count("policy builtin:tiny-gpt2") == 1  # printed by the main process only
 
 
 def test_ppo_raises_the_sentiment_reward(tmp_path):

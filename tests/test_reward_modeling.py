@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from common import load_pretrained, load_tokenizer
-from conftest import ROOT, run_script
+from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -81,3 +81,8 @@ def test_reward_model_options_and_errors(tmp_path):
     result = subprocess.run([sys.executable, RM, "--dataset-name", str(tmp_path / "same.jsonl")], cwd=tmp_path,
                             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode != 0 and "no preference to learn" in result.stderr
+
+
+def test_reward_model_two_process_ddp(tmp_path):
+    out = run_script([*DDP_LAUNCH, RM, "--num-epochs", "1", "--batch-size", "32"], tmp_path, **DDP_ENV)
+    assert out.count(" steps in ") == 1 and "21 optimizer steps" in out  # main process only; 1286 pairs / (2 x 32)

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_tokenizer
-from conftest import ROOT, run_script
+from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")
@@ -53,7 +53,7 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
 def test_sft_options_run(tmp_path, ):
     run_script([SFT, "--max-steps", "3", "--packing", "--max-seq-length", "32", "--use-peft", "--lora-r", "4",
                 "--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2"], tmp_path)
-    assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "model.safetensors").exists()
+    assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "adapter_model.safetensors").exists()  # LoRA: the adapter
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())
     run_script([SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion"], tmp_path)
@@ -73,3 +73,8 @@ def test_sft_bad_input_is_a_clear_error(tmp_path):
     assert "exceeds the model's context of 256" in fails("--max-seq-length", "1000")
     (tmp_path / "empty.jsonl").write_text("")
     assert "empty" in fails("--dataset-name", str(tmp_path / "empty.jsonl")).lower()
+
+
+def test_sft_two_process_ddp(tmp_path):
+    out = run_script([*DDP_LAUNCH, SFT, "--max-steps", "4", "--batch-size", "4", "--max-seq-length", "32"], tmp_path, **DDP_ENV)
+    assert "sft: 4 steps" in out and "of 8 examples" in out  # 2 ranks x 4
