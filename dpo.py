@@ -1,0 +1,420 @@
+"""Direct Preference Optimization (Rafailov et al. 2023) and its TRL 0.7-0.8 variants: hinge, IPO, KTO-pair,
+conservative DPO (label smoothing), reference-free.
+
+The policy is trained directly on (prompt, chosen, rejected) pairs: the loss compares the policy's log-ratio
+log pi(chosen) - log pi(rejected) with the reference model's, so no reward model and no sampling are needed.
+The implicit reward of a response is beta * (log pi(y|x) - log pi_ref(y|x)).
+
+Usage:
+    python dpo.py                                   # offline: tiny GPT-2 on the built-in VADER-labelled pairs
+    accelerate launch dpo.py --loss-type ipo --beta 0.5
+    accelerate launch --config_file configs/multi_gpu.yaml dpo.py --model-name outputs/sft --use-peft
+"""
+
+import contextlib
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from common import (
+    atomic_directory,
+    check_columns,
+    create_reference_model,
+    exact_div,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    peft_model_of,
+    reference_context,
+    start_run,
+    train_eval_split,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-gpt2"
+    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), or builtin:tiny-gpt2"""
+    dataset_name: str = "builtin:vader-preferences"
+    """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    prompt_column: str = "prompt"
+    """the prompt column"""
+    chosen_column: str = "chosen"
+    """the preferred response column"""
+    rejected_column: str = "rejected"
+    """the other response column"""
+    max_length: int = 128
+    """prompt + response tokens"""
+    max_prompt_length: int = 64
+    """prompt tokens kept when prompt + response exceeds max_length (then responses are cut to the rest)"""
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    """which end of a long prompt to keep"""
+    eval_fraction: float = 0.1
+    """fraction of the pairs held out for evaluation"""
+
+    # DPO
+    beta: float = 0.1
+    """temperature of the implicit reward (IPO: the regulariser tau)"""
+    loss_type: Literal["sigmoid", "hinge", "ipo", "kto_pair"] = "sigmoid"
+    """sigmoid (DPO), hinge (SLiC), ipo (log-probs averaged per token), kto_pair"""
+    label_smoothing: float = 0.0
+    """conservative DPO: the probability that a label is flipped (sigmoid loss only)"""
+    reference_free: bool = False
+    """ignore the reference model (an implicit uniform reference)"""
+    precompute_ref_log_probs: bool = False
+    """compute the reference log-probs of every pair once before training, then free the reference model"""
+    disable_dropout: bool = True
+    """set every dropout probability of policy and reference to 0 (TRL default)"""
+
+    # Optimisation
+    learning_rate: float = 1e-4
+    """peak learning rate (high because the default model is tiny and random; ~5e-7 for a pretrained 7B model)"""
+    lr_scheduler_type: str = "linear"
+    """a transformers scheduler name"""
+    warmup_ratio: float = 0.1
+    """fraction of the steps spent warming up"""
+    batch_size: int = 8
+    """pairs per forward/backward pass on each process (2x sequences: chosen and rejected together)"""
+    gradient_accumulation_steps: int = 1
+    """forward/backward passes per optimizer step"""
+    num_epochs: int = 1
+    """passes over the training pairs"""
+    max_steps: int = -1
+    """optimizer steps to run (overrides num_epochs when > 0)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the end)"""
+    generate_during_eval: bool = False
+    """print sample generations of policy and reference at each evaluation"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many optimizer steps (0: only the final model)"""
+    resume_from: str | None = None
+    """a checkpoint folder to resume from"""
+    output_dir: str = "outputs/dpo"
+    """where the final model and tokenizer go (plain from_pretrained format)"""
+
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters; the reference is the policy with its adapter disabled (no second model)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: list[str] | None = None
+    """modules to adapt (None: peft's default for the architecture)"""
+
+
+def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100) -> torch.Tensor:
+    """Sum (or mean) of log p(label) over the labelled tokens: logits [B, T, V], labels [B, T] -> [B].
+
+    Logits at position t predict the token at t + 1, so labels are shifted left by one.
+    """
+    labels, logits = labels[:, 1:].clone(), logits[:, :-1]
+    loss_mask = labels != label_pad_token_id
+    labels[~loss_mask] = 0  # any valid index; masked out below
+    # log_softmax gathered at the labels, without materialising the [B, T, V] log-softmax
+    logits = logits.float()
+    per_token_logps = torch.gather(logits, 2, labels.unsqueeze(2)).squeeze(2) - torch.logsumexp(logits, -1)
+    if average_log_prob:
+        return (per_token_logps * loss_mask).sum(-1) / loss_mask.sum(-1)
+    return (per_token_logps * loss_mask).sum(-1)
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta,
+             loss_type="sigmoid", label_smoothing=0.0, reference_free=False):
+    """Per-pair losses and the detached implicit rewards beta * (log pi - log pi_ref) of chosen and rejected.
+
+    With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)):
+    - sigmoid: -log sigmoid(beta h) (DPO, Rafailov et al. 2023, eq. 7); with label smoothing eps,
+      -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h) (conservative DPO, Mitchell 2023).
+    - hinge: relu(1 - beta h) (SLiC, Zhao et al. 2023, eq. 10 with delta = 1/beta).
+    - ipo: (h - 1 / (2 beta))^2 (IPO, Azar et al. 2023, eq. 17; log-probs averaged per token by the caller).
+    - kto_pair: 1 - sigmoid(beta (log-ratio_w - KL_l)) and 1 - sigmoid(beta (KL_w - log-ratio_l)), each KL the
+      clamped batch mean of the other half's log-ratio (KTO, Ethayarajh et al. 2023, eq. 7); 2B losses.
+    reference_free: the reference log-probs are taken as 0 (a uniform reference).
+    """
+    if reference_free:
+        reference_chosen_logps = torch.zeros_like(policy_chosen_logps)
+        reference_rejected_logps = torch.zeros_like(policy_rejected_logps)
+    chosen_logratios = policy_chosen_logps - reference_chosen_logps
+    rejected_logratios = policy_rejected_logps - reference_rejected_logps
+    logits = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    elif loss_type == "kto_pair":
+        chosen_kl = chosen_logratios.mean().clamp(min=0)
+        rejected_kl = rejected_logratios.mean().clamp(min=0)
+        losses = torch.cat((1 - torch.sigmoid(beta * (chosen_logratios - rejected_kl)),
+                            1 - torch.sigmoid(beta * (chosen_kl - rejected_logratios))), 0)
+    else:
+        raise ValueError(f"Unknown loss_type {loss_type!r}: choose sigmoid, hinge, ipo or kto_pair.")
+    return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length: int, max_prompt_length: int,
+                  truncation_mode: str = "keep_end") -> dict:
+    """Token ids and labels of prompt + chosen and prompt + rejected (TRL 0.8 `tokenize_row`).
+
+    Each answer is tokenised as part of prompt + answer, so BPE merges across the boundary survive; if the last
+    prompt token merged with the answer, the boundary moves one token left. BOS is prepended and EOS appended
+    only when the tokenizer has them. A long pair loses prompt tokens first (keeping max_prompt_length), then
+    answer tokens. Prompt positions are labelled -100.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out = {}
+    answers = {}
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        full = tokenizer(prompt + answer, add_special_tokens=False)["input_ids"]
+        boundary = len(prompt_ids) if full[: len(prompt_ids)] == prompt_ids else len(prompt_ids) - 1
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        answers[name] = (bos + full[:boundary], full[boundary:] + eos)
+    longest_answer = max(len(a) for _, a in answers.values())
+    for name, (prompt_part, answer) in answers.items():
+        if len(prompt_part) + longest_answer > max_length:
+            prompt_part = prompt_part[-max_prompt_length:] if truncation_mode == "keep_end" else prompt_part[:max_prompt_length]
+        if len(prompt_part) + longest_answer > max_length:
+            answer = answer[: max_length - max_prompt_length]
+        out[f"{name}_input_ids"] = prompt_part + answer
+        out[f"{name}_labels"] = [-100] * len(prompt_part) + answer
+    return out
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    device = accelerator.device
+    if args.max_prompt_length >= args.max_length:
+        raise ValueError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
+                         "or no response token would be left.")
+    if args.label_smoothing and args.loss_type != "sigmoid":
+        raise ValueError("--label-smoothing applies to the sigmoid loss only.")
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+
+    # ---- data ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    check_columns(dataset, [args.prompt_column, args.chosen_column, args.rejected_column],
+                  "--prompt-column / --chosen-column / --rejected-column")
+    if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
+        raise ValueError("Every chosen response equals its rejected one: there is no preference to learn.")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    tokenize = lambda split: [tokenize_pair(  # noqa: E731
+        tokenizer, row[args.prompt_column] + " ", row[args.chosen_column], row[args.rejected_column],
+        args.max_length, args.max_prompt_length, args.truncation_mode) for row in split]
+    train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
+    pairs_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(train_pairs) // pairs_per_step
+    exact_div(steps_per_epoch, args.gradient_accumulation_steps, "batches per epoch / gradient_accumulation_steps")
+    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
+                      f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
+
+    def collate(pairs: list[dict]) -> dict:
+        """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both."""
+        sequences = [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
+        labels = [p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs]
+        width = max(map(len, sequences))
+        batch = dict(input_ids=torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]),
+                     attention_mask=torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
+                     labels=torch.tensor([s + [-100] * (width - len(s)) for s in labels]))
+        if "reference_chosen_logps" in pairs[0]:
+            batch["reference_logps"] = torch.tensor([p["reference_chosen_logps"] for p in pairs] +
+                                                    [p["reference_rejected_logps"] for p in pairs])
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def batch_of(examples: list[dict], step: int) -> dict:
+        """This rank's pairs for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
+        return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
+
+    # ---- models ----
+    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.use_peft:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                                 target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
+    ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
+    if ref_model is not None:
+        ref_model = ref_model.to(device)
+    model = model.to(device)
+
+    def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logps = get_batch_logps(logits, batch["labels"], average_log_prob=args.loss_type == "ipo")
+        return logps, logits.detach().float().mean((1, 2))
+
+    @torch.no_grad()
+    def reference_logps(batch: dict) -> torch.Tensor:
+        """Reference log-probs [2B]: precomputed, the frozen copy, or the policy with its adapter disabled."""
+        if "reference_logps" in batch or args.reference_free:
+            return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=device))
+        policy = accelerator.unwrap_model(model)
+        with reference_context(policy, ref_model):
+            return sequence_logps(ref_model if ref_model is not None else policy, batch)[0]
+
+    if args.precompute_ref_log_probs and not args.reference_free:
+        for examples in (train_pairs, eval_pairs):
+            for i in tqdm(range(0, len(examples), args.batch_size), desc="reference log-probs",
+                          disable=not accelerator.is_local_main_process):
+                chunk = examples[i: i + args.batch_size]
+                chosen, rejected = reference_logps(collate(chunk)).cpu().chunk(2)
+                for example, c, r in zip(chunk, chosen.tolist(), rejected.tolist()):
+                    example.update(reference_chosen_logps=c, reference_rejected_logps=r)
+        ref_model = None  # the frozen copy is no longer needed
+        gc.collect()
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps * accelerator.num_processes)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    start_step = 0
+    if args.resume_from:
+        accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
+        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
+            start_step = json.load(f)["step"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
+
+    def pair_metrics(batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
+        """The DPO loss of a batch and TRL's metrics (rewards/, logps/, logits/)."""
+        logps, mean_logits = sequence_logps(model, batch)
+        policy_chosen, policy_rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = reference_logps(batch).chunk(2)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
+            args.reference_free)
+        metrics = {"loss": losses.mean().detach(), "rewards/chosen": chosen_rewards.mean(),
+                   "rewards/rejected": rejected_rewards.mean(),
+                   "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                   "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+                   "logps/chosen": policy_chosen.detach().mean(), "logps/rejected": policy_rejected.detach().mean(),
+                   "logits/chosen": mean_logits.chunk(2)[0].mean(), "logits/rejected": mean_logits.chunk(2)[1].mean()}
+        return losses.mean(), {f"{prefix}/{k}": v for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict[str, float]:
+        """Metrics over the whole eval split, averaged over batches and ranks."""
+        model.eval()
+        sums, count = {}, 0
+        shard = eval_pairs[accelerator.process_index:: accelerator.num_processes]
+        for i in range(0, len(shard), args.batch_size):
+            _, metrics = pair_metrics(collate(shard[i: i + args.batch_size]), "eval")
+            n = len(shard[i: i + args.batch_size])
+            sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
+            count += n
+        total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")
+        results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
+        logger.log(results, step)
+        if args.generate_during_eval and accelerator.is_main_process:
+            prompts = [p + " " for p in eval_dataset[args.prompt_column][:4]]
+            policy = accelerator.unwrap_model(model)
+            tokenizer.padding_side = "left"
+            inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+            tokenizer.padding_side = "right"
+            samplers = {"policy": (policy, contextlib.nullcontext())}
+            if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
+                samplers["reference"] = (ref_model if ref_model is not None else policy, reference_context(policy, ref_model))
+            texts = {}
+            for name, (sampler, context) in samplers.items():
+                with context:
+                    out = sampler.generate(**inputs, max_new_tokens=24, do_sample=True, top_k=50,
+                                           pad_token_id=tokenizer.pad_token_id)
+                texts[name] = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            logger.samples("eval samples", {"prompt": prompts, **texts}, step)
+        model.train()
+        return results
+
+    def save_checkpoint(path: str, step: int) -> None:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with atomic_directory(path) as tmp:
+                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"step": step}, f)
+        accelerator.wait_for_everyone()
+
+    # ---- train ----
+    first_eval, start_time = evaluate(start_step), time.time()
+    model.train()
+    progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="dpo")
+    for step in progress:
+        for micro in range(args.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro), "train")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        metrics = {k: accelerator.reduce(v, "mean").item() for k, v in metrics.items()}
+        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
+        progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
+        if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            evaluate(step + 1)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}"), step + 1)
+    last_eval = evaluate(total_steps)
+
+    # ---- save (plain from_pretrained format; LoRA merged) ----
+    unwrapped = accelerator.unwrap_model(model)
+    if peft_model_of(unwrapped) is not None:
+        unwrapped = unwrapped.merge_and_unload()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    elapsed = time.time() - start_time
+    accelerator.print(
+        f"dpo: {total_steps - start_step} steps in {elapsed:.0f}s ({(total_steps - start_step) / max(elapsed, 1e-9):.2f} "
+        f"steps/s); eval reward accuracy {first_eval['eval/rewards/accuracies']:.3f} -> "
+        f"{last_eval['eval/rewards/accuracies']:.3f}, margin {first_eval['eval/rewards/margins']:.3f} -> "
+        f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}")
+    logger.close()

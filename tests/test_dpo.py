@@ -1,0 +1,147 @@
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common import load_tokenizer
+from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
+from dpo import dpo_loss, get_batch_logps, tokenize_pair
+
+DPO = os.path.join(ROOT, "dpo.py")
+sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+PC, PR, RC, RR = torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5])  # h = 1
+
+
+@pytest.mark.parametrize("loss_type, beta, smoothing, expected", [
+    ("sigmoid", 0.5, 0.0, -math.log(sig(0.5))),
+    ("sigmoid", 0.5, 0.1, -0.9 * math.log(sig(0.5)) - 0.1 * math.log(sig(-0.5))),
+    ("hinge", 0.5, 0.0, 0.5),
+    ("ipo", 0.25, 0.0, (1.0 - 2.0) ** 2),
+])
+def test_dpo_loss_by_hand(loss_type, beta, smoothing, expected):
+    losses, chosen_rewards, rejected_rewards = dpo_loss(PC, PR, RC, RR, beta, loss_type, smoothing)
+    assert losses.item() == pytest.approx(expected)
+    assert chosen_rewards.item() == pytest.approx(beta * 0.5) and rejected_rewards.item() == pytest.approx(-beta * 0.5)
+
+
+def test_kto_pair_by_hand():
+    policy_chosen, policy_rejected = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    ref_chosen, ref_rejected = torch.tensor([-1.5, -2.2]), torch.tensor([-1.5, -1.3])
+    losses, _, _ = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, 0.5, "kto_pair")
+    # log-ratios: chosen [0.5, 0.2] (KL 0.35), rejected [-0.5, 0.3] (KL mean -0.1 clamped to 0)
+    expected = [1 - sig(0.5 * 0.5), 1 - sig(0.5 * 0.2), 1 - sig(0.5 * (0.35 + 0.5)), 1 - sig(0.5 * (0.35 - 0.3))]
+    assert losses.tolist() == pytest.approx(expected)
+
+
+def test_reference_free_and_unknown_loss():
+    losses, chosen_rewards, _ = dpo_loss(PC, PR, RC, RR, 0.5, reference_free=True)
+    assert losses.item() == pytest.approx(-math.log(sig(0.5 * 1.0)))  # h = -1 - (-2), reference ignored
+    assert chosen_rewards.item() == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="Unknown loss_type"):
+        dpo_loss(PC, PR, RC, RR, 0.5, "nope")
+
+
+def test_get_batch_logps_against_explicit_loop():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    labels[0, :2] = -100
+    labels[1, 4] = -100
+    logp = logits.log_softmax(-1)
+    expected_sum = [sum(logp[b, t - 1, labels[b, t]].item() for t in range(1, 5) if labels[b, t] != -100) for b in range(2)]
+    counts = [sum(1 for t in range(1, 5) if labels[b, t] != -100) for b in range(2)]
+    assert get_batch_logps(logits, labels).tolist() == pytest.approx(expected_sum, abs=1e-5)
+    assert get_batch_logps(logits, labels, average_log_prob=True).tolist() == pytest.approx(
+        [s / c for s, c in zip(expected_sum, counts)], abs=1e-5)
+
+
+def test_tokenize_pair_survives_a_merge_at_the_boundary():
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    hello, wor, world = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("Hello", " wor", " world"))
+    assert len(wor) == 1 and len(world) == 1  # "Hello wor" + "ld" merges into "Hello world"
+    out = tokenize_pair(tokenizer, "Hello wor", "ld", "!", max_length=32, max_prompt_length=16)
+    bos = eos = tokenizer.eos_token_id
+    assert out["chosen_input_ids"] == [bos] + hello + world + [eos]
+    assert out["chosen_labels"] == [-100, -100] + world + [eos]  # the merged token belongs to the answer
+    assert out["rejected_input_ids"][:3] == [bos] + hello + wor  # "Hello wor!": no merge, boundary unchanged
+    assert out["rejected_labels"][:3] == [-100] * 3
+
+
+def test_tokenize_pair_truncation_modes():
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    prompt = " ".join(f"w{i}" for i in range(20))
+    answer = " yes" * 10
+    for mode, kept in (("keep_end", "w19"), ("keep_start", "w0")):
+        out = tokenize_pair(tokenizer, prompt, answer, " no", max_length=12, max_prompt_length=5, truncation_mode=mode)
+        n_prompt = out["chosen_labels"].count(-100)
+        assert n_prompt == 5 and len(out["chosen_input_ids"]) == 5 + 7  # answer cut to max_length - max_prompt_length
+        assert kept in tokenizer.decode(out["chosen_input_ids"][:n_prompt])
+
+
+@pytest.fixture()
+def pairs_file(tmp_path):
+    from common import load_data
+
+    rows = load_data("builtin:vader-preferences").select(range(40)).to_list()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
+    common = [DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+    out_live = run_script([*common, "--output-dir", "live"], tmp_path)
+    out_pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs"], tmp_path)
+    summary = lambda out: out.split("eval reward accuracy ")[1].split("; model")[0]  # noqa: E731
+    assert summary(out_live) == summary(out_pre)
+    live, pre = load_file(tmp_path / "live" / "model.safetensors"), load_file(tmp_path / "pre" / "model.safetensors")
+    assert all(torch.allclose(live[k], pre[k], atol=1e-6) for k in live)
+
+
+def test_dpo_options_run(tmp_path, pairs_file):
+    for flags in (["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval"],
+                  ["--loss-type", "kto_pair", "--gradient-checkpointing", "--save-steps", "2"],
+                  ["--loss-type", "hinge", "--reference-free", "--gradient-accumulation-steps", "2"],
+                  ["--label-smoothing", "0.1", "--precompute-ref-log-probs", "--use-peft", "--lora-r", "4"]):
+        out = run_script([DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path)
+        assert "dpo: 2 steps" in out, flags
+
+
+def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
+    common = [DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+    run_script([*common, "--save-steps", "2", "--output-dir", "straight"], tmp_path)
+    out = run_script([*common, "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"), "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "dpo: 2 steps" in out
+    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_dpo_learns_the_preferences(tmp_path):
+    out = run_script([DPO, "--max-steps", "60", "--eval-steps", "1000"], tmp_path)
+    accuracy = float(out.split("eval reward accuracy ")[1].split(",")[0].split(" -> ")[1])
+    first_margin, last_margin = (float(x) for x in out.split("margin ")[1].split(";")[0].split(" -> "))
+    assert accuracy > 0.65 and last_margin > first_margin + 0.3, out[-600:]
+
+
+def test_dpo_bad_input(tmp_path, pairs_file):
+    def fails(*flags):
+        result = subprocess.run([sys.executable, DPO, *flags], cwd=tmp_path, capture_output=True, text=True,
+                                env=dict(os.environ, PYTHONPATH=ROOT))
+        assert result.returncode != 0
+        return result.stderr
+
+    assert "no column ['answer']" in fails("--dataset-name", pairs_file, "--chosen-column", "answer")
+    assert "must be below max_length" in fails("--max-prompt-length", "128")
+    assert "invalid choice" in fails("--loss-type", "nope").lower() or "nope" in fails("--loss-type", "nope")
+    same = tmp_path / "same.jsonl"
+    same.write_text("\n".join(json.dumps(dict(prompt="q", chosen="x", rejected="x")) for _ in range(10)))
+    assert "no preference to learn" in fails("--dataset-name", str(same))
+
+
+def test_dpo_two_process_ddp(tmp_path, pairs_file):
+    out = run_script([*DDP_LAUNCH, DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"], tmp_path, **DDP_ENV)
+    assert out.count("dpo: 2 steps") == 1
