@@ -31,7 +31,6 @@ from common import (
     atomic_directory,
     check_columns,
     create_reference_model,
-    exact_div,
     load_data,
     load_pretrained,
     load_tokenizer,
@@ -243,8 +242,11 @@ if __name__ == "__main__":
     train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
     pairs_per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(train_pairs) // pairs_per_step
-    exact_div(steps_per_epoch, args.gradient_accumulation_steps, "batches per epoch / gradient_accumulation_steps")
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    if total_steps == 0:
+        raise ValueError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+                         f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
     accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
                       f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
 

@@ -88,7 +88,7 @@ class Args:
     """examples per forward/backward pass on each process"""
     gradient_accumulation_steps: int = 1
     """forward/backward passes per optimizer step"""
-    num_epochs: int = 3
+    num_epochs: int = 1
     """passes over the training set"""
     max_steps: int = -1
     """optimizer steps to run (overrides num_epochs when > 0)"""
