@@ -23,6 +23,37 @@ def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -
     return result.stdout + result.stderr
 
 
+def run_failing(args: list[str], cwd: str) -> str:
+    """Run a script's CLI that must fail on bad input; return its error message.
+
+    In-process (runpy, as `python script.py ...` would): bad input is rejected before any training, so this
+    skips the seconds a subprocess spends importing torch and transformers.
+    """
+    import runpy
+
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv, error = [str(a) for a in args], None
+    os.chdir(cwd)
+    try:
+        runpy.run_path(args[0], run_name="__main__")
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    assert error is not None, f"{' '.join(map(str, args))} should have failed"
+    return error
+
+
+def ddp_launch() -> list[str]:
+    """`accelerate launch` of 2 processes on a free port (tests may run in parallel workers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port)]
+
+
 # Real 2-process DDP over gloo on CPU: accelerate needs ACCELERATE_USE_CPU, or each process runs alone
-DDP_LAUNCH = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 DDP_ENV = dict(ACCELERATE_USE_CPU="1")

@@ -1,15 +1,13 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common import load_tokenizer
-from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
+from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
 from dpo import dpo_loss, get_batch_logps, tokenize_pair
 
 DPO = os.path.join(ROOT, "dpo.py")
@@ -127,19 +125,13 @@ def test_dpo_learns_the_preferences(tmp_path):
 
 
 def test_dpo_bad_input(tmp_path, pairs_file):
-    def fails(*flags):
-        result = subprocess.run([sys.executable, DPO, *flags], cwd=tmp_path, capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=ROOT))
-        assert result.returncode != 0
-        return result.stderr
-
-    assert "no column ['answer']" in fails("--dataset-name", pairs_file, "--chosen-column", "answer")
-    assert "must be below max_length" in fails("--max-prompt-length", "128")
+    assert "no column ['answer']" in run_failing([DPO, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path)
+    assert "must be below max_length" in run_failing([DPO, "--max-prompt-length", "128"], tmp_path)
     same = tmp_path / "same.jsonl"
     same.write_text("\n".join(json.dumps(dict(prompt="q", chosen="x", rejected="x")) for _ in range(10)))
-    assert "no preference to learn" in fails("--dataset-name", str(same))
+    assert "no preference to learn" in run_failing([DPO, "--dataset-name", str(same)], tmp_path)
 
 
 def test_dpo_two_process_ddp(tmp_path, pairs_file):
-    out = run_script([*DDP_LAUNCH, DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"], tmp_path, **DDP_ENV)
+    out = run_script([*ddp_launch(), DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"], tmp_path, **DDP_ENV)
     assert out.count("dpo: 2 steps") == 1

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits, masked_mean
-from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
+from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits
+from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
 from ppo import check_scores, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -142,17 +142,8 @@ def test_check_scores_rejects_bad_rewards():
 
 
 def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
-    import subprocess
-    import sys
-
-    def fails(*flags):
-        result = subprocess.run([sys.executable, PPO, *flags], cwd=tmp_path, capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=ROOT))
-        assert result.returncode != 0
-        return result.stderr
-
-    assert "is not divisible by" in fails("--batch-size", "10", "--mini-batch-size", "4")
-    assert "longer than max_query_length=4" in fails("--max-query-length", "4")
+    assert "is not divisible by" in run_failing([PPO, "--batch-size", "10", "--mini-batch-size", "4"], tmp_path)
+    assert "longer than max_query_length=4" in run_failing([PPO, "--max-query-length", "4"], tmp_path)
 
 
 def read_scalars(run_dir: str, tag: str) -> list[float]:
@@ -219,7 +210,7 @@ def test_reward_model_from_local_folder(tmp_path):
 
 
 def test_two_process_ddp(tmp_path):
-    out = run_script([*DDP_LAUNCH, PPO, *TINY, "--total-episodes", "32"], tmp_path, **DDP_ENV)
+    out = run_script([*ddp_launch(), PPO, *TINY, "--total-episodes", "32"], tmp_path, **DDP_ENV)
     assert "ppo: 2 updates, 32 episodes" in out  # 2 updates of 2 ranks x 8 queries
     assert out.count("policy builtin:tiny-gpt2") == 1  # printed by the main process only
 

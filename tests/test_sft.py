@@ -1,12 +1,11 @@
 import math
 import os
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_tokenizer
-from conftest import DDP_ENV, DDP_LAUNCH, ROOT, run_script
+from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")
@@ -60,21 +59,12 @@ def test_sft_options_run(tmp_path, ):
 
 
 def test_sft_bad_input_is_a_clear_error(tmp_path):
-    import subprocess
-    import sys
-
-    def fails(*flags):
-        result = subprocess.run([sys.executable, SFT, *flags], cwd=tmp_path, capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=ROOT))
-        assert result.returncode != 0
-        return result.stderr
-
-    assert "no column ['body']" in fails("--text-column", "body")
-    assert "exceeds the model's context of 256" in fails("--max-seq-length", "1000")
+    assert "no column ['body']" in run_failing([SFT, "--text-column", "body"], tmp_path)
+    assert "exceeds the model's context of 256" in run_failing([SFT, "--max-seq-length", "1000"], tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
-    assert "empty" in fails("--dataset-name", str(tmp_path / "empty.jsonl")).lower()
+    assert "is empty" in run_failing([SFT, "--dataset-name", str(tmp_path / "empty.jsonl")], tmp_path)
 
 
 def test_sft_two_process_ddp(tmp_path):
-    out = run_script([*DDP_LAUNCH, SFT, "--max-steps", "4", "--batch-size", "4", "--max-seq-length", "32"], tmp_path, **DDP_ENV)
+    out = run_script([*ddp_launch(), SFT, "--max-steps", "4", "--batch-size", "4", "--max-seq-length", "32"], tmp_path, **DDP_ENV)
     assert "sft: 4 steps" in out and "of 8 examples" in out  # 2 ranks x 4
