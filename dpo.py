@@ -395,7 +395,9 @@ if __name__ == "__main__":
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        metrics = {k: accelerator.reduce(v, "mean").item() for k, v in metrics.items()}
+        # one collective and one device sync for all the metrics
+        values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
+        metrics = dict(zip(metrics, values))
         logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:

@@ -13,7 +13,6 @@ Usage:
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,8 +32,10 @@ from common import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     FixedKLController,
+    RunningMoments,
     atomic_directory,
     check_columns,
+    check_scores,
     clip_by_value,
     create_reference_model,
     entropy_from_logits,
@@ -268,7 +269,7 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
     """Clipped PPO objective (Schulman et al. 2017, eq. 7) and clipped value loss, as TRL 0.8's `loss`.
 
     All inputs [B, T]. Returns (pg_loss, vf_coef * vf_loss, stats); both losses are zeroed when the mean ratio
-    exceeds `ratio_threshold` (the mini-batch is skipped, stats["skipped"] = 1).
+    exceeds `ratio_threshold` (the mini-batch is skipped, stats["ppo/skipped"] = 1).
     """
     vpredclipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
@@ -277,9 +278,8 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
-    skipped = masked_mean(ratio, mask).item() > ratio_threshold
-    if skipped:
-        pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
+    keep = (masked_mean(ratio, mask) <= ratio_threshold).float()  # a tensor, not an `if`: no device sync
+    pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
     with torch.no_grad():
         stats = {
             "ppo/loss/policy": pg_loss, "ppo/loss/value": vf_coef * vf_loss,
@@ -292,7 +292,7 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
             "ppo/val/vpred": masked_mean(vpreds, mask), "ppo/val/error": masked_mean(vf_losses1, mask),
             "ppo/val/clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask),
             "ppo/val/var_explained": 1 - masked_var(returns - vpreds, mask) / masked_var(returns, mask),
-            "ppo/skipped": torch.tensor(float(skipped)),
+            "ppo/skipped": 1 - keep,
         }
     return pg_loss, vf_coef * vf_loss, stats
 
@@ -310,17 +310,17 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
         decoder_mask = torch.cat([torch.ones_like(start), response_mask[:, :-1]], 1)
         logits, values = model(input_ids=queries, attention_mask=query_mask, decoder_input_ids=decoder_input_ids,
                                decoder_attention_mask=decoder_mask)
-        return (logits / temperature if temperature != 1.0 else logits), values
-    input_ids = torch.cat([queries, responses], 1)
-    attention_mask = torch.cat([query_mask, response_mask], 1)
-    # Left padding: positions must count real tokens only, or logits differ from the unpadded ones
-    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    # Only the last T + 1 logits are needed: skips the vocabulary projection over the query
-    T = responses.shape[1]
-    logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1)
-    logits = logits[:, :-1]
-    return (logits / temperature if temperature != 1.0 else logits), values[:, -T - 1:-1]
+    else:
+        input_ids = torch.cat([queries, responses], 1)
+        attention_mask = torch.cat([query_mask, response_mask], 1)
+        # Left padding: positions must count real tokens only, or logits differ from the unpadded ones
+        position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        # Only the last T + 1 logits are needed: skips the vocabulary projection over the query
+        T = responses.shape[1]
+        logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=T + 1)
+        logits, values = logits[:, :-1], values[:, -T - 1:-1]
+    return (logits / temperature if temperature != 1.0 else logits), values
 
 
 def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=()):
@@ -344,33 +344,6 @@ def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=())
         ends, ended = torch.minimum(ends, stop_end), ended | hit.any(1)
     mask = (positions[None] <= ends[:, None]).long()
     return responses.masked_fill(mask == 0, pad_token_id), mask, ended
-
-
-class RunningMoments:
-    """Running mean/std of the scores over all processes (TRL 0.8 `RunningMoments`, parallel Welford)."""
-
-    def __init__(self):
-        self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
-
-    def update(self, xs: torch.Tensor) -> None:
-        xs_count = xs.numel()
-        xs_var, xs_mean = torch.var_mean(xs.float(), unbiased=False)
-        delta, tot_count = xs_mean.item() - self.mean, self.count + xs_count
-        old_sum = self.var * self.count + delta**2 * self.count * xs_count / tot_count
-        self.mean += delta * xs_count / tot_count
-        self.var = (old_sum + xs_var.item() * xs_count) / tot_count
-        self.std = math.sqrt(self.var * tot_count / (tot_count - 1))
-        self.count = tot_count
-
-
-def check_scores(scores, n: int, source: str) -> torch.Tensor:
-    """The reward must be one finite number per sample: a clear error otherwise."""
-    scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
-    if scores.numel() != n:
-        raise ValueError(f"{source} returned {scores.numel()} scores for {n} responses: return one float each.")
-    if not torch.isfinite(scores).all():
-        raise ValueError(f"{source} returned a NaN or infinite score: {scores.tolist()}")
-    return scores
 
 
 if __name__ == "__main__":
@@ -519,6 +492,12 @@ if __name__ == "__main__":
                     json.dump(dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__), f)
         accelerator.wait_for_everyone()
 
+    def reduce_mean(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Average scalar metrics over ranks in one collective and one device sync."""
+        names = list(metrics)
+        values = accelerator.reduce(torch.stack([metrics[k].float().to(device) for k in names]), "mean")
+        return dict(zip(names, values.tolist()))
+
     @torch.no_grad()
     @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
     def evaluate(update: int) -> dict[str, float]:
@@ -531,9 +510,9 @@ if __name__ == "__main__":
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
-        metrics = {"eval/reward_mean": scores.mean().item()}
-        metrics.update({f"eval/{k}": float(np.mean(v)) for k, v in metric_fn(queries_text, responses_text).items()})
-        metrics = {k: accelerator.reduce(torch.tensor(v, device=device), "mean").item() for k, v in metrics.items()}
+        metrics = {"eval/reward_mean": scores.mean()}
+        metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in metric_fn(queries_text, responses_text).items()})
+        metrics = reduce_mean(metrics)
         logger.log(metrics, update)
         logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
         return metrics
@@ -595,12 +574,13 @@ if __name__ == "__main__":
             values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
                                                              args.whiten_rewards)
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
+        t_forward, t0 = time.time() - t0, time.time()
 
         # ---- optimise ----
         model.train()
         all_stats = []
         for epoch in range(args.ppo_epochs):
-            for i, mb in enumerate(torch.randperm(args.batch_size).split(args.mini_batch_size)):
+            for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb],
                                              args.temperature, decoder_start)
@@ -626,21 +606,22 @@ if __name__ == "__main__":
 
         # ---- log ----
         with torch.no_grad():
-            mean_kl = accelerator.reduce(kls.sum(1).mean(), "mean").item()
-            metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean().to(device) for k in all_stats[0]}
+            metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean() for k in all_stats[0]}
             metrics.update({
-                "objective/kl": torch.tensor(mean_kl), "objective/kl_coef": torch.tensor(kl_ctl.value),
-                "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
+                "objective/kl": kls.sum(1).mean(), "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
                 "objective/non_score_reward": non_score_rewards.sum(1).mean(),
                 "env/reward_mean": raw_scores.mean(), "env/reward_std": raw_scores.std(),
                 "env/score_mean": scores.mean(), "env/contains_eos": ended.float().mean(),
                 "tokens/query_len": query_mask.sum(1).float().mean(), "tokens/response_len": mask.sum(1).mean(),
                 "ppo/epochs_done": torch.tensor(float(epoch + 1)),
             })
-            metrics = {k: accelerator.reduce(v.float().to(device), "mean").item() for k, v in metrics.items()}
+            metrics = reduce_mean(metrics)
+        mean_kl = metrics["objective/kl"]
+        metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
         kl_ctl.update(mean_kl, args.batch_size * args.world_size)
-        step_time = t_rollout + t_score + t_optimise
-        metrics.update({"time/rollout": t_rollout, "time/score": t_score, "time/optimise": t_optimise,
+        step_time = t_rollout + t_score + t_forward + t_optimise
+        metrics.update({"time/rollout": t_rollout, "time/score": t_score, "time/forward": t_forward,
+                        "time/optimise": t_optimise,
                         "throughput/episodes_per_s": per_update / step_time,
                         "throughput/tokens_per_s": per_update * (metrics["tokens/query_len"] + metrics["tokens/response_len"]) / step_time,
                         "charts/learning_rate": scheduler.get_last_lr()[0], "charts/episodes": (update + 1) * per_update})

@@ -243,7 +243,9 @@ if __name__ == "__main__":
                 continue
             step += 1
             progress.update(1)
-            metrics = {f"train/{k}": accelerator.reduce(v, "mean").item() for k, v in metrics.items()}
+            # one collective and one device sync for all the metrics
+            values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
+            metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
             logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch}, step)
             progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
             if step % args.eval_steps == 0 and step < total_steps:

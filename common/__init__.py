@@ -5,6 +5,8 @@ from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
     FixedKLController,
+    RunningMoments,
+    check_scores,
     clip_by_value,
     entropy_from_logits,
     exact_div,

@@ -60,6 +60,26 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
+class RunningMoments:
+    """Running mean and (Bessel-corrected) std of a stream of batches: TRL 0.8 `RunningMoments`, parallel Welford.
+
+    Pass each batch gathered over all processes so every rank keeps the same statistics.
+    """
+
+    def __init__(self):
+        self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs_count = xs.numel()
+        xs_var, xs_mean = torch.var_mean(xs.float(), unbiased=False)
+        delta, tot_count = xs_mean.item() - self.mean, self.count + xs_count
+        old_sum = self.var * self.count + delta**2 * self.count * xs_count / tot_count
+        self.mean += delta * xs_count / tot_count
+        self.var = (old_sum + xs_var.item() * xs_count) / tot_count
+        self.std = (self.var * tot_count / (tot_count - 1)) ** 0.5
+        self.count = tot_count
+
+
 def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
     """Element-wise clamp of x between two tensors (torch.clamp takes tensors only in newer versions)."""
     return torch.max(torch.min(x, tensor_max), tensor_min)
@@ -109,6 +129,16 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
+
+
+def check_scores(scores, n: int, source: str) -> torch.Tensor:
+    """A reward must be one finite float per sample: the scores as a [n] tensor, or an error naming `source`."""
+    scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    if scores.numel() != n:
+        raise ValueError(f"{source} returned {scores.numel()} scores for {n} samples: return one float each.")
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"{source} returned a NaN or infinite score: {scores.tolist()}")
+    return scores
 
 
 def exact_div(a: int, b: int, what: str = "") -> int:

@@ -11,8 +11,10 @@ from common import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     FixedKLController,
+    RunningMoments,
     atomic_directory,
     check_columns,
+    check_scores,
     clip_by_value,
     create_reference_model,
     entropy_from_logits,
@@ -89,6 +91,25 @@ def test_adaptive_kl_controller_follows_formula_over_updates():
     fixed = FixedKLController(0.1)
     fixed.update(100.0, 1000)
     assert fixed.value == 0.1
+
+
+def test_running_moments_equal_the_statistics_of_everything_seen():
+    torch.manual_seed(0)
+    batches = [torch.randn(5) * 3 + 1, torch.randn(8) - 2, torch.randn(3) * 0.5]
+    moments = RunningMoments()
+    for batch in batches:
+        moments.update(batch)
+    everything = torch.cat(batches)
+    assert moments.mean == pytest.approx(everything.mean().item(), abs=1e-5)
+    assert moments.std == pytest.approx(everything.std().item(), abs=1e-5)  # unbiased, like torch.std
+
+
+def test_check_scores_rejects_bad_rewards():
+    assert check_scores([0.5, 1.0], 2, "reward_fn").tolist() == [0.5, 1.0]
+    with pytest.raises(ValueError, match="returned 1 scores for 2 samples"):
+        check_scores([0.5], 2, "reward_fn")
+    with pytest.raises(ValueError, match="NaN"):
+        check_scores([0.5, float("nan")], 2, "reward_fn")
 
 
 def test_exact_div():
