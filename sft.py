@@ -155,9 +155,12 @@ if __name__ == "__main__":
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    context = getattr(load_config(args.model_name), "n_positions", None) or getattr(load_config(args.model_name), "max_position_embeddings", None)
+    config = load_config(args.model_name)
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if context and args.max_seq_length > context:
         raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
+    if args.packing and (args.prompt_column or args.response_template):
+        raise ValueError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
 
     # ---- data: tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
@@ -182,17 +185,16 @@ if __name__ == "__main__":
                 examples.append(dict(input_ids=ids, labels=labels))
         return examples
 
-    train_examples, eval_examples = tokenize(train_dataset), tokenize(eval_dataset)
-    if len(train_examples) < len(train_dataset):
-        accelerator.print(f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
-                          "(no response template, or nothing left to learn after truncation)")
-    if args.packing:
-        if args.prompt_column or template_ids:
-            raise ValueError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
+    if args.packing:  # whole texts, untruncated: a text may span two blocks (ConstantLengthDataset)
         train_examples, eval_examples = (
-            [dict(input_ids=b, labels=b) for b in pack_sequences([e["input_ids"][:-1] for e in examples],
+            [dict(input_ids=b, labels=b) for b in pack_sequences(tokenizer(list(split[args.text_column]))["input_ids"],
                                                                  args.max_seq_length, tokenizer.eos_token_id)]
-            for examples in (train_examples, eval_examples))
+            for split in (train_dataset, eval_dataset))
+    else:
+        train_examples, eval_examples = tokenize(train_dataset), tokenize(eval_dataset)
+        if len(train_examples) < len(train_dataset):
+            accelerator.print(f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
+                              "(no response template, or nothing left to learn after truncation)")
     if not train_examples or not eval_examples:
         raise ValueError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
                          "examples): use more data, a smaller --max-seq-length with --packing, or a larger --eval-fraction.")
