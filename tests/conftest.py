@@ -13,8 +13,56 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 
+def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exception | None]:
+    """Run `python script.py ...` in this process (runpy, as __main__); return its output and its error, if any.
+
+    Saves the ~10 s a subprocess spends importing torch, transformers and peft. accelerate's process-wide state is
+    reset around each run, so every script starts as it would in a fresh interpreter.
+    """
+    import contextlib
+    import gc
+    import io
+    import runpy
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    old_argv, old_cwd, old_env = sys.argv, os.getcwd(), dict(os.environ)
+    sys.argv, error, output = [str(a) for a in args], None, io.StringIO()
+    os.environ.update(env_overrides)
+    os.chdir(cwd)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            runpy.run_path(str(args[0]), run_name="__main__")
+    except SystemExit as e:  # e.g. --help
+        error = None if e.code in (0, None) else e
+    except Exception as e:  # noqa: BLE001 - the caller decides
+        error = e
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        gc.collect()
+    return output.getvalue(), error
+
+
 def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -> str:
-    """Run a script through its real CLI (like CleanRL's tests); fail with its output when it fails."""
+    """Run a script through its real CLI (like CleanRL's tests); fail with its output when it fails.
+
+    `python script.py ...` runs in-process; a launcher (`-m accelerate.commands.launch ...`) in a subprocess.
+    """
+    if str(args[0]).endswith(".py"):
+        output, error = run_in_process(args, cwd, **env_overrides)
+        if error is not None:
+            import traceback
+
+            trace = "".join(traceback.format_exception(error))
+            pytest.fail(f"{' '.join(map(str, args))} failed\n{output[-4000:]}\n{trace[-6000:]}")
+        return output
     env = dict(os.environ, PYTHONPATH=ROOT, **env_overrides)
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=timeout)
@@ -24,25 +72,10 @@ def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -
 
 
 def run_failing(args: list[str], cwd: str) -> str:
-    """Run a script's CLI that must fail on bad input; return its error message.
-
-    In-process (runpy, as `python script.py ...` would): bad input is rejected before any training, so this
-    skips the seconds a subprocess spends importing torch and transformers.
-    """
-    import runpy
-
-    old_argv, old_cwd = sys.argv, os.getcwd()
-    sys.argv, error = [str(a) for a in args], None
-    os.chdir(cwd)
-    try:
-        runpy.run_path(args[0], run_name="__main__")
-    except Exception as e:  # noqa: BLE001 - the error is what the test checks
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        sys.argv = old_argv
-        os.chdir(old_cwd)
+    """Run a script's CLI that must fail on bad input (in-process); return its error message."""
+    _, error = run_in_process(args, cwd)
     assert error is not None, f"{' '.join(map(str, args))} should have failed"
-    return error
+    return f"{type(error).__name__}: {error}"
 
 
 def ddp_launch() -> list[str]:
