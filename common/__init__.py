@@ -23,5 +23,13 @@ from common.models import (
     peft_model_of,
     reference_context,
 )
-from common.presets import check_columns, load_config, load_data, load_pretrained, load_tokenizer, train_eval_split
+from common.presets import (
+    check_columns,
+    load_config,
+    load_data,
+    load_pipeline,
+    load_pretrained,
+    load_tokenizer,
+    train_eval_split,
+)
 from common.run import RunLogger, atomic_directory, start_run

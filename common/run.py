@@ -65,6 +65,14 @@ class RunLogger:
                               for row in rows)
         self.writer.add_text(title, markdown, step)
 
+    def image(self, title: str, image, step: int) -> None:
+        """Log a PIL image to TensorBoard and save it as {log_dir}/{run_name}/{title}_{step}.png."""
+        if self.writer is not None:
+            import numpy as np
+
+            self.writer.add_image(title, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+            image.save(os.path.join(self.writer.log_dir, f"{title}_{step}.png"))
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
