@@ -326,10 +326,12 @@ if __name__ == "__main__":
     scheduler, unet = pipeline.scheduler, pipeline.unet
     resolution = args.resolution or unet.config.sample_size * pipeline.vae_scale_factor
     inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-    pipeline.vae.requires_grad_(False).to(device, inference_dtype)
-    pipeline.text_encoder.requires_grad_(False).to(device, inference_dtype)
+    # frozen parts in the inference dtype (only cast when it is not fp32: diffusers warns about any cast)
+    for frozen in (pipeline.vae, pipeline.text_encoder) + ((unet,) if args.use_lora else ()):
+        frozen.requires_grad_(False).to(device)
+        if inference_dtype != torch.float32:
+            frozen.to(inference_dtype)
     if args.use_lora:
-        unet.requires_grad_(False).to(device, inference_dtype)
         unet.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, init_lora_weights="gaussian",
                                     target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
         for p in unet.parameters():

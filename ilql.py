@@ -1,0 +1,435 @@
+"""ILQL: Implicit Language Q-Learning (Snell et al. 2022), offline RL for language models, as in trlX's
+AccelerateILQLTrainer / ILQLConfig / AutoModelForCausalLMWithILQLHeads.
+
+From a fixed dataset of (prompt, response, reward), learn token-level Q(s, a) and V(s) on top of a causal LM:
+V fits an upper expectile of Q (implicit Q-learning, Kostrikov et al. 2021), so no action outside the data is ever
+queried; Q fits reward + gamma * V(next). The LM itself is trained on the data (AWAC-weighted cross entropy), a CQL
+term keeps Q low on unseen tokens. At generation the behaviour policy's log-probs are shifted by beta * (Q - V).
+
+Usage:
+    python ilql.py                                  # offline: tiny GPT-2, chatterbot replies scored by VADER
+    accelerate launch ilql.py --gen-beta 2 --cql-scale 0.5
+    accelerate launch --config_file configs/multi_gpu.yaml ilql.py --model-name gpt2 --dataset-name data.jsonl \\
+        --reward-column reward
+"""
+
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from common import (
+    atomic_directory,
+    check_columns,
+    check_scores,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    masked_mean,
+    peft_model_of,
+    start_run,
+    train_eval_split,
+)
+
+HEADS_FILE = "ilql_heads.safetensors"
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-gpt2"
+    """a causal LM (hub id, local folder, builtin:tiny-gpt2) or a folder saved by this script (heads load back)"""
+    dataset_name: str = "builtin:chatterbot-dialogue"
+    """a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-dialogue"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    prompt_column: str | None = "prompt"
+    """the prompt column; None for (text, reward) data: the whole text is the response to an empty (BOS) prompt"""
+    response_column: str = "completion"
+    """the response column (the text column for (text, reward) data)"""
+    reward_column: str | None = None
+    """the reward column; None scores every response with `reward_fn` in this file (VADER sentiment)"""
+    max_length: int = 64
+    """prompt + response tokens; longer samples lose prompt tokens from the left, then response tokens"""
+    eval_fraction: float = 0.05
+    """fraction of the rows held out; their prompts are used for evaluation"""
+
+    # ILQL (defaults: trlX's ILQLConfig, except the target sync rate)
+    tau: float = 0.7
+    """expectile of the V loss: V fits the tau-expectile of Q (0.5: the mean; towards 1: the max)"""
+    gamma: float = 0.99
+    """discount factor"""
+    cql_scale: float = 0.1
+    """weight of the CQL term (cross entropy of Q as logits against the data's tokens)"""
+    awac_scale: float = 1.0
+    """weight of the AWAC term (the LM's cross entropy, weighted by exp(awac_beta * (Q - V)))"""
+    awac_beta: float = 0.0
+    """temperature of the AWAC weights (trlX's `beta`; 0: plain cross entropy, the behaviour policy)"""
+    alpha: float = 0.1
+    """Polyak rate: at a sync, target <- alpha * online + (1 - alpha) * target (trlX: 0.001 every 5 steps, for runs of
+    thousands of steps; in the few hundred steps of a CPU run such targets stay at their init)"""
+    steps_for_target_q_sync: int = 1
+    """optimizer steps between target Q head syncs (trlX: 5)"""
+    two_qs: bool = True
+    """two Q heads (and targets); the minimum of the targets is used (clipped double Q)"""
+
+    # Optimisation
+    num_epochs: int = 2
+    """passes over the training data"""
+    max_steps: int = -1
+    """if > 0: stop after this many optimizer steps (overrides num_epochs)"""
+    batch_size: int = 32
+    """samples per micro-batch on each process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate (trlX's examples use 5e-5 on pretrained GPT-2; the random tiny default needs more)"""
+    weight_decay: float = 1e-6
+    """AdamW weight decay"""
+    lr_scheduler_type: str = "cosine"
+    """transformers scheduler name (linear, cosine, constant, ...)"""
+    warmup_ratio: float = 0.0
+    """fraction of the steps spent warming up the learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    use_peft: bool = False
+    """train LoRA adapters on the LM (the heads are trained fully); merged into the saved model"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+
+    # Generation and evaluation
+    gen_beta: float = 4.0
+    """advantage scale at generation: log pi(a|s) + gen_beta * (Q(s, a) - V(s)); 0 samples the behaviour policy"""
+    top_k: int = 20
+    """top-k of the shifted logits (0: off)"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    max_new_tokens: int = 24
+    """response tokens generated at evaluation"""
+    eval_samples: int = 64
+    """held-out prompts per evaluation (each process)"""
+    eval_steps: int = 100
+    """evaluate every this many optimizer steps (and at the start and end)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0: only the final model)"""
+    resume_from: str | None = None
+    """a checkpoint folder ({output_dir}_checkpoints/step_N) to continue from"""
+    output_dir: str = "outputs/ilql"
+    """the LM (plain from_pretrained format, LoRA merged) and ilql_heads.safetensors"""
+
+
+def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
+    """The default reward: VADER compound sentiment of each response, in [-1, 1]. Replace it with your own."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = reward_fn.analyzer = getattr(reward_fn, "analyzer", None) or SentimentIntensityAnalyzer()
+    return [analyzer.polarity_scores(r)["compound"] for r in responses]
+
+
+def metric_fn(prompts: list[str], responses: list[str]) -> dict[str, list[float]]:
+    """Extra evaluation metrics (trlX `metric_fn`): name -> one value per sample. Replace it with your own."""
+    return {"response_words": [float(len(r.split())) for r in responses],
+            "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses]}
+
+
+def make_head(hidden_size: int, out_size: int) -> nn.Sequential:
+    """trlX's head: Linear(h, 2h) -> ReLU -> Linear(2h, out)."""
+    return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size), nn.ReLU(), nn.Linear(2 * hidden_size, out_size))
+
+
+class CausalLMWithILQLHeads(nn.Module):
+    """A causal LM with a V head, one or two Q heads over the vocabulary, and frozen target copies of the Q heads,
+    all on the LM's final hidden states. `save_pretrained` writes the LM (plain `from_pretrained` loads it) and the
+    heads in ilql_heads.safetensors beside it; `from_pretrained` loads them back."""
+
+    def __init__(self, lm: nn.Module, two_qs: bool = True):
+        super().__init__()
+        self.lm = lm
+        hidden_size, vocab_size = lm.config.get_text_config().hidden_size, lm.get_output_embeddings().weight.shape[0]
+        self.v_head = make_head(hidden_size, 1)
+        self.q_heads = nn.ModuleList(make_head(hidden_size, vocab_size) for _ in range(2 if two_qs else 1))
+        self.target_q_heads = copy.deepcopy(self.q_heads).requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, name: str, two_qs: bool = True):
+        model = cls(load_pretrained(name, AutoModelForCausalLM), two_qs)
+        heads_file = os.path.join(name, HEADS_FILE)
+        if os.path.isfile(heads_file):
+            model.load_state_dict(load_file(heads_file), strict=False)
+        return model
+
+    def save_pretrained(self, directory: str) -> None:
+        self.lm.save_pretrained(directory)
+        heads = {k: v.contiguous() for k, v in self.state_dict().items() if not k.startswith("lm.")}
+        save_file(heads, os.path.join(directory, HEADS_FILE))
+
+    def forward(self, input_ids, attention_mask, states_ixs, actions_ixs, actions):
+        """At the N action positions: LM logits [B, N, V], each Q head's [B, N, V], each target Q head's value of the
+        taken action [B, N]; V [B, N + 1] at the states."""
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        at = lambda ixs: hidden.gather(1, ixs.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # noqa: E731
+        actions_hidden = at(actions_ixs)
+        logits = self.lm.get_output_embeddings()(actions_hidden)  # only where an action is taken
+        qs = [head(actions_hidden) for head in self.q_heads]
+        with torch.no_grad():  # targets need only the taken token: its row of the last layer, not all V of them
+            target_qs = []
+            for head in self.target_q_heads:
+                features, last = head[:-1](actions_hidden), head[-1]
+                target_qs.append((features * last.weight[actions]).sum(-1) + last.bias[actions])
+        return logits, qs, target_qs, self.v_head(at(states_ixs)).squeeze(-1)
+
+    @torch.no_grad()
+    def sync_target_q_heads(self, alpha: float) -> None:
+        """Polyak averaging: target <- alpha * online + (1 - alpha) * target."""
+        for target, online in zip(self.target_q_heads.parameters(), self.q_heads.parameters()):
+            target.copy_(alpha * online + (1.0 - alpha) * target)
+
+
+def ilql_loss(logits: torch.Tensor, qs: list[torch.Tensor], target_qs: list[torch.Tensor], vs: torch.Tensor,
+              actions: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor, gamma: float, tau: float,
+              cql_scale: float, awac_scale: float, awac_beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """trlX's `ILQLConfig.loss` (Snell et al. 2022, Eq. 1-3 with the CQL and AWAC terms of Section 4).
+
+    logits, qs: [B, N, V] at the N action positions; target_qs: each target head's Q of the taken action [B, N];
+    vs: [B, N + 1] at the states (the N states an action was taken from, then the final state); actions, rewards:
+    [B, N]; dones: [B, N + 1], 1 where a state is followed by another (0 at the final state and in padding). Every
+    term averages over the real (non-padded) actions.
+    """
+    terminal_mask = dones[:, :-1].float()  # [B, N]: the real actions
+    n = terminal_mask.sum().clamp(min=1)
+    q = [qi.gather(-1, actions.unsqueeze(-1)).squeeze(-1) for qi in qs]
+    target_q = torch.stack(target_qs).amin(0).detach()  # clipped double Q
+    v, v_next = vs[:, :-1], vs[:, 1:] * dones[:, 1:]  # V(s'), zero after the last action
+    q_target = rewards + gamma * v_next.detach()
+    loss_q = sum(((qi - q_target) ** 2 * terminal_mask).sum() / n for qi in q)
+    # expectile regression of V towards the (target) Q: weight tau above V, 1 - tau below
+    weight = torch.where(target_q >= v, tau, 1 - tau)
+    loss_v = (weight * (target_q - v) ** 2 * terminal_mask).sum() / n
+    cross_entropy = lambda x: F.cross_entropy(x.flatten(0, 1).float(), actions.flatten(), reduction="none").view_as(actions)  # noqa: E731
+    loss_cql = sum((cross_entropy(qi) * terminal_mask).sum() / n for qi in qs)
+    awac_weight = torch.exp(awac_beta * (target_q - v)).detach()
+    loss_awac = (cross_entropy(logits) * awac_weight * terminal_mask).sum() / n
+    loss = loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac
+    stats = {"losses/loss": loss, "losses/loss_q": loss_q, "losses/loss_v": loss_v, "losses/loss_cql": loss_cql,
+             "losses/loss_awac": loss_awac, "values/v": masked_mean(v, terminal_mask),
+             "values/q": masked_mean(q[0], terminal_mask), "values/advantage": masked_mean(target_q - v, terminal_mask)}
+    return loss, {k: x.detach().float() for k, x in stats.items()}
+
+
+def advantage_logits(logits: torch.Tensor, target_qs: list[torch.Tensor], v: torch.Tensor, beta: float) -> torch.Tensor:
+    """trlX's generation scores: log_softmax(logits) + beta * (min_i target Q_i - V). logits, Q: [..., V]; v: [...]."""
+    return F.log_softmax(logits.float(), -1) + beta * (torch.stack(target_qs).amin(0) - v.unsqueeze(-1))
+
+
+def tokenize_sample(tokenizer, prompt: str | None, response: str, max_length: int) -> dict | None:
+    """Tokens of prompt + response + EOS; actions are the response tokens (trlX's `make_experience`).
+
+    states_ixs: the positions an action is taken from (the one before each response token) and the last position;
+    dones: 1 for every state but the last. None when nothing of the response fits.
+    """
+    prompt_ids = tokenizer(prompt)["input_ids"] if prompt else [tokenizer.bos_token_id]
+    response_ids = tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
+    prompt_ids = prompt_ids[-max(1, max_length - len(response_ids)):]  # keep the prompt's end
+    response_ids = response_ids[: max_length - len(prompt_ids)]
+    if not response_ids:
+        return None
+    actions_ixs = list(range(len(prompt_ids) - 1, len(prompt_ids) + len(response_ids) - 1))
+    return dict(input_ids=prompt_ids + response_ids, actions_ixs=actions_ixs, states_ixs=actions_ixs + [actions_ixs[-1] + 1],
+                dones=[1] * len(actions_ixs) + [0])
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    device = accelerator.device
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+
+    # ---- data: tokenised samples with normalised terminal rewards ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    columns = [c for c in (args.prompt_column, args.response_column, args.reward_column) if c]
+    check_columns(dataset, columns, "--prompt-column / --response-column / --reward-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    prompts = list(train_dataset[args.prompt_column]) if args.prompt_column else [None] * len(train_dataset)
+    responses = list(train_dataset[args.response_column])
+    scores = train_dataset[args.reward_column] if args.reward_column else reward_fn([p or "" for p in prompts], responses)
+    returns = check_scores(scores, len(responses), f"the reward column {args.reward_column!r}" if args.reward_column else "reward_fn")
+    returns = (returns - returns.mean()) / (returns.std() + torch.finfo(returns.dtype).eps)  # trlX normalises returns
+    samples = []
+    for prompt, response, ret in zip(prompts, responses, returns.tolist()):
+        sample = tokenize_sample(tokenizer, prompt, response, args.max_length)
+        if sample is not None:
+            samples.append(sample | {"rewards": [0.0] * (len(sample["actions_ixs"]) - 1) + [ret]})
+    if args.prompt_column:
+        eval_prompts = list(dict.fromkeys(eval_dataset[args.prompt_column]))[: args.eval_samples]
+    else:  # (text, reward) data: the start of held-out texts as prompts
+        eval_prompts = [" ".join(t.split()[:3]) for t in eval_dataset[args.response_column]][: args.eval_samples]
+    eval_prompts = eval_prompts[accelerator.process_index:: accelerator.num_processes]
+    per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(samples) // per_step
+    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    if total_steps == 0:
+        raise ValueError(f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
+                         "lower --batch-size or --gradient-accumulation-steps.")
+    accelerator.print(f"{len(samples)} training samples (reward mean {torch.as_tensor(scores, dtype=torch.float).mean():.3f}), "
+                      f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps")
+
+    def batch_of(step: int) -> dict:
+        """This rank's micro-batch: a seeded reshuffle per epoch (a resume continues exactly), right-padded."""
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
+        chunk = [samples[j] for j in order[start: start + args.batch_size].tolist()]
+        width = {key: max(len(s[key]) for s in chunk) for key in chunk[0]}
+        pad = lambda key, value: torch.tensor([s[key] + [value] * (width[key] - len(s[key])) for s in chunk])  # noqa: E731
+        batch = dict(input_ids=pad("input_ids", tokenizer.pad_token_id), actions_ixs=pad("actions_ixs", 0),
+                     states_ixs=pad("states_ixs", 0), dones=pad("dones", 0), rewards=pad("rewards", 0.0))
+        batch["attention_mask"] = torch.tensor([[1] * len(s["input_ids"]) + [0] * (width["input_ids"] - len(s["input_ids"]))
+                                                for s in chunk])
+        return {k: v.to(device) for k, v in batch.items()}
+
+    # ---- model ----
+    model = CausalLMWithILQLHeads.from_pretrained(args.model_name, args.two_qs)
+    if args.use_peft:
+        model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
+    model.to(device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps * accelerator.num_processes)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    start_step = 0
+    if args.resume_from:
+        accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
+        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
+            start_step = json.load(f)["step"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
+
+    @torch.no_grad()
+    def generate(prompts: list[str], beta: float) -> list[str]:
+        """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
+        heads = accelerator.unwrap_model(model)
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        past, generated = None, []
+        for _ in range(args.max_new_tokens):
+            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+            out = heads.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=past, use_cache=True, output_hidden_states=True)
+            past, hidden = out.past_key_values, out.hidden_states[-1][:, -1]
+            scores = advantage_logits(out.logits[:, -1], [h(hidden) for h in heads.target_q_heads],
+                                      heads.v_head(hidden).squeeze(-1), beta)
+            if args.top_k:
+                scores = scores.masked_fill(scores < scores.topk(args.top_k, -1).values[:, -1:], float("-inf"))
+            tokens = torch.multinomial(F.softmax(scores / args.temperature, -1), 1).squeeze(-1)
+            tokens = tokens.masked_fill(finished, tokenizer.pad_token_id)
+            generated.append(tokens)
+            finished |= tokens == tokenizer.eos_token_id
+            input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, (~finished | (tokens == tokenizer.eos_token_id))[:, None].long()], 1)
+            if finished.all():
+                break
+        return tokenizer.batch_decode(torch.stack(generated, 1), skip_special_tokens=True)
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict[str, float]:
+        """Reward of generations on the held-out prompts with beta = 0 (behaviour policy) and beta = gen_beta."""
+        model.eval()
+        results, columns = {}, {"prompt": eval_prompts}
+        with torch.random.fork_rng():
+            torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
+            for beta in dict.fromkeys([0.0, args.gen_beta]):
+                responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i: i + 64], beta)]
+                rewards = torch.tensor(reward_fn(eval_prompts, responses), device=device)
+                results[f"eval/reward_beta_{beta:g}"] = accelerator.gather(rewards).mean().item()
+                for name, values in metric_fn(eval_prompts, responses).items():
+                    results[f"eval/{name}_beta_{beta:g}"] = accelerator.gather(torch.tensor(values, device=device)).mean().item()
+                columns |= {f"beta={beta:g}": responses, f"reward (beta={beta:g})": rewards.tolist()}
+        logger.log(results, step)
+        logger.samples("eval samples", columns, step)
+        model.train()
+        return results
+
+    def save_checkpoint(path: str, step: int) -> None:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with atomic_directory(path) as tmp:
+                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"step": step}, f)
+        accelerator.wait_for_everyone()
+
+    # ---- train ----
+    first_eval, start_time = evaluate(start_step), time.time()
+    model.train()
+    progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="ilql")
+    for step in progress:
+        for micro in range(args.gradient_accumulation_steps):
+            batch = batch_of(step * args.gradient_accumulation_steps + micro)
+            with accelerator.accumulate(model):
+                actions = batch["input_ids"].gather(1, batch["actions_ixs"] + 1)  # the token each action emits
+                logits, qs, target_qs, vs = model(batch["input_ids"], batch["attention_mask"], batch["states_ixs"],
+                                                  batch["actions_ixs"], actions)
+                loss, metrics = ilql_loss(logits, qs, target_qs, vs, actions, batch["rewards"], batch["dones"],
+                                          args.gamma, args.tau, args.cql_scale, args.awac_scale, args.awac_beta)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        if (step + 1) % args.steps_for_target_q_sync == 0:
+            accelerator.unwrap_model(model).sync_target_q_heads(args.alpha)
+        values = accelerator.reduce(torch.stack(list(metrics.values())), "mean").tolist()  # one collective, one sync
+        metrics = dict(zip(metrics, values))
+        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
+        progress.set_postfix(loss=f"{metrics['losses/loss']:.3f}", adv=f"{metrics['values/advantage']:.3f}")
+        if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            evaluate(step + 1)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}"), step + 1)
+    last_eval = evaluate(total_steps)
+
+    # ---- save: the LM in plain from_pretrained format (LoRA merged), the heads beside it ----
+    unwrapped = accelerator.unwrap_model(model)
+    if peft_model_of(unwrapped.lm) is not None:
+        unwrapped.lm = unwrapped.lm.merge_and_unload()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    beta_key = f"eval/reward_beta_{args.gen_beta:g}"
+    accelerator.print(
+        f"ilql: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval reward beta=0 "
+        f"{first_eval['eval/reward_beta_0']:.3f} -> {last_eval['eval/reward_beta_0']:.3f}, beta={args.gen_beta:g} "
+        f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}")
+    logger.close()
