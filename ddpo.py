@@ -395,6 +395,7 @@ if __name__ == "__main__":
     @torch.no_grad()
     def evaluate() -> float:
         """Mean reward of `eval_samples` images from fixed prompts and noise: the same before and after training."""
+        unet.eval()
         set_seed(10**6 + accelerator.process_index)  # the training loop reseeds every epoch, so nothing is disturbed
         prompts = [prompt_fn()[0] for _ in range(args.eval_samples)]
         images = torch.cat([sample(unet, prompts[i: i + args.sample_batch_size], None)["images"]
@@ -449,8 +450,8 @@ if __name__ == "__main__":
             batch = sample(unet, list(prompts), generator=None)
             batch.update(prompts=list(prompts))
             batches.append(batch)
-            args_ = (batch["images"], list(prompts), list(metadata))
-            rewards.append(executor.submit(call_reward_fn, *args_) if executor else call_reward_fn(*args_))
+            reward_inputs = (batch["images"], list(prompts), list(metadata))
+            rewards.append(executor.submit(call_reward_fn, *reward_inputs) if executor else call_reward_fn(*reward_inputs))
         rewards = torch.cat([(r.result() if executor else r)[0] for r in rewards]).to(device)  # [samples_per_epoch]
         samples = {k: torch.cat([b[k] for b in batches]) for k in ("prompt_embeds", "latents", "log_probs", "timesteps")}
         prompts = sum((b["prompts"] for b in batches), [])
