@@ -501,8 +501,6 @@ if __name__ == "__main__":
                     infos["train/clipfrac"].append(((ratio - 1.0).abs() > args.train_clip_range).float().mean().detach())
                     if accelerator.sync_gradients:
                         global_step += 1
-        if not accelerator.sync_gradients:
-            raise RuntimeError("An epoch ended mid-accumulation: the size checks above should have prevented this.")
 
         # ---- log ----
         train_metrics = accelerator.reduce(torch.stack([torch.stack(v).mean() for v in infos.values()]), "mean").tolist()

@@ -121,7 +121,11 @@ def test_full_fine_tuning_saves_a_pipeline(tmp_path):
     out = run_script([DDPO, *TINY, "--num-epochs", "1", "--no-use-lora", "--no-per-prompt-stat-tracking",
                       "--sample-guidance-scale", "1.0", "--train-timestep-fraction", "0.5"], tmp_path)
     assert "pipeline saved to outputs/ddpo" in out
-    assert StableDiffusionPipeline.from_pretrained(str(tmp_path / "outputs" / "ddpo")).unet is not None
+    from common import load_pipeline
+
+    trained = StableDiffusionPipeline.from_pretrained(str(tmp_path / "outputs" / "ddpo")).unet.state_dict()
+    base = load_pipeline("builtin:tiny-sd").unet.state_dict()
+    assert trained.keys() == base.keys() and any(not torch.equal(trained[k], base[k]) for k in base)
 
 
 def test_ddpo_raises_the_compressibility_reward(tmp_path):
