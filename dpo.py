@@ -386,6 +386,7 @@ if __name__ == "__main__":
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="dpo")
     for step in progress:
+        step_start = time.time()
         for micro in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
                 loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro), "train")
@@ -398,7 +399,9 @@ if __name__ == "__main__":
         # one collective and one device sync for all the metrics
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = dict(zip(metrics, values))
-        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
+        step_time = time.time() - step_start
+        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "time/step": step_time,
+                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time}, step + 1)
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)

@@ -89,6 +89,8 @@ class Args:
     """forward/backward passes per optimizer step"""
     num_epochs: int = 4
     """passes over the training pairs"""
+    max_steps: int = -1
+    """optimizer steps to run (overrides num_epochs when > 0)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     eval_steps: int = 50
@@ -193,7 +195,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * args.num_epochs
+    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
+    pairs_per_step = args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps * accelerator.num_processes)
     model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
@@ -229,7 +232,8 @@ if __name__ == "__main__":
     first_eval, step, start_time = evaluate(0), 0, time.time()
     progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="reward model")
     model.train()
-    for epoch in range(args.num_epochs):
+    step_start = time.time()
+    while step < total_steps:
         for batch in train_loader:
             with accelerator.accumulate(model):
                 loss, metrics = pair_metrics(batch)
@@ -246,10 +250,15 @@ if __name__ == "__main__":
             # one collective and one device sync for all the metrics
             values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
             metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
-            logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch}, step)
+            step_time = time.time() - step_start
+            logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
+                                  "time/step": step_time, "throughput/pairs_per_s": pairs_per_step / step_time}, step)
             progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
             if step % args.eval_steps == 0 and step < total_steps:
                 evaluate(step)
+            if step >= total_steps:
+                break
+            step_start = time.time()  # evaluation is not part of the step time
     progress.close()
     last_eval = evaluate(step)
 

@@ -248,8 +248,10 @@ if __name__ == "__main__":
     first_eval_loss, step, start_time = evaluate(0), 0, time.time()
     progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="sft")
     model.train()
+    step_start, step_tokens = time.time(), 0
     while step < total_steps:
         for batch in train_loader:
+            step_tokens += batch["attention_mask"].sum()
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -264,8 +266,10 @@ if __name__ == "__main__":
             progress.update(1)
             train_loss = accelerator.reduce(loss.detach(), "mean").item()
             progress.set_postfix(loss=f"{train_loss:.3f}")
+            step_time = time.time() - step_start
             logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                        "train/epoch": step / steps_per_epoch}, step)
+                        "train/epoch": step / steps_per_epoch, "time/step": step_time,
+                        "throughput/tokens_per_s": accelerator.reduce(step_tokens, "sum").item() / step_time}, step)
             if step % args.eval_steps == 0 and step < total_steps:
                 evaluate(step)
             if args.save_steps and step % args.save_steps == 0:
@@ -276,6 +280,7 @@ if __name__ == "__main__":
                         tokenizer.save_pretrained(tmp)
             if step >= total_steps:
                 break
+            step_start, step_tokens = time.time(), 0  # evaluation and checkpoints are not part of the step time
     progress.close()
     last_eval_loss = evaluate(step)
 

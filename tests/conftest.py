@@ -90,3 +90,27 @@ def ddp_launch() -> list[str]:
 
 # Real 2-process DDP over gloo on CPU: accelerate needs ACCELERATE_USE_CPU, or each process runs alone
 DDP_ENV = dict(ACCELERATE_USE_CPU="1")
+
+
+@pytest.fixture()
+def pairs_file(tmp_path):
+    """40 (prompt, chosen, rejected) pairs of the built-in preferences in a local jsonl file."""
+    import json
+
+    from common import load_data
+
+    rows = load_data("builtin:vader-preferences").select(range(40)).to_list()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def read_scalars(run_dir: str, tag: str) -> list[float]:
+    """A TensorBoard scalar's values, in step order, from the (only) run under run_dir."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
+    accumulator.Reload()
+    return [event.value for event in accumulator.Scalars(tag)]

@@ -129,7 +129,7 @@ def test_full_fine_tuning_saves_a_pipeline(tmp_path):
 
 
 def test_ddpo_raises_the_compressibility_reward(tmp_path):
-    # measured: eval reward (the same 16 prompts and noise before and after) -1.598 -> about -1.57 in 8 epochs
-    out = run_script([DDPO, "--num-epochs", "8", "--eval-samples", "16", "--save-freq", "0"], tmp_path)
+    # measured: eval reward (the same 16 prompts and noise before and after) -1.598 -> -1.576 in 5 epochs
+    out = run_script([DDPO, "--num-epochs", "5", "--eval-samples", "16", "--save-freq", "0"], tmp_path)
     first, last = map(float, re.search(r"eval reward (-?[\d.]+) -> (-?[\d.]+)", out).groups())
     assert last > first + 0.01, out[-2000:]

@@ -148,7 +148,7 @@ def test_two_process_ddp(tmp_path):
 def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
     """Half the answers are " yes" (reward 1), half " no" (reward 0): the behaviour policy says yes about half the
     time, the advantage-shifted policy (beta = 4) should mostly say yes. Eval scores with VADER: yes 0.40, no -0.30.
-    Measured: beta=0 0.036, beta=4 0.302 (86% yes)."""
+    Measured: beta=0 -0.023, beta=4 0.402 after 4 epochs."""
     import json
     import random
 
@@ -159,6 +159,6 @@ def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
             f.write(json.dumps({"prompt": f"Question {i}: do you agree?", "completion": " yes" if yes else " no",
                                 "reward": float(yes)}) + "\n")
     out = run_script([ILQL, "--dataset-name", "yesno.jsonl", "--reward-column", "reward", "--eval-fraction", "0.2",
-                      "--num-epochs", "8", "--batch-size", "16", "--max-new-tokens", "4", "--eval-steps", "1000"], tmp_path)
+                      "--num-epochs", "4", "--batch-size", "16", "--max-new-tokens", "4", "--eval-steps", "1000"], tmp_path)
     behaviour, steered = map(float, re.search(r"beta=0 \S+ -> (-?[\d.]+), beta=4 \S+ -> (-?[\d.]+)", out).groups())
     assert steered > behaviour + 0.15, out[-3000:]

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -69,14 +69,17 @@ def test_reward_model_options_and_errors(tmp_path):
 
     rows = [dict(prompt=f"q{i}", chosen="great answer", rejected="bad", margin=1.0) for i in range(20)]
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    run_script([RM, "--dataset-name", str(tmp_path / "pairs.jsonl"), "--margin-column", "margin", "--num-epochs", "1",
-                "--use-peft", "--lora-r", "4"], tmp_path)
+    out = run_script([RM, "--dataset-name", str(tmp_path / "pairs.jsonl"), "--margin-column", "margin", "--max-steps", "3",
+                      "--batch-size", "4", "--use-peft", "--lora-r", "4"], tmp_path)
+    assert "reward model: 3 steps" in out
+    assert len(read_scalars(str(tmp_path / "runs"), "time/step")) == 3  # the step time is logged for benchmarks
     assert "no column ['good']" in run_failing([RM, "--chosen-column", "good"], tmp_path)
     same = [dict(prompt="q", chosen="x", rejected="x")] * 10
     (tmp_path / "same.jsonl").write_text("\n".join(json.dumps(r) for r in same))
     assert "no preference to learn" in run_failing([RM, "--dataset-name", str(tmp_path / "same.jsonl")], tmp_path)
 
 
-def test_reward_model_two_process_ddp(tmp_path):
-    out = run_script([*ddp_launch(), RM, "--num-epochs", "1", "--batch-size", "32"], tmp_path, **DDP_ENV)
-    assert out.count(" steps in ") == 1 and "21 optimizer steps" in out  # main process only; 1286 pairs / (2 x 32)
+def test_reward_model_two_process_ddp(tmp_path, pairs_file):
+    out = run_script([*ddp_launch(), RM, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4"],
+                     tmp_path, **DDP_ENV)
+    assert out.count(" steps in ") == 1 and "5 optimizer steps" in out  # main process only; 36 pairs / (2 x 4)
