@@ -293,6 +293,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+    if accelerator.is_main_process and args.num_sample_generations > 0:
         prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
                    [text.split(args.response_template)[0] + args.response_template if args.response_template
                     else " ".join(text.split()[:4]) for text in eval_dataset[args.text_column]])[: args.num_sample_generations]

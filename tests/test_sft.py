@@ -49,9 +49,10 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
     assert model.config.n_layer == 2 and (tmp_path / "outputs" / "sft" / "tokenizer.json").exists()
 
 
-def test_sft_options_run(tmp_path, ):
+def test_sft_options_run(tmp_path):
     run_script([SFT, "--max-steps", "3", "--packing", "--max-seq-length", "32", "--use-peft", "--lora-r", "4",
-                "--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2"], tmp_path)
+                "--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2",
+                "--num-sample-generations", "0"], tmp_path)
     assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "adapter_model.safetensors").exists()  # LoRA: the adapter
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())

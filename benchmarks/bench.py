@@ -1,0 +1,478 @@
+"""Speed and memory of this repository's scripts against TRL on the same work, side by side.
+
+Each algorithm runs in a worker process of its own, in which our script (run through its real CLI, in-process) and
+the matching TRL trainer alternate A/B/A/B for `--rounds` rounds: same model (a saved copy of builtin:tiny-gpt2),
+same data, batch size, sequence lengths and optimisation passes, so machine noise hits both alike.
+
+- time per step: the interval between consecutive optimizer-step ends (PPO: rollout + scoring + PPO step), the median
+  over the steps after `--warmup`, pooled over the rounds;
+- peak memory: a fresh process per implementation imports both libraries, then runs one of them once; on CPU the
+  growth of its peak RSS over the RSS before the run, on GPU `torch.cuda.max_memory_allocated`.
+
+Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO (the last release with the
+PPOTrainer this repository follows). `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
+
+    bash benchmarks/setup.sh
+    python benchmarks/bench.py                                     # all algorithms, a table on stdout
+    python benchmarks/bench.py --algos dpo --rounds 5 --steps 10
+    python benchmarks/bench.py --write benchmarks/RESULTS.md       # also write the results file
+"""
+
+import contextlib
+import datetime
+import gc
+import glob
+import io
+import json
+import os
+import platform
+import resource
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
+PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6"}
+TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}}  # ours / TRL time per step, at most
+
+
+@dataclass
+class Args:
+    algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo"])
+    """which comparisons to run: sft, rm, dpo, ppo"""
+    rounds: int = 3
+    """A/B rounds per comparison (each round: one run of ours, then one of TRL)"""
+    warmup: int = 2
+    """steps of each run left out of the timing"""
+    steps: int = 6
+    """timed steps per run"""
+    ppo_batch_sizes: list[int] = field(default_factory=lambda: [16, 64])
+    """PPO batch sizes to compare (mini-batch = half the batch, 4 PPO epochs, 16 new tokens)"""
+    rollout_batch_sizes: list[int] = field(default_factory=lambda: [16, 64, 256])
+    """batch sizes of the generation-only measurement (tokens/s of rollouts)"""
+    memory: bool = True
+    """also measure peak memory (one fresh process per implementation and variant)"""
+    write: str | None = None
+    """write the results as markdown to this file"""
+    worker: str | None = None
+    """internal: run one comparison (JSON spec) and print its results"""
+
+
+# ---------------------------------------------------------------- shared by the workers
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(script: str, argv: list[str], cwd: str) -> None:
+    """Run `python script argv` in this process (as its __main__), with accelerate's process state reset around it."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv = [script, *map(str, argv)]
+    os.chdir(cwd)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        gc.collect()
+
+
+def scalars(log_dir: str, tag: str) -> list[float]:
+    """Values of a TensorBoard scalar, in step order, from the one run under log_dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = glob.glob(os.path.join(log_dir, "*"))
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in acc.Scalars(tag)]
+
+
+def step_timer():
+    """A transformers TrainerCallback recording the interval between consecutive optimizer-step ends."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.times, self.last = [], time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
+
+    return StepTimer()
+
+
+def trl_common(spec: dict, tmp: str) -> dict:
+    """TrainingArguments shared by the TRL trainers: no eval, no saving, no reporting, logging every step as ours."""
+    import torch
+
+    return dict(output_dir=os.path.join(tmp, "trl"), max_steps=spec["warmup"] + spec["steps"], logging_steps=1,
+                save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=1,
+                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, max_grad_norm=1.0)
+
+
+def setup(spec: dict, tmp: str) -> dict:
+    """The shared model folder and data files (the preference pairs cut to 512: precomputing reference log-probs
+    goes over the whole dataset)."""
+    from transformers import AutoModelForCausalLM
+
+    from common import load_data, load_pretrained, load_tokenizer
+
+    model_dir = os.path.join(tmp, "model")
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    tokenizer.save_pretrained(model_dir)
+    files = {}
+    for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):
+        files[name] = os.path.join(tmp, f"{name}.jsonl")
+        data = load_data(f"builtin:{name}")
+        if name == "vader-preferences":
+            data = data.select(range(512))
+        data.to_json(files[name])
+    return dict(model=model_dir, files=files, tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------- one run of each implementation
+
+
+def sft_ours(spec, env, tmp, tag, flags=()):
+    log_dir = os.path.join(tmp, "runs", tag)
+    run_ours("sft.py", ["--model-name", env["model"], "--dataset-name", env["files"]["chatterbot-dialogue"],
+                        "--batch-size", 16, "--max-seq-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
+                        "--eval-steps", 10**6, "--eval-fraction", 0.01, "--num-sample-generations", 0,
+                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    return dict(step=scalars(log_dir, "time/step"))
+
+
+def sft_trl(spec, env, tmp, tag, flags=()):
+    from datasets import load_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    timer = step_timer()
+    data = load_dataset("json", data_files=env["files"]["chatterbot-dialogue"], split="train")
+    config = SFTConfig(**trl_common(spec, tmp), per_device_train_batch_size=16, max_length=128, packing=False,
+                       learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.03)
+    SFTTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
+               callbacks=[timer]).train()
+    return dict(step=timer.times)
+
+
+def rm_ours(spec, env, tmp, tag, flags=()):
+    log_dir = os.path.join(tmp, "runs", tag)
+    run_ours("reward_modeling.py", ["--model-name", env["model"], "--dataset-name", env["files"]["vader-preferences"],
+                                    "--batch-size", 16, "--max-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
+                                    "--eval-steps", 10**6, "--eval-fraction", 0.01,
+                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    return dict(step=scalars(log_dir, "time/step"))
+
+
+def rm_trl(spec, env, tmp, tag, flags=()):
+    from datasets import load_dataset
+    from trl import RewardConfig, RewardTrainer
+
+    timer = step_timer()
+    data = load_dataset("json", data_files=env["files"]["vader-preferences"], split="train")
+    config = RewardConfig(**trl_common(spec, tmp), per_device_train_batch_size=16, max_length=128,
+                          learning_rate=3e-4, lr_scheduler_type="linear", warmup_steps=0.03)
+    RewardTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
+                  callbacks=[timer]).train()
+    return dict(step=timer.times)
+
+
+def dpo_ours(spec, env, tmp, tag, flags=()):
+    log_dir = os.path.join(tmp, "runs", tag)
+    run_ours("dpo.py", ["--model-name", env["model"], "--dataset-name", env["files"]["vader-preferences"],
+                        "--batch-size", 8, "--max-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
+                        "--eval-steps", 10**6, "--eval-fraction", 0.01,
+                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    return dict(step=scalars(log_dir, "time/step"))
+
+
+def dpo_trl(spec, env, tmp, tag, flags=()):
+    from datasets import load_dataset
+    from trl import DPOConfig, DPOTrainer
+
+    timer = step_timer()
+    data = load_dataset("json", data_files=env["files"]["vader-preferences"], split="train")
+    config = DPOConfig(**trl_common(spec, tmp), per_device_train_batch_size=8, max_length=128, beta=0.1,
+                       learning_rate=1e-4, lr_scheduler_type="linear", warmup_steps=0.1,
+                       precompute_ref_log_probs="--precompute-ref-log-probs" in flags)
+    DPOTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
+               callbacks=[timer]).train()
+    return dict(step=timer.times)
+
+
+def ppo_ours(spec, env, tmp, tag, flags=()):
+    log_dir, batch = os.path.join(tmp, "runs", tag), spec["batch_size"]
+    run_ours("ppo.py", ["--model-name", env["model"], "--dataset-name", env["files"]["chatterbot-prompts"],
+                        "--batch-size", batch, "--mini-batch-size", batch // 2, "--ppo-epochs", 4,
+                        "--total-episodes", batch * (spec["warmup"] + spec["steps"]), "--min-new-tokens", 16,
+                        "--max-new-tokens", 16, "--eval-freq", 0, "--eval-samples", 8, "--log-freq", 10**6,
+                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    phases = {k: scalars(log_dir, f"time/{k}") for k in ("rollout", "score", "forward", "optimise")}
+    return dict(step=[sum(v) for v in zip(*phases.values())], generation=phases["rollout"],
+                forward_backward=[f + o for f, o in zip(phases["forward"], phases["optimise"])])
+
+
+def ppo_queries(env, n: int, seed: int) -> list:
+    """n tokenised training prompts (at most 48 tokens, as ppo.py's default max_query_length)."""
+    import random
+
+    import torch
+    from datasets import load_dataset
+
+    prompts = load_dataset("json", data_files=env["files"]["chatterbot-prompts"], split="train")["prompt"]
+    rng = random.Random(seed)
+    return [torch.tensor(env["tokenizer"](p)["input_ids"][-48:]) for p in rng.sample(prompts, n)]
+
+
+def ppo_trl(spec, env, tmp, tag, flags=()):
+    import torch
+    from transformers import AutoTokenizer
+    from trl import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+    from ppo import reward_fn
+
+    batch = spec["batch_size"]
+    tokenizer = AutoTokenizer.from_pretrained(env["model"])
+    tokenizer.pad_token = tokenizer.eos_token
+    config = PPOConfig(batch_size=batch, mini_batch_size=batch // 2, ppo_epochs=4, learning_rate=3e-4, seed=1,
+                       exp_name="bench")
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"])
+    shared = int(flags[1]) if flags and flags[0] == "--num-shared-layers" else None
+    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer, num_shared_layers=shared)
+    gen_kwargs = dict(min_length=-1, top_k=0, top_p=1.0, do_sample=True, pad_token_id=tokenizer.eos_token_id,
+                      max_new_tokens=16)
+    out = dict(step=[], generation=[], forward_backward=[])
+    for step in range(spec["warmup"] + spec["steps"]):
+        queries = [q.to(trainer.accelerator.device) for q in ppo_queries(env, batch, step)]
+        t0 = time.perf_counter()
+        responses = trainer.generate(queries, batch_size=batch, return_prompt=False, **gen_kwargs)
+        t1 = time.perf_counter()
+        scores = [torch.tensor(s) for s in reward_fn(tokenizer.batch_decode(queries), tokenizer.batch_decode(responses))]
+        stats = trainer.step(queries, responses, scores)
+        t2 = time.perf_counter()
+        out["step"].append(t2 - t0)
+        out["generation"].append(t1 - t0)
+        out["forward_backward"].append(stats["time/ppo/forward_pass"] + stats["time/ppo/optimize_step"])
+    return out
+
+
+def rollouts(spec, env, tmp) -> dict:
+    """Generation only, 16 new tokens: tokens/s of ppo.py's rollout call and of TRL 0.8.6's generate."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import AutoModelForCausalLMWithValueHead as TrlValueHead
+    from trl import PPOConfig, PPOTrainer
+
+    from common import AutoModelForCausalLMWithValueHead, load_tokenizer
+
+    ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval()
+    ours_tok = load_tokenizer(env["model"], padding_side="left")
+    trl_tok = AutoTokenizer.from_pretrained(env["model"])
+    trl_tok.pad_token = trl_tok.eos_token
+    results = {}
+    for batch in spec["rollout_batch_sizes"]:
+        trainer = PPOTrainer(PPOConfig(batch_size=batch, mini_batch_size=batch, exp_name="bench"),
+                             TrlValueHead.from_pretrained(env["model"]), tokenizer=trl_tok)
+        times = {"ours": [], "trl": []}
+        for r in range(spec["rounds"] + 1):
+            queries = ppo_queries(env, batch, r)
+            padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt")
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=0,
+                                    top_p=1.0, pad_token_id=ours_tok.pad_token_id, eos_token_id=ours_tok.eos_token_id)
+            t1 = time.perf_counter()
+            trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16, max_new_tokens=16,
+                             top_k=0, top_p=1.0, do_sample=True, pad_token_id=trl_tok.eos_token_id)
+            t2 = time.perf_counter()
+            if r:  # the first round warms up
+                times["ours"].append(t1 - t0)
+                times["trl"].append(t2 - t1)
+        results[batch] = {k: batch * 16 / statistics.median(v) for k, v in times.items()}
+    return results
+
+
+RUNS = {"sft": (sft_ours, sft_trl), "rm": (rm_ours, rm_trl), "dpo": (dpo_ours, dpo_trl), "ppo": (ppo_ours, ppo_trl)}
+
+
+def worker(spec: dict) -> dict:
+    """One comparison, in this process: interleaved timing rounds, or one memory run (spec["memory"])."""
+    import torch
+
+    torch.manual_seed(0)
+    import trl  # noqa: F401 - both libraries are imported before any measurement
+    from peft import LoraConfig  # noqa: F401
+
+    import common  # noqa: F401
+
+    ours, theirs = RUNS[spec["algo"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = setup(spec, tmp)
+        if spec.get("memory"):
+            impl, flags = spec["memory"]
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            gc.collect()
+            before = rss_mb()
+            (ours if impl == "ours" else theirs)(spec, env, tmp, "memory", flags)
+            return dict(peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb() - before)
+        results = {"ours": {}, "trl": {}}
+        for r in range(spec["rounds"]):
+            for impl, fn in (("ours", ours), ("trl", theirs)):
+                out = fn(spec, env, tmp, f"{impl}_{r}")
+                for key, values in out.items():
+                    results[impl].setdefault(key, []).extend(values[spec["warmup"]:])
+        if spec["algo"] == "ppo" and spec.get("rollout_batch_sizes"):
+            results["rollouts"] = rollouts(spec, env, tmp)
+        return results
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def spawn(spec: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TRL_PATHS[PEER[spec["algo"]]], ROOT]),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
+                          text=True)
+    marker = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
+    if proc.returncode or not marker:
+        raise RuntimeError(f"benchmark worker {spec} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(marker[-1][len("BENCH_RESULT "):])
+
+
+def mean_tokens(algo: str, batch: int) -> float:
+    """Tokens per sample of the benchmark data (ours' tokenisation; both sides see the same texts)."""
+    from common import load_data, load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-gpt2")
+    if algo == "sft":
+        texts = load_data("builtin:chatterbot-dialogue")["text"]
+        return statistics.mean(min(128, len(tok(t)["input_ids"]) + 1) for t in texts)
+    if algo in ("rm", "dpo"):
+        d = load_data("builtin:vader-preferences")
+        return statistics.mean(min(128, len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]))
+                               for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
+    return statistics.mean(min(48, len(tok(p)["input_ids"])) for p in load_data("builtin:chatterbot-prompts")["prompt"]) + 16
+
+
+def main(args: Args) -> None:
+    missing = [p for p in {TRL_PATHS[PEER[a]] for a in args.algos} if not os.path.isdir(p)]
+    if missing:
+        sys.exit(f"TRL is not installed in {missing}: run `bash benchmarks/setup.sh` first.")
+    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps)
+    samples = {"sft": 16, "rm": 16, "dpo": 8}
+    rows, extras = [], []
+    for algo in args.algos:
+        configs = [dict(batch_size=b) for b in args.ppo_batch_sizes] if algo == "ppo" else [dict(batch_size=samples[algo])]
+        for i, config in enumerate(configs):
+            spec = dict(base, algo=algo, **config)
+            if algo == "ppo" and i == 0:
+                spec["rollout_batch_sizes"] = args.rollout_batch_sizes
+            print(f"[bench] {algo} batch {config['batch_size']}: {args.rounds} rounds of ours / TRL ...", flush=True)
+            result = spawn(spec)
+            ours, trl = (statistics.median(result[k]["step"]) for k in ("ours", "trl"))
+            batch, tokens = config["batch_size"], mean_tokens(algo, config["batch_size"])
+            row = dict(algo=algo, batch=batch, ours=ours, trl=trl, ratio=ours / trl, tokens=tokens,
+                       target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo])
+            if algo == "ppo":
+                row["share"] = {k: statistics.median(result[k]["generation"]) / statistics.median(result[k]["step"])
+                                for k in ("ours", "trl")}
+                row["share_fb"] = {k: statistics.median(result[k]["forward_backward"]) / statistics.median(result[k]["step"])
+                                   for k in ("ours", "trl")}
+            if "rollouts" in result:
+                extras.append(("rollout tokens/s (16 new tokens)", result["rollouts"]))
+            if args.memory:
+                row["memory"] = {impl: spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=[impl, []]))["peak_mb"]
+                                 for impl in ("ours", "trl")}
+                variants = {"ppo": [("--num-shared-layers", "1"), ("--use-peft",)], "dpo": [("--precompute-ref-log-probs",)]}
+                for flags in variants.get(algo, []) if i == 0 else []:
+                    trl_flags = [] if flags == ("--use-peft",) else list(flags)  # TRL's peft path needs a peft model
+                    mem = spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=["ours", list(flags)]))["peak_mb"]
+                    mem_trl = spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=["trl", trl_flags]))["peak_mb"] if trl_flags else None
+                    extras.append((f"{algo} peak memory with {' '.join(flags)}", {"ours": mem, "trl": mem_trl}))
+            rows.append(row)
+            print(format_row(row), flush=True)
+    text = report(args, rows, extras)
+    print(text)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write(text)
+
+
+def format_row(row: dict) -> str:
+    per_s = lambda t: row["batch"] / t  # noqa: E731
+    mem = row.get("memory", {})
+    status = "met" if row["ratio"] <= row["target"] else "missed"
+    cells = [row["algo"], row["batch"], f"{row['ours']:.3f}", f"{row['trl']:.3f}", f"{row['ratio']:.2f}",
+             f"{per_s(row['ours']):.1f}", f"{per_s(row['trl']):.1f}", f"{per_s(row['ours']) * row['tokens']:.0f}",
+             f"{per_s(row['trl']) * row['tokens']:.0f}", f"{mem.get('ours', float('nan')):.0f}",
+             f"{mem.get('trl', float('nan')):.0f}", f"<= {row['target']} ({status})"]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def report(args: Args, rows: list[dict], extras: list) -> str:
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    lines = [
+        "# Benchmarks: this repository vs TRL", "",
+        f"Date: {datetime.date.today()}. Machine: {device}, {platform.platform()}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}.", "",
+        f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
+        f"Model: builtin:tiny-gpt2 saved to a folder (2 layers, 64 wide, GPT-2's 50257-token vocabulary), both sides "
+        f"loading it with from_pretrained. {args.rounds} rounds of ours then TRL in one process per row; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians.", "",
+        "| algorithm | batch | ours s/step | TRL s/step | ours/TRL | ours samples/s | TRL samples/s | ours tokens/s "
+        "| TRL tokens/s | ours peak MB | TRL peak MB | target |",
+        "|-|-|-|-|-|-|-|-|-|-|-|-|",
+        *[format_row(r) for r in rows], "",
+    ]
+    for row in rows:
+        if "share" in row:
+            lines.append(f"- PPO batch {row['batch']}: generation takes {row['share']['ours']:.0%} of our step and "
+                         f"{row['share']['trl']:.0%} of TRL's; forward/backward passes {row['share_fb']['ours']:.0%} "
+                         f"and {row['share_fb']['trl']:.0%}.")
+    for name, values in extras:
+        if "rollout" in name:
+            lines.append(f"- {name}: " + "; ".join(f"batch {b}: ours {v['ours']:.0f}, TRL {v['trl']:.0f}"
+                                                   for b, v in values.items()))
+        else:
+            trl = "n/a" if values["trl"] is None else f"{values['trl']:.0f} MB"
+            lines.append(f"- {name}: ours {values['ours']:.0f} MB, TRL {trl}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.worker:
+        print("BENCH_RESULT " + json.dumps(worker(json.loads(args.worker))))
+    else:
+        main(args)
