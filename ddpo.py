@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from common import atomic_directory, check_scores, exact_div, load_pipeline, start_run
+from common import atomic_directory, check_scores, exact_div, load_pipeline, start_run, write_model_card
 
 
 @dataclass
@@ -534,6 +534,8 @@ if __name__ == "__main__":
             else:
                 pipeline.unet = unwrapped
                 pipeline.save_pretrained(tmp)
+            write_model_card(tmp, args, "ddpo", {"eval/reward": last_eval, "train/reward (last epoch)":
+                                                 (epoch_rewards or [math.nan])[-1]}, library="diffusers")
     elapsed = time.time() - start_time
     accelerator.print(
         f"ddpo: {args.num_epochs - start_epoch} epochs in {elapsed:.0f}s; sampled reward "

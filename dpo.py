@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
@@ -34,10 +34,12 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    quantization_kwargs,
     peft_model_of,
     reference_context,
     start_run,
     train_eval_split,
+    write_model_card,
 )
 
 
@@ -135,6 +137,10 @@ class Args:
     """LoRA dropout"""
     lora_target_modules: list[str] | None = None
     """modules to adapt (None: peft's default for the architecture)"""
+    load_in_8bit: bool = False
+    """load the base model in 8 bits (bitsandbytes, CUDA only) and train LoRA adapters on it; needs --use-peft"""
+    load_in_4bit: bool = False
+    """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
 def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100) -> torch.Tensor:
@@ -220,6 +226,7 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length
 if __name__ == "__main__":
     args = tyro.cli(Args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
     if args.max_prompt_length >= args.max_length:
         raise ValueError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
@@ -271,13 +278,15 @@ if __name__ == "__main__":
         return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
 
     # ---- models ----
-    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if quantization:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
@@ -418,6 +427,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "dpo", last_eval)
     elapsed = time.time() - start_time
     accelerator.print(
         f"dpo: {total_steps - start_step} steps in {elapsed:.0f}s ({(total_steps - start_step) / max(elapsed, 1e-9):.2f} "

@@ -40,6 +40,7 @@ from common import (
     peft_model_of,
     start_run,
     train_eval_split,
+    write_model_card,
 )
 
 HEADS_FILE = "ilql_heads.safetensors"
@@ -427,6 +428,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "ilql", last_eval)
     beta_key = f"eval/reward_beta_{args.gen_beta:g}"
     accelerator.print(
         f"ilql: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval reward beta=0 "

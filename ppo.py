@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import tyro
 from accelerate import Accelerator
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
@@ -45,6 +45,7 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    quantization_kwargs,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -53,6 +54,7 @@ from common import (
     reference_context,
     start_run,
     train_eval_split,
+    write_model_card,
 )
 
 
@@ -187,6 +189,10 @@ class Args:
     """LoRA dropout"""
     lora_target_modules: list[str] | None = None
     """modules to adapt (None: peft's default for the architecture)"""
+    load_in_8bit: bool = False
+    """load the base model in 8 bits (bitsandbytes, CUDA only) and train LoRA adapters on it; needs --use-peft"""
+    load_in_4bit: bool = False
+    """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
     # Logging, evaluation, saving
     log_freq: int = 5
@@ -349,6 +355,7 @@ def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=())
 if __name__ == "__main__":
     args = tyro.cli(Args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
     args.world_size = accelerator.num_processes
 
@@ -369,7 +376,7 @@ if __name__ == "__main__":
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
     # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
     # from the checkpoint's accelerate state below
-    model = wrapper_class.from_pretrained(args.model_name, value_head_kwargs=dict(init=args.value_head_init))
+    model = wrapper_class.from_pretrained(args.model_name, value_head_kwargs=dict(init=args.value_head_init), **quantization)
     # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
     context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
@@ -380,6 +387,8 @@ if __name__ == "__main__":
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    if quantization:
+        model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
     if args.use_peft and peft_model_of(model) is None:
         lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                           target_modules=args.lora_target_modules, task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM")
@@ -644,6 +653,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "ppo", last_eval)
         if args.push_to_hub:
             unwrapped.pretrained_model.push_to_hub(args.hub_model_id or run_name)
             tokenizer.push_to_hub(args.hub_model_id or run_name)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
@@ -31,9 +31,11 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    quantization_kwargs,
     peft_model_of,
     start_run,
     train_eval_split,
+    write_model_card,
 )
 
 
@@ -111,6 +113,10 @@ class Args:
     """LoRA dropout"""
     lora_target_modules: list[str] | None = None
     """modules to adapt (None: peft's default for the architecture)"""
+    load_in_8bit: bool = False
+    """load the base model in 8 bits (bitsandbytes, CUDA only) and train LoRA adapters on it; needs --use-peft"""
+    load_in_4bit: bool = False
+    """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
 def reward_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None):
@@ -143,6 +149,7 @@ def fold_reward_normalization(model, gain: float, bias: float) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
     # Right padding is fine: the classifier scores the last non-pad token, and pad is distinct from EOS
@@ -187,8 +194,10 @@ if __name__ == "__main__":
     eval_loader = torch.utils.data.DataLoader(eval_pairs, batch_size=args.batch_size, collate_fn=collate)
 
     # ---- model and optimiser ----
-    model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1)
+    model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1, **quantization)
     model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last non-pad token with it
+    if quantization:
+        model = prepare_model_for_kbit_training(model)
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
@@ -282,6 +291,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "reward_modeling", last_eval)
     accelerator.print(f"reward model: {step} steps in {time.time() - start_time:.0f}s; eval accuracy "
                       f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, loss {first_eval['eval/loss']:.3f} "
                       f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 from accelerate import Accelerator
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
@@ -29,9 +29,11 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    quantization_kwargs,
     peft_model_of,
     start_run,
     train_eval_split,
+    write_model_card,
 )
 
 
@@ -118,6 +120,10 @@ class Args:
     """LoRA dropout"""
     lora_target_modules: list[str] | None = None
     """modules to adapt (None: peft's default for the architecture)"""
+    load_in_8bit: bool = False
+    """load the base model in 8 bits (bitsandbytes, CUDA only) and train LoRA adapters on it; needs --use-peft"""
+    load_in_4bit: bool = False
+    """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
 def pack_sequences(token_lists: list[list[int]], seq_length: int, eos_token_id: int) -> list[list[int]]:
@@ -153,6 +159,7 @@ def neftune_hook(alpha: float):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
     config = load_config(args.model_name)
@@ -212,9 +219,11 @@ if __name__ == "__main__":
     eval_loader = torch.utils.data.DataLoader(eval_examples, batch_size=args.batch_size, collate_fn=collate)
 
     # ---- model and optimiser ----
-    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if quantization:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
@@ -293,6 +302,7 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": math.exp(min(last_eval_loss, 50))})
     if accelerator.is_main_process and args.num_sample_generations > 0:
         prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
                    [text.split(args.response_template)[0] + args.response_template if args.response_template

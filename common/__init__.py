@@ -30,6 +30,7 @@ from common.presets import (
     load_pipeline,
     load_pretrained,
     load_tokenizer,
+    quantization_kwargs,
     train_eval_split,
 )
-from common.run import RunLogger, atomic_directory, start_run
+from common.run import RunLogger, atomic_directory, start_run, write_model_card

@@ -88,6 +88,34 @@ def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
     return model.to(kwargs["dtype"]) if "dtype" in kwargs else model
 
 
+def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_peft: bool) -> dict:
+    """from_pretrained kwargs for --load-in-8bit / --load-in-4bit (bitsandbytes), after checking they can work.
+
+    Quantised weights cannot be trained directly: LoRA adapters train on top (peft's prepare_model_for_kbit_training).
+    """
+    if not (load_in_8bit or load_in_4bit):
+        return {}
+    flag = "--load-in-8bit" if load_in_8bit else "--load-in-4bit"
+    if load_in_8bit and load_in_4bit:
+        raise ValueError("Pass one of --load-in-8bit and --load-in-4bit, not both.")
+    if not use_peft:
+        raise ValueError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
+    if is_builtin(name):
+        raise ValueError(f"{flag} quantises pretrained weights: {name} is a random built-in preset; pass a hub model.")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
+        raise RuntimeError(f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
+                           f"{'no CUDA GPU' if not torch.cuda.is_available() else 'no bitsandbytes'}. Drop the flag "
+                           "to train in full precision.")
+    from accelerate import PartialState
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_8bit=True) if load_in_8bit else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    return dict(quantization_config=config, device_map={"": PartialState().local_process_index})
+
+
 def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenizerBase:
     """The tokenizer of a model name; a clear error when it has no pad token (add one, do not reuse EOS)."""
     tokenizer = builtin_tokenizer() if is_builtin(name) else AutoTokenizer.from_pretrained(name)

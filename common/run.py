@@ -99,3 +99,26 @@ def atomic_directory(path: str):
     os.rename(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_model_card(directory: str, args, algorithm: str, metrics: dict[str, float], library: str = "transformers") -> None:
+    """Write a README.md model card into `directory`: base model, dataset, algorithm, hyperparameters, final metrics
+    and the command line that produced it (hub model cards read the YAML header)."""
+    import shlex
+    import sys
+
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+    base = config.get("model_name") or config.get("pretrained_model")
+    world = config.get("world_size") or int(os.environ.get("WORLD_SIZE", 1))
+    launcher = f"accelerate launch --num_processes {world}" if world > 1 else "python"
+    lines = ["---", f"library_name: {library}", f"tags: [{algorithm}, rlhf]", "---", "",
+             f"# {os.path.basename(os.path.normpath(config.get('output_dir', directory)))}", "",
+             f"Trained with `{algorithm}.py` ({algorithm.upper()}).", "",
+             f"- base model: `{base}`", f"- dataset: `{config.get('dataset_name') or config.get('prompt_fn')}`", "",
+             "## Final metrics", "", "| metric | value |", "|-|-|",
+             *[f"| {k} | {v:.4g} |" for k, v in metrics.items()], "",
+             "## Command", "", "```bash", f"{launcher} {shlex.join(sys.argv)}", "```", "",
+             "## Hyperparameters", "", "| name | value |", "|-|-|",
+             *[f"| {k} | {v} |" for k, v in config.items()], ""]
+    with open(os.path.join(directory, "README.md"), "w") as f:
+        f.write("\n".join(lines))

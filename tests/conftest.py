@@ -114,3 +114,11 @@ def read_scalars(run_dir: str, tag: str) -> list[float]:
     accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
     accumulator.Reload()
     return [event.value for event in accumulator.Scalars(tag)]
+
+
+def check_model_card(folder, algorithm: str, base: str = "builtin:tiny-gpt2") -> str:
+    """The final save's README.md names the algorithm, the base model, the final metrics and the command."""
+    card = (folder / "README.md").read_text()
+    assert f"tags: [{algorithm}, rlhf]" in card and f"- base model: `{base}`" in card, card
+    assert "## Final metrics" in card and "| eval/" in card and f"{algorithm}.py" in card.split("## Command")[1], card
+    return card

@@ -27,7 +27,9 @@ from common import (
     masked_mean,
     masked_var,
     masked_whiten,
+    quantization_kwargs,
     reference_context,
+    write_model_card,
 )
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -230,3 +232,35 @@ def test_atomic_directory_keeps_previous_on_failure(tmp_path):
         (tmp_path / tmp / "a.txt").write_text("second")
     assert (target / "a.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_model_card_names_base_data_metrics_and_command(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        model_name: str = "gpt2"
+        dataset_name: str = "my/data"
+        learning_rate: float = 1e-5
+        output_dir: str = "outputs/dpo"
+
+    monkeypatch.setattr("sys.argv", ["dpo.py", "--learning-rate", "1e-5"])
+    write_model_card(str(tmp_path), Args(), "dpo", {"eval/rewards/accuracies": 0.8125})
+    card = (tmp_path / "README.md").read_text()
+    for text in ("library_name: transformers", "# dpo", "- base model: `gpt2`", "- dataset: `my/data`",
+                 "| eval/rewards/accuracies | 0.8125 |", "python dpo.py --learning-rate 1e-5", "| learning_rate | 1e-05 |"):
+        assert text in card, (text, card)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_quantised_loading_says_what_is_missing():
+    assert quantization_kwargs("gpt2", False, False, use_peft=False) == {}
+    with pytest.raises(ValueError, match="not both"):
+        quantization_kwargs("gpt2", True, True, use_peft=True)
+    with pytest.raises(ValueError, match="add --use-peft"):
+        quantization_kwargs("gpt2", True, False, use_peft=False)
+    with pytest.raises(ValueError, match="random built-in preset"):
+        quantization_kwargs("builtin:tiny-gpt2", False, True, use_peft=True)
+    with pytest.raises(RuntimeError, match="--load-in-4bit needs a CUDA GPU and bitsandbytes"):
+        quantization_kwargs("gpt2", False, True, use_peft=True)
+

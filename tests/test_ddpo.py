@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from conftest import ROOT, run_failing, run_script
+from conftest import ROOT, check_model_card, run_failing, run_script
 from ddpo import PerPromptStatTracker, ddim_step_with_logprob, ddpo_loss, jpeg_compressibility
 
 DDPO = os.path.join(ROOT, "ddpo.py")
@@ -110,6 +110,7 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
         pipeline.load_lora_weights(str(tmp_path / name))
     lora = [{n: p for n, p in pipeline.unet.named_parameters() if "lora" in n} for pipeline in pipelines]
     assert lora[0] and lora[0].keys() == lora[1].keys()
+    assert "library_name: diffusers" in check_model_card(tmp_path / "resumed", "ddpo", base="builtin:tiny-sd")
     for n in lora[0]:  # resuming at epoch 1 reproduces the straight run exactly
         torch.testing.assert_close(lora[0][n], lora[1][n], msg=n)
     assert any(p.abs().sum() > 0 for n, p in lora[0].items() if "lora_B" in n)  # LoRA B starts at 0: it was trained

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import load_tokenizer
-from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from dpo import dpo_loss, get_batch_logps, tokenize_pair
 
 DPO = os.path.join(ROOT, "dpo.py")
@@ -87,6 +87,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
     summary = lambda out: out.split("eval reward accuracy ")[1].split("; model")[0]  # noqa: E731
     assert summary(out_live) == summary(out_pre)
     live, pre = load_file(tmp_path / "live" / "model.safetensors"), load_file(tmp_path / "pre" / "model.safetensors")
+    assert "| precompute_ref_log_probs | True |" in check_model_card(tmp_path / "pre", "dpo")
     assert all(torch.allclose(live[k], pre[k], atol=1e-6) for k in live)
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from ilql import CausalLMWithILQLHeads, advantage_logits, ilql_loss, tokenize_sample
 
 ILQL = os.path.join(ROOT, "ilql.py")
@@ -121,6 +121,7 @@ def test_smoke_resume_and_saved_model(tmp_path):
     out = run_script([ILQL, *TINY, "--max-steps", "4", "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"),
                       "--output-dir", "resumed"], tmp_path)
     assert "resumed from" in out and re.search(r"ilql: 2 steps .* eval reward beta=0 ", out)
+    check_model_card(tmp_path / "resumed", "ilql")
     straight = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "straight"))
     resumed = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "resumed"))
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits
-from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from ppo import compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -165,6 +165,7 @@ def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):
     assert trainable < total / 10  # only the adapters (and value head) train
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo")  # merged: plain transformers loads it
     assert not any("lora" in name for name, _ in model.named_parameters())
+    assert "| use_peft | True |" in check_model_card(tmp_path / "outputs" / "ppo", "ppo")
 
 
 def test_seq2seq_policy_runs(tmp_path):

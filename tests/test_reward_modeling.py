@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -55,6 +55,7 @@ def test_reward_model_learns_the_preferences(tmp_path):
     out = run_script([RM, "--num-epochs", "2", "--normalize-reward", "--eval-steps", "1000"], tmp_path)
     first, last = [float(x) for x in out.split("eval accuracy ")[1].split(",")[0].split(" -> ")]
     assert last > 0.7 and last > first + 0.15, out[-500:]
+    check_model_card(tmp_path / "outputs" / "reward_model", "reward_modeling")
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "outputs" / "reward_model")
     tokenizer = load_tokenizer(str(tmp_path / "outputs" / "reward_model"))
     with torch.no_grad():

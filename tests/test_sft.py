@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_tokenizer
-from conftest import DDP_ENV, ROOT, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")
@@ -47,6 +47,7 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
     assert last < first - 3.0, out[-500:]  # random init ~10.8 nats; the dialogue is learnable
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")
     assert model.config.n_layer == 2 and (tmp_path / "outputs" / "sft" / "tokenizer.json").exists()
+    check_model_card(tmp_path / "outputs" / "sft", "sft")
 
 
 def test_sft_options_run(tmp_path):
@@ -61,6 +62,7 @@ def test_sft_options_run(tmp_path):
 
 def test_sft_bad_input_is_a_clear_error(tmp_path):
     assert "no column ['body']" in run_failing([SFT, "--text-column", "body"], tmp_path)
+    assert "needs a CUDA GPU and bitsandbytes" in run_failing([SFT, "--model-name", "gpt2", "--load-in-8bit", "--use-peft"], tmp_path)
     assert "exceeds the model's context of 256" in run_failing([SFT, "--max-seq-length", "1000"], tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     assert "is empty" in run_failing([SFT, "--dataset-name", str(tmp_path / "empty.jsonl")], tmp_path)
