@@ -321,7 +321,8 @@ if __name__ == "__main__":
         ref_model = None  # the frozen copy is no longer needed
         gc.collect()
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
+    # fused: one kernel over all parameters, several times faster than the per-tensor update
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, fused=True)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps * accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

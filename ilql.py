@@ -322,8 +322,9 @@ if __name__ == "__main__":
     if args.use_peft:
         model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     model.to(device)
+    # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=True)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps * accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -201,8 +201,9 @@ if __name__ == "__main__":
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
+    # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=True)
     steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
     pairs_per_step = args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes

@@ -168,6 +168,15 @@ def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):
     assert "| use_peft | True |" in check_model_card(tmp_path / "outputs" / "ppo", "ppo")
 
 
+def test_reference_responses_are_logged_without_changing_training(tmp_path):
+    out = run_script([PPO, *TINY, "--total-episodes", "16", "--log-ref-responses", "--output-dir", "with_ref"], tmp_path)
+    assert "ref response" in out and "ref score" in out  # columns of the printed sample table
+    assert len(read_scalars(str(tmp_path / "runs"), "env/ref_reward_mean")) == 2
+    run_script([PPO, *TINY, "--total-episodes", "16", "--output-dir", "without"], tmp_path)
+    with_ref, without = (load_file(tmp_path / name / "model.safetensors") for name in ("with_ref", "without"))
+    assert all(torch.equal(with_ref[k], without[k]) for k in without)  # the reference samples from its own RNG
+
+
 def test_seq2seq_policy_runs(tmp_path):
     out = run_script([PPO, *TINY, "--total-episodes", "8", "--model-name", "builtin:tiny-t5"], tmp_path)
     assert "ppo: 1 updates" in out
