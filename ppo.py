@@ -441,7 +441,8 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def generate(policy, queries, query_mask, max_new_tokens: int):
-        """Sample responses in batches of generation_batch_size (KV cache, left padding); returns token ids [B, T]."""
+        """Sample responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or
+        stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
             out = policy.generate(
@@ -450,8 +451,9 @@ if __name__ == "__main__":
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
-        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
-                          for o in outputs])
+        responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
+                               for o in outputs])
+        return truncate_responses(responses, tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
 
     @torch.no_grad()
     def score(queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
@@ -519,8 +521,7 @@ if __name__ == "__main__":
         torch.manual_seed(args.seed + accelerator.process_index)
         queries, query_mask = pad_left(eval_queries)
         unwrapped.eval()
-        responses, _, ended = truncate_responses(generate(unwrapped, queries, query_mask, args.max_new_tokens),
-                                                 tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
+        responses, _, ended = generate(unwrapped, queries, query_mask, args.max_new_tokens)
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
@@ -536,9 +537,8 @@ if __name__ == "__main__":
     def ref_responses(queries, query_mask, queries_text: list[str], max_new_tokens: int, update: int) -> dict:
         """Reference-model responses to the logged queries and their scores, as sample-table columns."""
         with reference_context(unwrapped, ref_model):
-            responses, _, ended = truncate_responses(
-                generate(ref_model if ref_model is not None else unwrapped, queries, query_mask, max_new_tokens),
-                tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
+            responses, _, ended = generate(ref_model if ref_model is not None else unwrapped, queries, query_mask,
+                                           max_new_tokens)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
         logger.log(reduce_mean({"env/ref_reward_mean": scores.mean()}), update)
@@ -554,9 +554,7 @@ if __name__ == "__main__":
         queries, query_mask = pad_left([train_queries[i] for i in indices])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))  # LengthSampler
         unwrapped.eval()
-        responses, response_mask, ended = truncate_responses(
-            generate(unwrapped, queries, query_mask, max_new_tokens), tokenizer.eos_token_id,
-            tokenizer.pad_token_id, stop_token_ids)
+        responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)
         t_rollout = time.time() - t0
 
         # ---- score ----

@@ -274,12 +274,13 @@ if __name__ == "__main__":
                 continue
             step += 1
             progress.update(1)
-            train_loss = accelerator.reduce(loss.detach(), "mean").item()
+            # one collective and one device sync: mean loss and mean tokens per rank
+            train_loss, tokens = accelerator.reduce(torch.stack([loss.detach().float(), step_tokens.float()]), "mean").tolist()
             progress.set_postfix(loss=f"{train_loss:.3f}")
             step_time = time.time() - step_start
             logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
                         "train/epoch": step / steps_per_epoch, "time/step": step_time,
-                        "throughput/tokens_per_s": accelerator.reduce(step_tokens, "sum").item() / step_time}, step)
+                        "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time}, step)
             if step % args.eval_steps == 0 and step < total_steps:
                 evaluate(step)
             if args.save_steps and step % args.save_steps == 0:

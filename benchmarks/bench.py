@@ -42,6 +42,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
 PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6"}
+# our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
+# needs a peft model passed in, so --use-peft is ours only)
+MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
+                   "dpo": [(["--precompute-ref-log-probs"], True)]}
 TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}}  # ours / TRL time per step, at most
 
 
@@ -158,70 +162,40 @@ def setup(spec: dict, tmp: str) -> dict:
 # ---------------------------------------------------------------- one run of each implementation
 
 
-def sft_ours(spec, env, tmp, tag, flags=()):
+# Trainer-style comparisons: our script, its data, its flags; TRL's {name}Trainer / {name}Config and the same settings
+TRAINERS = {
+    "sft": ("sft.py", "chatterbot-dialogue", ["--batch-size", 16, "--max-seq-length", 128, "--num-sample-generations", 0],
+            "SFT", dict(per_device_train_batch_size=16, max_length=128, packing=False, learning_rate=1e-3,
+                        lr_scheduler_type="cosine", warmup_steps=0.03)),
+    "rm": ("reward_modeling.py", "vader-preferences", ["--batch-size", 16, "--max-length", 128],
+           "Reward", dict(per_device_train_batch_size=16, max_length=128, learning_rate=3e-4, lr_scheduler_type="linear",
+                          warmup_steps=0.03)),
+    "dpo": ("dpo.py", "vader-preferences", ["--batch-size", 8, "--max-length", 128],
+            "DPO", dict(per_device_train_batch_size=8, max_length=128, beta=0.1, learning_rate=1e-4,
+                        lr_scheduler_type="linear", warmup_steps=0.1)),
+}
+TRL_FLAGS = {"--precompute-ref-log-probs": dict(precompute_ref_log_probs=True)}  # our flag -> TRL's config
+
+
+def trainer_ours(spec, env, tmp, tag, flags=()):
+    script, data, script_flags, _, _ = TRAINERS[spec["algo"]]
     log_dir = os.path.join(tmp, "runs", tag)
-    run_ours("sft.py", ["--model-name", env["model"], "--dataset-name", env["files"]["chatterbot-dialogue"],
-                        "--batch-size", 16, "--max-seq-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
-                        "--eval-steps", 10**6, "--eval-fraction", 0.01, "--num-sample-generations", 0,
-                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    run_ours(script, ["--model-name", env["model"], "--dataset-name", env["files"][data], *script_flags,
+                      "--max-steps", spec["warmup"] + spec["steps"], "--eval-steps", 10**6, "--eval-fraction", 0.01,
+                      "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
     return dict(step=scalars(log_dir, "time/step"))
 
 
-def sft_trl(spec, env, tmp, tag, flags=()):
+def trainer_trl(spec, env, tmp, tag, flags=()):
+    import trl
     from datasets import load_dataset
-    from trl import SFTConfig, SFTTrainer
 
+    _, data, _, name, kwargs = TRAINERS[spec["algo"]]
     timer = step_timer()
-    data = load_dataset("json", data_files=env["files"]["chatterbot-dialogue"], split="train")
-    config = SFTConfig(**trl_common(spec, tmp), per_device_train_batch_size=16, max_length=128, packing=False,
-                       learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.03)
-    SFTTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
-               callbacks=[timer]).train()
-    return dict(step=timer.times)
-
-
-def rm_ours(spec, env, tmp, tag, flags=()):
-    log_dir = os.path.join(tmp, "runs", tag)
-    run_ours("reward_modeling.py", ["--model-name", env["model"], "--dataset-name", env["files"]["vader-preferences"],
-                                    "--batch-size", 16, "--max-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
-                                    "--eval-steps", 10**6, "--eval-fraction", 0.01,
-                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
-    return dict(step=scalars(log_dir, "time/step"))
-
-
-def rm_trl(spec, env, tmp, tag, flags=()):
-    from datasets import load_dataset
-    from trl import RewardConfig, RewardTrainer
-
-    timer = step_timer()
-    data = load_dataset("json", data_files=env["files"]["vader-preferences"], split="train")
-    config = RewardConfig(**trl_common(spec, tmp), per_device_train_batch_size=16, max_length=128,
-                          learning_rate=3e-4, lr_scheduler_type="linear", warmup_steps=0.03)
-    RewardTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
-                  callbacks=[timer]).train()
-    return dict(step=timer.times)
-
-
-def dpo_ours(spec, env, tmp, tag, flags=()):
-    log_dir = os.path.join(tmp, "runs", tag)
-    run_ours("dpo.py", ["--model-name", env["model"], "--dataset-name", env["files"]["vader-preferences"],
-                        "--batch-size", 8, "--max-length", 128, "--max-steps", spec["warmup"] + spec["steps"],
-                        "--eval-steps", 10**6, "--eval-fraction", 0.01,
-                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
-    return dict(step=scalars(log_dir, "time/step"))
-
-
-def dpo_trl(spec, env, tmp, tag, flags=()):
-    from datasets import load_dataset
-    from trl import DPOConfig, DPOTrainer
-
-    timer = step_timer()
-    data = load_dataset("json", data_files=env["files"]["vader-preferences"], split="train")
-    config = DPOConfig(**trl_common(spec, tmp), per_device_train_batch_size=8, max_length=128, beta=0.1,
-                       learning_rate=1e-4, lr_scheduler_type="linear", warmup_steps=0.1,
-                       precompute_ref_log_probs="--precompute-ref-log-probs" in flags)
-    DPOTrainer(model=env["model"], args=config, train_dataset=data, processing_class=env["tokenizer"],
-               callbacks=[timer]).train()
+    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp), **kwargs,
+                                           **{k: v for f in flags for k, v in TRL_FLAGS[f].items()})
+    getattr(trl, f"{name}Trainer")(model=env["model"], args=config, processing_class=env["tokenizer"], callbacks=[timer],
+                                   train_dataset=load_dataset("json", data_files=env["files"][data], split="train")).train()
     return dict(step=timer.times)
 
 
@@ -317,7 +291,8 @@ def rollouts(spec, env, tmp) -> dict:
     return results
 
 
-RUNS = {"sft": (sft_ours, sft_trl), "rm": (rm_ours, rm_trl), "dpo": (dpo_ours, dpo_trl), "ppo": (ppo_ours, ppo_trl)}
+RUNS = {"sft": (trainer_ours, trainer_trl), "rm": (trainer_ours, trainer_trl), "dpo": (trainer_ours, trainer_trl),
+        "ppo": (ppo_ours, ppo_trl)}
 
 
 def worker(spec: dict) -> dict:
@@ -367,7 +342,7 @@ def spawn(spec: dict) -> dict:
     return json.loads(marker[-1][len("BENCH_RESULT "):])
 
 
-def mean_tokens(algo: str, batch: int) -> float:
+def mean_tokens(algo: str) -> float:
     """Tokens per sample of the benchmark data (ours' tokenisation; both sides see the same texts)."""
     from common import load_data, load_tokenizer
 
@@ -398,25 +373,22 @@ def main(args: Args) -> None:
             print(f"[bench] {algo} batch {config['batch_size']}: {args.rounds} rounds of ours / TRL ...", flush=True)
             result = spawn(spec)
             ours, trl = (statistics.median(result[k]["step"]) for k in ("ours", "trl"))
-            batch, tokens = config["batch_size"], mean_tokens(algo, config["batch_size"])
+            batch, tokens = config["batch_size"], mean_tokens(algo)
             row = dict(algo=algo, batch=batch, ours=ours, trl=trl, ratio=ours / trl, tokens=tokens,
                        target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo])
-            if algo == "ppo":
-                row["share"] = {k: statistics.median(result[k]["generation"]) / statistics.median(result[k]["step"])
-                                for k in ("ours", "trl")}
-                row["share_fb"] = {k: statistics.median(result[k]["forward_backward"]) / statistics.median(result[k]["step"])
-                                   for k in ("ours", "trl")}
+            if algo == "ppo":  # phase shares of the median step
+                median = {k: {phase: statistics.median(v) for phase, v in result[k].items()} for k in ("ours", "trl")}
+                row["share"] = {k: m["generation"] / m["step"] for k, m in median.items()}
+                row["share_fb"] = {k: m["forward_backward"] / m["step"] for k, m in median.items()}
             if "rollouts" in result:
                 extras.append(("rollout tokens/s (16 new tokens)", result["rollouts"]))
             if args.memory:
-                row["memory"] = {impl: spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=[impl, []]))["peak_mb"]
-                                 for impl in ("ours", "trl")}
-                variants = {"ppo": [("--num-shared-layers", "1"), ("--use-peft",)], "dpo": [("--precompute-ref-log-probs",)]}
-                for flags in variants.get(algo, []) if i == 0 else []:
-                    trl_flags = [] if flags == ("--use-peft",) else list(flags)  # TRL's peft path needs a peft model
-                    mem = spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=["ours", list(flags)]))["peak_mb"]
-                    mem_trl = spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=["trl", trl_flags]))["peak_mb"] if trl_flags else None
-                    extras.append((f"{algo} peak memory with {' '.join(flags)}", {"ours": mem, "trl": mem_trl}))
+                peak = lambda impl, flags=(): spawn(dict(spec, rollout_batch_sizes=None, rounds=1,  # noqa: E731
+                                                         memory=[impl, list(flags)]))["peak_mb"]
+                row["memory"] = {impl: peak(impl) for impl in ("ours", "trl")}
+                for flags, trl_has_it in MEMORY_VARIANTS.get(algo, []) if i == 0 else []:
+                    extras.append((f"{algo} peak memory with {' '.join(flags)}",
+                                   {"ours": peak("ours", flags), "trl": peak("trl", flags) if trl_has_it else None}))
             rows.append(row)
             print(format_row(row), flush=True)
     text = report(args, rows, extras)
