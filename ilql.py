@@ -66,8 +66,10 @@ class Args:
     # Model and data
     model_name: str = "builtin:tiny-gpt2"
     """a causal LM (hub id, local folder, builtin:tiny-gpt2) or a folder saved by this script (heads load back)"""
-    dataset_name: str = "builtin:chatterbot-dialogue"
-    """a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-dialogue"""
+    dataset_name: str = "builtin:chatterbot-mixed-replies"
+    """a hub id, a local json/jsonl/csv/parquet file, or a built-in: chatterbot-mixed-replies (each utterance with its
+    reply and with a random other one, so every state has actions of different return: offline RL data of mixed
+    quality) or chatterbot-dialogue (one reply per utterance)"""
     dataset_split: str = "train"
     """the split to load from a hub dataset"""
     prompt_column: str | None = "prompt"
@@ -76,9 +78,9 @@ class Args:
     """the response column (the text column for (text, reward) data)"""
     reward_column: str | None = None
     """the reward column; None scores every response with `reward_fn` in this file (VADER sentiment)"""
-    max_length: int = 64
+    max_length: int = 32
     """prompt + response tokens; longer samples lose prompt tokens from the left, then response tokens"""
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.03
     """fraction of the rows held out; their prompts are used for evaluation"""
 
     # ILQL (defaults: trlX's ILQLConfig, except the target sync rate)
@@ -133,7 +135,7 @@ class Args:
     """top-k of the shifted logits (0: off)"""
     temperature: float = 1.0
     """sampling temperature"""
-    max_new_tokens: int = 24
+    max_new_tokens: int = 12
     """response tokens generated at evaluation"""
     eval_samples: int = 64
     """held-out prompts per evaluation (each process)"""

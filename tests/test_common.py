@@ -211,6 +211,11 @@ def test_builtin_and_local_datasets(tmp_path):
     analyzer = SentimentIntensityAnalyzer()
     for row in preferences.select(range(20)):
         assert analyzer.polarity_scores(row["chosen"])["compound"] > analyzer.polarity_scores(row["rejected"])["compound"]
+    # offline RL data: each utterance twice, first with its real reply, then with one drawn from all replies (seeded)
+    dialogue, mixed = load_data("builtin:chatterbot-dialogue"), load_data("builtin:chatterbot-mixed-replies")
+    assert len(mixed) == 2 * len(dialogue) and mixed["prompt"][::2] == mixed["prompt"][1::2] == dialogue["prompt"]
+    assert mixed["completion"][::2] == dialogue["completion"] and set(mixed["completion"][1::2]) <= set(dialogue["completion"])
+    assert mixed["completion"][1::2] != dialogue["completion"] and load_data("builtin:chatterbot-mixed-replies")[:50] == mixed[:50]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(3)))
     local = load_data(str(path))
