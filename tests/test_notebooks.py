@@ -1,0 +1,48 @@
+"""Every notebook runs top to bottom (with a smaller budget injected after its `parameters` cell, the papermill
+convention), its plots render, and it is committed without outputs."""
+
+import base64
+import io
+import os
+
+import nbformat
+import numpy as np
+import pytest
+from nbclient import NotebookClient
+from PIL import Image
+
+from conftest import ROOT
+
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+# Small budgets: each notebook's own defaults take a few minutes; these keep the suite short
+BUDGETS = {
+    "sft": {"MAX_STEPS": 4, "EVAL_STEPS": 4, "FLAGS": ["--eval-fraction", "0.01", "--num-sample-generations", "0"]},
+    "reward_modeling": {"NUM_EPOCHS": 1, "MAX_STEPS": 6, "FLAGS": ["--eval-fraction", "0.02"]},
+    "ppo": {"TOTAL_EPISODES": 32, "FLAGS": ["--eval-samples", "8"]},
+    "dpo": {"MAX_STEPS": 4, "FLAGS": ["--eval-fraction", "0.02"]},
+    "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4"]},
+    "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16"]},
+}
+
+
+def test_every_notebook_has_a_budget():
+    assert sorted(name[: -len(".ipynb")] for name in os.listdir(NOTEBOOKS) if name.endswith(".ipynb")) == sorted(BUDGETS)
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_notebook_runs_and_renders_its_plots(name, tmp_path):
+    notebook = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+    code_cells = [c for c in notebook.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code_cells), "commit notebooks without outputs"
+    (index,) = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
+    overrides = BUDGETS[name] | {"OUT": str(tmp_path / "out")}
+    for key in overrides:
+        assert f"{key} = " in notebook.cells[index].source, f"{key} is not a parameter of {name}.ipynb"
+    notebook.cells.insert(index + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in overrides.items())))
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    pngs = [out["data"]["image/png"] for c in notebook.cells if c.cell_type == "code"
+            for out in c.outputs if "image/png" in out.get("data", {})]
+    assert pngs, f"{name}.ipynb drew no plot"
+    for png in pngs:
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("L"), dtype=float)
+        assert min(image.shape) > 100 and image.std() > 1.0  # a real figure, not an empty canvas
