@@ -16,12 +16,13 @@ from conftest import ROOT
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # Small budgets: each notebook's own defaults take a few minutes; these keep the suite short
 BUDGETS = {
-    "sft": {"MAX_STEPS": 4, "EVAL_STEPS": 4, "FLAGS": ["--eval-fraction", "0.01", "--num-sample-generations", "0"]},
-    "reward_modeling": {"NUM_EPOCHS": 1, "MAX_STEPS": 6, "FLAGS": ["--eval-fraction", "0.02"]},
-    "ppo": {"TOTAL_EPISODES": 32, "FLAGS": ["--eval-samples", "8"]},
-    "dpo": {"MAX_STEPS": 4, "FLAGS": ["--eval-fraction", "0.02"]},
-    "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4"]},
-    "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16"]},
+    "sft": {"MAX_STEPS": 4, "EVAL_STEPS": 4,
+            "FLAGS": ["--eval-fraction", "0.01", "--num-sample-generations", "0", "--max-seq-length", "32"]},
+    "reward_modeling": {"NUM_EPOCHS": 1, "MAX_STEPS": 6, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32"]},
+    "ppo": {"TOTAL_EPISODES": 16, "FLAGS": ["--eval-samples", "8"]},
+    "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
+    "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
+    "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
 }
 
 
