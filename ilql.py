@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
+    LogitMask,
     atomic_directory,
     check_columns,
     check_scores,
@@ -135,6 +136,9 @@ class Args:
     """top-k of the shifted logits (0: off)"""
     temperature: float = 1.0
     """sampling temperature"""
+    logit_mask: str | None = None
+    """trlX's logit mask: a JSON file of allowed transitions, {"token id": [ids allowed next], ...}, or trlX's dense
+    [vocab][vocab] booleans (True: forbidden). Applied to the LM's logits before the advantage shift, as trlX does"""
     max_new_tokens: int = 12
     """response tokens generated at evaluation"""
     eval_samples: int = 64
@@ -321,6 +325,7 @@ if __name__ == "__main__":
 
     # ---- model ----
     model = CausalLMWithILQLHeads.from_pretrained(args.model_name, args.two_qs)
+    logit_mask = LogitMask.from_file(args.logit_mask, model.lm.config.vocab_size) if args.logit_mask else None
     if args.use_peft:
         model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     model.to(device)
@@ -349,8 +354,10 @@ if __name__ == "__main__":
             position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
             out = heads.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=past, use_cache=True, output_hidden_states=True)
-            past, hidden = out.past_key_values, out.hidden_states[-1][:, -1]
-            scores = advantage_logits(out.logits[:, -1], [h(hidden) for h in heads.target_q_heads],
+            past, hidden, logits = out.past_key_values, out.hidden_states[-1][:, -1], out.logits[:, -1]
+            if logit_mask is not None:  # the last token fed in (prompt end, or the last sampled) decides what may follow
+                logits = logit_mask.apply(logits, input_ids[:, -1])
+            scores = advantage_logits(logits, [h(hidden) for h in heads.target_q_heads],
                                       heads.v_head(hidden).squeeze(-1), beta)
             if args.top_k:
                 scores = scores.masked_fill(scores < scores.topk(args.top_k, -1).values[:, -1:], float("-inf"))

@@ -12,6 +12,7 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py --model-name gpt2 --reward-model outputs/reward_model
 """
 
+import copy
 import json
 import os
 import time
@@ -24,7 +25,7 @@ import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification, get_scheduler
+from transformers import AutoModelForSequenceClassification, LogitsProcessorList, get_scheduler
 
 from common import (
     INVALID_LOGPROB,
@@ -32,6 +33,7 @@ from common import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     FixedKLController,
+    LogitMask,
     RunningMoments,
     atomic_directory,
     check_columns,
@@ -94,6 +96,11 @@ class Args:
     reward_model: str | None = None
     """a sequence-classification reward model (hub id / local folder, e.g. the output of reward_modeling.py);
     None scores with `reward_fn` in this file (VADER sentiment of the response)"""
+    reward_adapter: str | None = None
+    """instead of --reward-model: a LoRA reward adapter saved by `reward_modeling.py --use-peft`
+    ({output_dir}/reward_adapter), loaded as a second adapter on the policy's base model, so one copy of the base
+    weights is policy, reference (adapters off) and reward model (TRL's multi-adapter RL). Needs --use-peft and the
+    reward model's base model as --model-name"""
     reward_batch_size: int = 64
     """batch size of the reward model's forward passes"""
 
@@ -115,6 +122,10 @@ class Args:
     """subtracted from the score of responses that end without EOS or a stop sequence (TRL PPOv2); None: none"""
     generation_batch_size: int | None = None
     """queries per `generate` call (None: the whole batch at once)"""
+    logit_mask: str | None = None
+    """trlX's logit mask: a JSON file of allowed transitions, {"token id": [ids allowed next], ...}, or trlX's dense
+    [vocab][vocab] booleans (True: forbidden). Applied in generation and in the policy's and the reference's
+    log-probs, so forbidden tokens are never sampled and carry zero probability"""
 
     # PPO (defaults: TRL 0.8 PPOConfig, except where the tiny random default model needs otherwise)
     total_episodes: int = 960
@@ -212,6 +223,12 @@ class Args:
     """where --save-freq checkpoints go (None: {output_dir}_checkpoints)"""
     resume_from: str | None = None
     """a checkpoint folder to resume from (model, optimizer, scheduler, KL controller, RNG, step)"""
+    save_best: bool = False
+    """keep the policy whose rollout batch had the highest mean reward (the reward function's or reward model's raw
+    score) in {output_dir}_best, saved before that batch's update (TRL's push_to_hub_if_best). With --push-to-hub,
+    each new best is uploaded instead of the final model"""
+    compare_steps: int = 1
+    """with --save-best, compare the batch reward with the best so far every this many updates"""
     push_to_hub: bool = False
     """push the final model to the hub as `hub_model_id`"""
     hub_model_id: str | None = None
@@ -306,17 +323,20 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
     return pg_loss, vf_coef * vf_loss, stats
 
 
-def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None):
+def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None,
+            logit_mask=None):
     """Policy/reference forward pass over query+response: (logits / temperature, values) at the response tokens.
 
     queries [B, Q] left-padded, responses [B, T]; returns logits [B, T, V] where logits[:, t] predicts
     responses[:, t], and values [B, T] (the value of the state before token t). Encoder-decoder models are
-    marked by their `decoder_start_token_id`.
+    marked by their `decoder_start_token_id`. A `LogitMask` masks the transitions from each previous token.
     """
+    # the token before each response token: the last query token (left padding), or the decoder's start token
+    first = queries[:, -1:] if decoder_start_token_id is None else torch.full_like(responses[:, :1], decoder_start_token_id)
+    previous = torch.cat([first, responses[:, :-1]], 1)
     if decoder_start_token_id is not None:  # the query goes to the encoder; the decoder reads <start> + response[:-1]
-        start = torch.full_like(responses[:, :1], decoder_start_token_id)
-        decoder_input_ids = torch.cat([start, responses[:, :-1]], 1)
-        decoder_mask = torch.cat([torch.ones_like(start), response_mask[:, :-1]], 1)
+        decoder_input_ids = previous
+        decoder_mask = torch.cat([torch.ones_like(first), response_mask[:, :-1]], 1)
         logits, values = model(input_ids=queries, attention_mask=query_mask, decoder_input_ids=decoder_input_ids,
                                decoder_attention_mask=decoder_mask)
     else:
@@ -329,7 +349,8 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
         logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                logits_to_keep=T + 1)
         logits, values = logits[:, :-1], values[:, -T - 1:-1]
-    return (logits / temperature if temperature != 1.0 else logits), values
+    logits = logits / temperature if temperature != 1.0 else logits
+    return (logit_mask.apply(logits, previous) if logit_mask is not None else logits), values
 
 
 def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=()):
@@ -398,9 +419,15 @@ if __name__ == "__main__":
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
     reward_model = reward_tokenizer = None
+    if args.reward_model is not None and args.reward_adapter is not None:
+        raise ValueError("Pass one of --reward-model and --reward-adapter.")
     if args.reward_model is not None:
         reward_model = load_pretrained(args.reward_model, AutoModelForSequenceClassification, num_labels=1).eval()
         reward_tokenizer = load_tokenizer(args.reward_model, padding_side="right")
+    if args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
+        model.load_reward_adapter(args.reward_adapter, base_model_name=args.model_name)
+        reward_tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
                       f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
@@ -448,7 +475,8 @@ if __name__ == "__main__":
             out = policy.generate(
                 input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
                 max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                logits_processor=LogitsProcessorList([logit_mask] if logit_mask is not None else []))
             outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
@@ -459,16 +487,18 @@ if __name__ == "__main__":
     def score(queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
         """One score per (query, response): `reward_fn`, or the reward model's logit on the text as
         reward_modeling.py trains it: "query response<eos>", the EOS only for responses that ended."""
-        if reward_model is None:
+        if reward_tokenizer is None:
             return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
         eos = reward_tokenizer.eos_token or ""
         texts = [f"{q} {r.strip()}{eos if e else ''}" for q, r, e in zip(queries_text, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), args.reward_batch_size):
             batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
-            scores.append(reward_model(**batch).logits[:, 0].float().cpu())
-        return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model}")
+            logits = reward_model(**batch).logits if reward_model is not None else unwrapped.compute_reward_score(**batch)
+            scores.append(logits[:, 0].float().cpu())
+        return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model or args.reward_adapter}")
 
+    unwrapped = model
     score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails now
 
     # ---- optimiser, KL controller, resume ----
@@ -487,12 +517,12 @@ if __name__ == "__main__":
         reward_model = reward_model.to(device)
     kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(args.init_kl_coef)
     running = RunningMoments()
-    start_update = 0
+    start_update, best_reward = 0, float("-inf")
     if args.resume_from:
         accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
         with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
             state = json.load(f)
-        start_update, kl_ctl.value = state["update"], state["kl_coef"]
+        start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
@@ -505,8 +535,26 @@ if __name__ == "__main__":
                 tokenizer.save_pretrained(tmp)
                 accelerator.save_state(os.path.join(tmp, "accelerate_state"))
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump(dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__), f)
+                    json.dump(dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__,
+                                   best_reward=best_reward), f)
         accelerator.wait_for_everyone()
+
+    def save_model(path: str, metrics: dict[str, float], final: bool) -> None:
+        """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically
+        by the main process; uploaded with --push-to-hub (the final model, or each new best with --save-best)."""
+        policy = unwrapped
+        if peft_model_of(unwrapped) is not None:  # LoRA merged into the base: loads with plain from_pretrained
+            # the final save merges in place; a best checkpoint merges a copy, so training goes on
+            merged = (unwrapped.pretrained_model if final else copy.deepcopy(unwrapped.pretrained_model)).merge_and_unload()
+            policy = wrapper_class(merged)
+            policy.v_head = unwrapped.v_head
+        with atomic_directory(path) as tmp:
+            policy.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "ppo", metrics)
+        if args.push_to_hub and final != args.save_best:
+            policy.pretrained_model.push_to_hub(args.hub_model_id or run_name)
+            tokenizer.push_to_hub(args.hub_model_id or run_name)
 
     def reduce_mean(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         """Average scalar metrics over ranks in one collective and one device sync."""
@@ -572,6 +620,14 @@ if __name__ == "__main__":
             scores = scores.clamp(-args.score_clip, args.score_clip)
         t_score = time.time() - t0
 
+        # ---- best checkpoint (TRL's push_to_hub_if_best): the weights that produced the best batch so far ----
+        if args.save_best and update % args.compare_steps == 0:
+            batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
+            if batch_reward > best_reward:
+                best_reward = batch_reward
+                if accelerator.is_main_process:
+                    save_model(f"{args.output_dir}_best", {"best/reward_mean": best_reward, "best/update": update}, final=False)
+
         # ---- forward passes: old logprobs and values, reference logprobs ----
         t0 = time.time()
         full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
@@ -579,7 +635,8 @@ if __name__ == "__main__":
         with torch.no_grad():
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
-                fwd = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start)
+                fwd = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start,
+                       logit_mask)
                 logits, value = forward(unwrapped, *fwd)
                 with reference_context(unwrapped, ref_model):
                     ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *fwd)
@@ -608,7 +665,7 @@ if __name__ == "__main__":
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb],
-                                             args.temperature, decoder_start)
+                                             args.temperature, decoder_start, logit_mask)
                     logprobs = logprobs_from_logits(logits, responses[mb])
                     pg_loss, vf_loss, stats = ppo_loss(
                         old_logprobs[mb], values[mb], logprobs, vpreds, mask[mb], advantages[mb], returns[mb],
@@ -667,19 +724,12 @@ if __name__ == "__main__":
     last_eval = evaluate(args.num_updates)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if peft_model_of(unwrapped) is not None:  # merge LoRA into the base: loads with plain from_pretrained
-            unwrapped.pretrained_model = unwrapped.pretrained_model.merge_and_unload()
-        with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "ppo", last_eval)
-        if args.push_to_hub:
-            unwrapped.pretrained_model.push_to_hub(args.hub_model_id or run_name)
-            tokenizer.push_to_hub(args.hub_model_id or run_name)
+        save_model(args.output_dir, last_eval, final=True)
     window = max(1, len(reward_history) // 10)
     accelerator.print(
         f"ppo: {args.num_updates - start_update} updates, {(args.num_updates - start_update) * per_update} episodes in "
         f"{time.time() - start_time:.0f}s; train reward {np.mean(reward_history[:window]):.3f} -> "
         f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
-        f"{last_eval['eval/reward_mean']:.3f}; model saved to {args.output_dir}")
+        f"{last_eval['eval/reward_mean']:.3f}; model saved to {args.output_dir}"
+        + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else ""))
     logger.close()

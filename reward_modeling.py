@@ -11,6 +11,7 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml reward_modeling.py --model-name gpt2 --dataset-name pairs.jsonl
 """
 
+import json
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
 from common import (
+    REWARD_NORMALIZATION_FILE,
     atomic_directory,
     check_columns,
     load_config,
@@ -104,7 +106,8 @@ class Args:
 
     # LoRA
     use_peft: bool = False
-    """train LoRA adapters and the score head (merged into the saved model)"""
+    """train LoRA adapters and the score head: merged into the saved model, and also saved unmerged as
+    {output_dir}/reward_adapter for `ppo.py --use-peft --reward-adapter` (one base model for policy and reward)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -274,22 +277,29 @@ if __name__ == "__main__":
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----
     unwrapped = accelerator.unwrap_model(model)
-    if peft_model_of(unwrapped) is not None:
-        unwrapped = unwrapped.merge_and_unload()
+    gain, bias = 1.0, 0.0
     if args.normalize_reward:
         unwrapped.eval()
         with torch.no_grad():
             rewards = torch.cat([unwrapped(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits[:, 0]
                                  for b in train_loader])
         rewards = accelerator.gather(rewards).float()
-        gain = 1.0 / rewards.std().item()
-        fold_reward_normalization(unwrapped, gain, -rewards.mean().item() * gain)
+        gain, bias = 1.0 / rewards.std().item(), -rewards.mean().item() / rewards.std().item()
         accelerator.print(f"reward normalised: mean {rewards.mean().item():.3f}, std {rewards.std().item():.3f} -> 0, 1")
 
-    # ---- save (plain from_pretrained format) ----
+    # ---- save (plain from_pretrained format; with LoRA also the adapter, for ppo.py --reward-adapter) ----
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
+            if peft_model_of(unwrapped) is not None:
+                adapter_dir = os.path.join(tmp, "reward_adapter")
+                unwrapped.save_pretrained(adapter_dir)  # LoRA + score head (peft's modules_to_save for SEQ_CLS)
+                if args.normalize_reward:  # the adapter keeps its weights; ppo.py applies gain and bias from this file
+                    with open(os.path.join(adapter_dir, REWARD_NORMALIZATION_FILE), "w") as f:
+                        json.dump({"gain": gain, "bias": bias}, f)
+                unwrapped = unwrapped.merge_and_unload()
+            if args.normalize_reward:
+                fold_reward_normalization(unwrapped, gain, bias)
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "reward_modeling", last_eval)

@@ -5,6 +5,7 @@ from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
     FixedKLController,
+    LogitMask,
     RunningMoments,
     check_scores,
     clip_by_value,
@@ -17,6 +18,7 @@ from common.core import (
     masked_whiten,
 )
 from common.models import (
+    REWARD_NORMALIZATION_FILE,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     create_reference_model,

@@ -1,8 +1,10 @@
-"""Log-prob, masking and KL utilities, and the KL controllers.
+"""Log-prob, masking and KL utilities (with trlX's logit mask), and the KL controllers.
 
 Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-preferences).
 All masks are float or bool tensors of the same shape as the values they mask.
 """
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,44 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """
     logp = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+class LogitMask:
+    """trlX's `logit_mask`: which tokens may follow which. `allowed` maps a token id to the ids allowed right after
+    it; a token not in the map may be followed by anything.
+
+    Forbidden logits become the dtype's lowest finite value: zero probability in sampling and in log-probs, and no
+    NaN in entropies (as -inf would give). Callable as a transformers LogitsProcessor, `(input_ids, scores)`.
+    """
+
+    def __init__(self, allowed: dict[int, list[int]], vocab_size: int):
+        for token, nexts in allowed.items():
+            if not nexts or not all(0 <= t < vocab_size for t in [int(token), *nexts]):
+                raise ValueError(f"logit mask: token {token} -> {nexts}: every token needs at least one allowed next "
+                                 f"token, and every id must be in [0, {vocab_size}).")
+        self.allowed = {int(k): torch.tensor(v, dtype=torch.long) for k, v in allowed.items()}
+
+    @classmethod
+    def from_file(cls, path: str, vocab_size: int) -> "LogitMask":
+        """A JSON file: {"token id": [allowed next ids], ...}, or trlX's dense [vocab][vocab] booleans (True: forbidden)."""
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, list):
+            data = {i: [j for j, forbidden in enumerate(row) if not forbidden] for i, row in enumerate(data)}
+        return cls(data, vocab_size)
+
+    def apply(self, logits: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] of the tokens that follow prev_tokens [...], with the forbidden transitions masked."""
+        forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        for token in prev_tokens.unique().tolist():
+            if token in self.allowed:
+                row = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                row[self.allowed[token].to(logits.device)] = False
+                forbidden[prev_tokens == token] = row
+        return logits.masked_fill(forbidden, torch.finfo(logits.dtype).min)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.apply(scores, input_ids[:, -1])
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:

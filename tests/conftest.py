@@ -122,3 +122,18 @@ def check_model_card(folder, algorithm: str, base: str = "builtin:tiny-gpt2") ->
     assert f"tags: [{algorithm}, rlhf]" in card and f"- base model: `{base}`" in card, card
     assert "## Final metrics" in card and "| eval/" in card and f"{algorithm}.py" in card.split("## Command")[1], card
     return card
+
+
+@pytest.fixture()
+def positive_mask_file(tmp_path):
+    """A logit mask for the built-in tokenizer under which every token may only be followed by a few positive words (not
+    even EOS): generations under it must score high with VADER, whatever the model."""
+    import json
+
+    from common import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    allowed = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" good", " great", " happy", " love")]
+    path = tmp_path / "positive_mask.json"
+    path.write_text(json.dumps({i: allowed for i in range(len(tokenizer))}))
+    return str(path)

@@ -11,6 +11,7 @@ from common import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     FixedKLController,
+    LogitMask,
     RunningMoments,
     atomic_directory,
     check_columns,
@@ -34,6 +35,28 @@ from common import (
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
+
+
+def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
+    mask = LogitMask({1: [2, 3]}, vocab_size=5)
+    torch.manual_seed(0)
+    logits, previous = torch.randn(2, 3, 5), torch.tensor([[1, 0, 1], [4, 1, 1]])
+    probs, original = mask.apply(logits, previous).softmax(-1), logits.softmax(-1)
+    after_1 = previous == 1
+    assert (probs[after_1][:, [0, 1, 4]] == 0).all()  # exactly zero, not just small
+    allowed = original[after_1][:, [2, 3]]
+    torch.testing.assert_close(probs[after_1][:, [2, 3]], allowed / allowed.sum(-1, keepdim=True))  # renormalised
+    torch.testing.assert_close(probs[~after_1], original[~after_1])  # unrestricted tokens: untouched
+    assert torch.isfinite(entropy_from_logits(mask.apply(logits, previous))).all()
+    # trlX's dense format (True: forbidden) gives the same mask; a processor for generate masks after input_ids[:, -1]
+    dense = [[i == 1 and j not in (2, 3) for j in range(5)] for i in range(5)]
+    (tmp_path / "dense.json").write_text(json.dumps(dense))
+    from_file = LogitMask.from_file(str(tmp_path / "dense.json"), vocab_size=5)
+    assert torch.equal(from_file.apply(logits, previous), mask.apply(logits, previous))
+    torch.testing.assert_close(mask(torch.tensor([[0, 1], [1, 4]]), logits[:, 0]), mask.apply(logits[:, 0], torch.tensor([1, 4])))
+    for bad in ({1: []}, {1: [5]}, {7: [0]}):
+        with pytest.raises(ValueError, match="at least one allowed next token"):
+            LogitMask(bad, vocab_size=5)
 
 
 def test_masked_mean_and_var_by_hand():

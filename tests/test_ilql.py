@@ -141,6 +141,14 @@ def test_text_reward_data_peft_and_bad_input(tmp_path):
                                  "text", "--reward-column", "score"], tmp_path)
 
 
+def test_logit_mask_restricts_generation(tmp_path, positive_mask_file):
+    """trlX's logit mask in generation: every token may only be followed by " good", " great", " happy" or " love",
+    so even the untrained model's replies score high with VADER (about 0 without the mask), at beta 0 and 4."""
+    out = run_script([ILQL, *TINY, "--max-steps", "1", "--logit-mask", positive_mask_file], tmp_path)
+    behaviour, steered = map(float, re.search(r"beta=0 \S+ -> (-?[\d.]+), beta=4 \S+ -> (-?[\d.]+)", out).groups())
+    assert behaviour > 0.5 and steered > 0.5, out[-3000:]
+
+
 def test_two_process_ddp(tmp_path):
     out = run_script([*ddp_launch(), ILQL, *TINY, "--max-steps", "2"], tmp_path, **DDP_ENV)
     assert "2 eval prompts per process" in out and "ilql: 2 steps" in out

@@ -7,11 +7,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common import AutoModelForCausalLMWithValueHead, logprobs_from_logits
+from common import AutoModelForCausalLMWithValueHead, LogitMask, logprobs_from_logits
 from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from ppo import compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
+RM = os.path.join(ROOT, "reward_modeling.py")
 LOGPROBS = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
 REF_LOGPROBS = torch.tensor([[-1.5, -1.0, -3.0], [-2.0, -1.0, -4.0]])
 MASKS = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # row 2: last token is padding
@@ -123,6 +124,34 @@ def test_left_padding_gives_the_same_logprobs():
         assert torch.allclose(hot, logits / 2.0, atol=1e-6)
 
 
+def test_logit_mask_on_a_tiny_vocabulary_in_sampling_and_logprobs():
+    """trlX's logit mask: token t may only be followed by t + 1 or t + 2 (mod 8). Sampled responses never break it,
+    and the log-probs the PPO update uses give every forbidden token probability exactly 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessorList
+
+    torch.manual_seed(0)
+    vocab = 8
+    config = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=1, n_head=2, eos_token_id=None, bos_token_id=None)
+    model = AutoModelForCausalLMWithValueHead(GPT2LMHeadModel(config).eval())
+    mask = LogitMask({t: [(t + 1) % vocab, (t + 2) % vocab] for t in range(vocab)}, vocab_size=vocab)
+    queries = torch.randint(0, vocab, (64, 3))
+    with torch.no_grad():
+        out = model.generate(input_ids=queries, attention_mask=torch.ones_like(queries), max_new_tokens=10, do_sample=True,
+                             pad_token_id=0, logits_processor=LogitsProcessorList([mask]))
+        steps = (out[:, 3:] - out[:, 2:-1]) % vocab  # every transition from the last query token on
+        assert set(steps.unique().tolist()) == {1, 2}
+        responses = out[:, 3:]
+        logits, _ = forward(model, queries, torch.ones_like(queries), responses, torch.ones_like(responses), 0.7,
+                            logit_mask=mask)
+    probs = logits.softmax(-1)
+    previous = torch.cat([queries[:, -1:], responses[:, :-1]], 1)
+    allowed = torch.zeros_like(probs, dtype=torch.bool)
+    for step in (1, 2):
+        allowed.scatter_(-1, ((previous + step) % vocab).unsqueeze(-1), True)
+    assert (probs[~allowed] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(()))
+    assert torch.isfinite(logprobs_from_logits(logits, responses)).all()
+
+
 def test_truncate_responses_after_eos_and_stop_sequences():
     eos, pad = 9, 0
     responses = torch.tensor([[1, 2, 9, 3, 4], [1, 5, 6, 7, 8], [1, 2, 3, 4, 5]])
@@ -200,6 +229,80 @@ def test_reward_model_from_local_folder(tmp_path):
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
     out = run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "ppo: 1 updates" in out
+
+
+def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file):
+    """Every token may only be followed by " good", " great", " happy" or " love": from the very first update the
+    untrained random policy's VADER reward is high (about 0 without the mask)."""
+    run_script([PPO, *TINY, "--total-episodes", "8", "--logit-mask", positive_mask_file], tmp_path)
+    assert read_scalars(str(tmp_path / "runs"), "eval/reward_mean")[0] > 0.5
+    assert read_scalars(str(tmp_path / "runs"), "env/reward_mean")[0] > 0.5
+
+
+def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(tmp_path, pairs_file):
+    """TRL's multi-adapter RL: reward_modeling.py --use-peft saves a LoRA reward adapter with its score head; loaded as
+    a second adapter on the peft policy it gives the merged (and normalised) reward model's scores, with one copy of
+    the base weights, and the policy adapter stays the active, trainable one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from common import load_pretrained, load_tokenizer
+
+    run_script([RM, "--dataset-name", pairs_file, "--use-peft", "--lora-r", "4", "--max-steps", "3", "--batch-size", "4",
+                "--learning-rate", "1e-2", "--normalize-reward", "--output-dir", "rm"], tmp_path)
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    base = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+    assert not torch.allclose(merged.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
+
+    policy = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2")
+    policy.pretrained_model = get_peft_model(policy.pretrained_model, LoraConfig(r=4, task_type="CAUSAL_LM"))
+    for name, param in policy.named_parameters():  # a policy adapter that is not the identity
+        if "lora_B.default" in name:
+            param.data.normal_(std=0.1)
+    policy.load_reward_adapter(str(tmp_path / "rm" / "reward_adapter"), "builtin:tiny-gpt2")
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="right")
+    batch = tokenizer(["q1 I love this<|endoftext|>", "q2 awful, I hate it"], padding=True, return_tensors="pt")
+    ids = tokenizer(["q1 some words here"], return_tensors="pt")
+    with torch.no_grad():
+        policy_logits = policy(**ids)[0]
+        torch.testing.assert_close(policy.compute_reward_score(**batch), merged(**batch).logits)
+        torch.testing.assert_close(policy(**ids)[0], policy_logits)  # back on the policy adapter
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert any(".default." in n for n in trainable) and not any(".reward." in n for n in trainable)
+    sizes = {p.data_ptr(): p.numel() for p in policy.parameters()}  # distinct storages
+    lora = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
+    assert any(".reward." in n for n, _ in policy.named_parameters())
+    assert sum(sizes.values()) == sum(p.numel() for p in base.parameters()) + lora + 64 + 1 + 64  # + value and score heads
+    # the final save merges the policy adapter only
+    merged_policy = policy.pretrained_model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged_policy(**ids).logits, policy_logits)
+
+    out = run_script([PPO, *TINY, "--total-episodes", "8", "--use-peft", "--lora-r", "4", "--reward-adapter",
+                      str(tmp_path / "rm" / "reward_adapter")], tmp_path)
+    assert "ppo: 1 updates" in out
+    assert "add --use-peft" in run_failing([PPO, "--reward-adapter", str(tmp_path / "rm" / "reward_adapter")], tmp_path)
+    assert "must share the base model" in run_failing([PPO, "--use-peft", "--model-name", "builtin:tiny-t5", "--reward-adapter",
+                                                       str(tmp_path / "rm" / "reward_adapter")], tmp_path)
+
+
+def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):
+    """TRL's push_to_hub_if_best: every compare_steps updates the batch reward is compared with the best so far; the best
+    checkpoint holds the weights that produced that batch (those of the checkpoint written just before it) and loads
+    with plain from_pretrained."""
+    run_script([PPO, *TINY, "--total-episodes", "40", "--save-best", "--compare-steps", "2", "--save-freq", "1"], tmp_path)
+    rewards = read_scalars(str(tmp_path / "runs"), "env/reward_mean")  # updates 0..4, logged at steps 1..5
+    best_update = max(range(0, 5, 2), key=lambda u: rewards[u])
+    card = (tmp_path / "outputs" / "ppo_best" / "README.md").read_text()
+    assert f"| best/reward_mean | {rewards[best_update]:.4g} |" in card and f"| best/update | {best_update} |" in card
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo_best").state_dict()
+    if best_update == 0:  # saved before any update: the initial weights
+        source = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2").pretrained_model
+    else:  # checkpoint update_u holds the weights after u updates, which produced batch u
+        source = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo_checkpoints" / f"update_{best_update}")
+    assert all(torch.equal(value, source.state_dict()[k]) for k, value in best.items())
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo").state_dict()
+    assert not all(torch.equal(value, final[k]) for k, value in best.items())
 
 
 def test_two_process_ddp(tmp_path):
