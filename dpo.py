@@ -9,6 +9,7 @@ Usage:
     python dpo.py                                   # offline: tiny GPT-2 on the built-in VADER-labelled pairs
     accelerate launch dpo.py --loss-type ipo --beta 0.5
     accelerate launch --config_file configs/multi_gpu.yaml dpo.py --model-name outputs/sft --use-peft
+    python dpo.py --model-name builtin:tiny-t5       # encoder-decoder: prompt to the encoder, responses as labels
 """
 
 import contextlib
@@ -25,12 +26,13 @@ import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from common import (
     atomic_directory,
     check_columns,
     create_reference_model,
+    load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
@@ -62,7 +64,8 @@ class Args:
 
     # Model and data
     model_name: str = "builtin:tiny-gpt2"
-    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), or builtin:tiny-gpt2"""
+    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), builtin:tiny-gpt2, or an
+    encoder-decoder model (e.g. builtin:tiny-t5, t5-small: the prompt goes to the encoder, responses are the labels)"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -74,9 +77,12 @@ class Args:
     rejected_column: str = "rejected"
     """the other response column"""
     max_length: int = 128
-    """prompt + response tokens"""
+    """prompt + response tokens (decoder-only models)"""
     max_prompt_length: int = 64
-    """prompt tokens kept when prompt + response exceeds max_length (then responses are cut to the rest)"""
+    """prompt tokens kept when prompt + response exceeds max_length (then responses are cut to the rest); for an
+    encoder-decoder model, the encoder's input is always cut to this length"""
+    max_target_length: int = 64
+    """encoder-decoder models: response tokens (decoder labels, EOS included) kept"""
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
     """which end of a long prompt to keep"""
     eval_fraction: float = 0.1
@@ -143,12 +149,15 @@ class Args:
     """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
-def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100) -> torch.Tensor:
+def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100, is_encoder_decoder=False) -> torch.Tensor:
     """Sum (or mean) of log p(label) over the labelled tokens: logits [B, T, V], labels [B, T] -> [B].
 
-    Logits at position t predict the token at t + 1, so labels are shifted left by one.
+    Decoder-only: logits at position t predict the token at t + 1, so labels are shifted left by one. Encoder-decoder:
+    the decoder input is already shifted right (<start> + labels[:-1]), so logits at t predict labels at t.
     """
-    labels, logits = labels[:, 1:].clone(), logits[:, :-1]
+    if not is_encoder_decoder:
+        labels, logits = labels[:, 1:], logits[:, :-1]
+    labels = labels.clone()
     loss_mask = labels != label_pad_token_id
     labels[~loss_mask] = 0  # any valid index; masked out below
     # log_softmax gathered at the labels, without materialising the [B, T, V] log-softmax
@@ -223,12 +232,34 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length
     return out
 
 
+def tokenize_pair_seq2seq(tokenizer, prompt: str, chosen: str, rejected: str, max_prompt_length: int,
+                          max_target_length: int, truncation_mode: str = "keep_end") -> dict:
+    """Encoder input ids and decoder labels for an encoder-decoder policy (TRL 0.8 `tokenize_row`, encoder-decoder).
+
+    The prompt keeps the tokenizer's special tokens (T5: a closing </s>) and is cut to max_prompt_length from the end
+    truncation_mode drops; each answer ends with EOS (appended where the tokenizer does not add it) and is cut to
+    max_target_length, the EOS going first (a cut answer did not end).
+    """
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    if len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[-max_prompt_length:] if truncation_mode == "keep_end" else prompt_ids[:max_prompt_length]
+    out = {"prompt_input_ids": prompt_ids}
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        ids = tokenizer(answer)["input_ids"]
+        if tokenizer.eos_token_id is not None and ids[-1:] != [tokenizer.eos_token_id]:
+            ids = ids + [tokenizer.eos_token_id]
+        out[f"{name}_labels"] = ids[:max_target_length]
+    return out
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
-    if args.max_prompt_length >= args.max_length:
+    model_config = load_config(args.model_name)
+    is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
+    if args.max_prompt_length >= args.max_length and not is_encoder_decoder:
         raise ValueError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
                          "or no response token would be left.")
     if args.label_smoothing and args.loss_type != "sigmoid":
@@ -243,7 +274,9 @@ if __name__ == "__main__":
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise ValueError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    tokenize = lambda split: [tokenize_pair(  # noqa: E731
+    tokenize = lambda split: [tokenize_pair_seq2seq(  # noqa: E731
+        tokenizer, row[args.prompt_column], row[args.chosen_column], row[args.rejected_column], args.max_prompt_length,
+        args.max_target_length, args.truncation_mode) if is_encoder_decoder else tokenize_pair(
         tokenizer, row[args.prompt_column] + " ", row[args.chosen_column], row[args.rejected_column],
         args.max_length, args.max_prompt_length, args.truncation_mode) for row in split]
     train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
@@ -258,13 +291,17 @@ if __name__ == "__main__":
                       f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
 
     def collate(pairs: list[dict]) -> dict:
-        """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both."""
-        sequences = [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
-        labels = [p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs]
-        width = max(map(len, sequences))
-        batch = dict(input_ids=torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in sequences]),
-                     attention_mask=torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences]),
-                     labels=torch.tensor([s + [-100] * (width - len(s)) for s in labels]))
+        """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both. Encoder-decoder: the
+        prompt twice as encoder input, the answers as labels, and the decoder input <start> + labels[:-1]."""
+        pad = lambda rows, value: torch.tensor([r + [value] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
+        sources = ("prompt_input_ids",) * 2 if is_encoder_decoder else ("chosen_input_ids", "rejected_input_ids")
+        sequences = [p[sources[0]] for p in pairs] + [p[sources[1]] for p in pairs]
+        batch = dict(input_ids=pad(sequences, tokenizer.pad_token_id), attention_mask=pad([[1] * len(s) for s in sequences], 0),
+                     labels=pad([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100))
+        if is_encoder_decoder:
+            shifted = batch["labels"][:, :-1].masked_fill(batch["labels"][:, :-1] == -100, tokenizer.pad_token_id)
+            start = torch.full_like(shifted[:, :1], model_config.decoder_start_token_id)
+            batch["decoder_input_ids"] = torch.cat([start, shifted], 1)
         if "reference_chosen_logps" in pairs[0]:
             batch["reference_logps"] = torch.tensor([p["reference_chosen_logps"] for p in pairs] +
                                                     [p["reference_rejected_logps"] for p in pairs])
@@ -278,7 +315,8 @@ if __name__ == "__main__":
         return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
 
     # ---- models ----
-    model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
+    model = load_pretrained(args.model_name, AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM,
+                            **quantization)
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -289,7 +327,8 @@ if __name__ == "__main__":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
+                                                 target_modules=args.lora_target_modules,
+                                                 task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM"))
     ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
     if ref_model is not None:
         ref_model = ref_model.to(device)
@@ -297,8 +336,10 @@ if __name__ == "__main__":
 
     def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logps = get_batch_logps(logits, batch["labels"], average_log_prob=args.loss_type == "ipo")
+        decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if is_encoder_decoder else {}
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
+        logps = get_batch_logps(logits, batch["labels"], average_log_prob=args.loss_type == "ipo",
+                                is_encoder_decoder=is_encoder_decoder)
         return logps, logits.detach().float().mean((1, 2))
 
     @torch.no_grad()
@@ -377,7 +418,8 @@ if __name__ == "__main__":
                 with context:
                     out = sampler.generate(**inputs, max_new_tokens=24, do_sample=True, top_k=50,
                                            pad_token_id=tokenizer.pad_token_id)
-                texts[name] = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+                new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1]:]  # no start / prompt
+                texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
             logger.samples("eval samples", {"prompt": prompts, **texts}, step)
         model.train()
         return results
