@@ -5,6 +5,8 @@ import sys
 for key, value in dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
                        TOKENIZERS_PARALLELISM="false").items():
     os.environ.setdefault(key, value)
+if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: one core per worker, no oversubscription (set before torch)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
