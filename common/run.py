@@ -1,6 +1,7 @@
 """Run setup shared by every script: seeding, run name, TensorBoard / wandb logging, sample tables, atomic saves."""
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -20,9 +21,29 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     `args` needs exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity (CleanRL fields).
     """
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
+    if accelerator.device.type == "cpu":
+        keep_freed_memory()
     torch.backends.cudnn.deterministic = args.torch_deterministic
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     return run_name, RunLogger(run_name, args, enabled=accelerator.is_main_process)
+
+
+def keep_freed_memory() -> None:
+    """CPU runs with glibc: serve large blocks from the heap and keep freed memory in the process.
+
+    By default glibc maps every block above 32 MB afresh and unmaps it on free, so the [batch, length, vocab] logits
+    of each step are page-faulted in again: on the tiny presets that is a third of a DPO step and 40% of an ILQL step,
+    spent in the kernel. The price is a higher peak RSS (fragmentation: +10% for DPO, +65% for ILQL's vocabulary-sized
+    Q heads). Set any MALLOC_* variable (e.g. MALLOC_MMAP_MAX_=65536, glibc's default) to keep glibc's own policy.
+    """
+    if any(key.startswith("MALLOC_") for key in os.environ):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to change
+        return
+    libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap for large blocks
+    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: do not return the heap's free top to the OS
 
 
 class RunLogger:
