@@ -9,8 +9,9 @@ same data, batch size, sequence lengths and optimisation passes, so machine nois
 - peak memory: a fresh process per implementation imports both libraries, then runs one of them once; on CPU the
   growth of its peak RSS over the RSS before the run, on GPU `torch.cuda.max_memory_allocated`.
 
-Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO (the last release with the
-PPOTrainer this repository follows). `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
+Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO and DDPO (the last release with the
+PPOTrainer and DDPOTrainer this repository follows). On CPU both sides run under the allocator policy our scripts set
+(`keep_freed_memory`), so the comparison is of the training code, not of glibc's settings. `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
 
     bash benchmarks/setup.sh
     python benchmarks/bench.py                                     # all algorithms, a table on stdout
@@ -24,6 +25,7 @@ import gc
 import glob
 import io
 import json
+import math
 import os
 import platform
 import resource
@@ -41,18 +43,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
-PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6"}
+PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "ddpo": "0.8.6"}
 # our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
 # needs a peft model passed in, so --use-peft is ours only)
 MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
                    "dpo": [(["--precompute-ref-log-probs"], True)]}
-TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}}  # ours / TRL time per step, at most
+TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None}  # ours / TRL per step, at most
 
 
 @dataclass
 class Args:
-    algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo"])
-    """which comparisons to run: sft, rm, dpo, ppo"""
+    algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo", "ddpo"])
+    """which comparisons to run: sft, rm, dpo, ppo, ddpo"""
     rounds: int = 3
     """A/B rounds per comparison (each round: one run of ours, then one of TRL)"""
     warmup: int = 2
@@ -156,7 +158,13 @@ def setup(spec: dict, tmp: str) -> dict:
         if name == "vader-preferences":
             data = data.select(range(512))
         data.to_json(files[name])
-    return dict(model=model_dir, files=files, tokenizer=tokenizer)
+    env = dict(model=model_dir, files=files, tokenizer=tokenizer)
+    if spec["algo"] == "ddpo":
+        from common import load_pipeline
+
+        env["pipeline"] = os.path.join(tmp, "pipeline")
+        load_pipeline("builtin:tiny-sd", seed=0).save_pretrained(env["pipeline"])
+    return env
 
 
 # ---------------------------------------------------------------- one run of each implementation
@@ -291,8 +299,43 @@ def rollouts(spec, env, tmp) -> dict:
     return results
 
 
+# DDPO on the tiny Stable Diffusion: 2 x 8 images per epoch, 10 DDIM steps (eta 1, guidance 5), LoRA rank 4 on the
+# UNet attention, PPO over batches of 4 with per-prompt advantages, JPEG compressibility as the reward
+DDPO_SETTINGS = dict(sample_num_steps=10, sample_eta=1.0, sample_guidance_scale=5.0, sample_batch_size=8,
+                     sample_num_batches_per_epoch=2, train_batch_size=4, train_learning_rate=1e-2, train_clip_range=1e-2,
+                     train_cfg=True, per_prompt_stat_tracking=True, per_prompt_stat_tracking_buffer_size=16,
+                     per_prompt_stat_tracking_min_count=16)
+
+
+def ddpo_ours(spec, env, tmp, tag, flags=()):
+    log_dir = os.path.join(tmp, "runs", tag)
+    settings = [x for k, v in DDPO_SETTINGS.items() if not isinstance(v, bool) for x in ("--" + k.replace("_", "-"), v)]
+    run_ours("ddpo.py", ["--pretrained-model", env["pipeline"], "--num-epochs", spec["warmup"] + spec["steps"], *settings,
+                         "--eval-samples", 0, "--save-freq", 0, "--output-dir", os.path.join(tmp, "out"),
+                         "--log-dir", log_dir, *flags], tmp)
+    return dict(step=scalars(log_dir, "time/epoch"))
+
+
+def ddpo_trl(spec, env, tmp, tag, flags=()):
+    from trl import DDPOConfig, DDPOTrainer, DefaultDDPOStableDiffusionPipeline
+
+    from ddpo import PROMPT_FNS, jpeg_compressibility
+
+    config = DDPOConfig(num_epochs=spec["warmup"] + spec["steps"], mixed_precision="no", log_with=None,
+                        save_freq=10**6, allow_tf32=True, seed=1, **DDPO_SETTINGS,
+                        project_kwargs=dict(project_dir=os.path.join(tmp, "trl_ddpo"), automatic_checkpoint_naming=True))
+    pipeline = DefaultDDPOStableDiffusionPipeline(env["pipeline"], use_lora=True)
+    trainer = DDPOTrainer(config, jpeg_compressibility, PROMPT_FNS["animals"], pipeline)
+    times, global_step = [], 0
+    for epoch in range(config.num_epochs):
+        t0 = time.perf_counter()
+        global_step = trainer.step(epoch, global_step)
+        times.append(time.perf_counter() - t0)
+    return dict(step=times)
+
+
 RUNS = {"sft": (trainer_ours, trainer_trl), "rm": (trainer_ours, trainer_trl), "dpo": (trainer_ours, trainer_trl),
-        "ppo": (ppo_ours, ppo_trl)}
+        "ppo": (ppo_ours, ppo_trl), "ddpo": (ddpo_ours, ddpo_trl)}
 
 
 def worker(spec: dict) -> dict:
@@ -304,7 +347,10 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig  # noqa: F401
 
     import common  # noqa: F401
+    from common.run import keep_freed_memory
 
+    if not torch.cuda.is_available():  # what our scripts' start_run does, here for both sides from the start
+        keep_freed_memory()
     ours, theirs = RUNS[spec["algo"]]
     with tempfile.TemporaryDirectory() as tmp:
         env = setup(spec, tmp)
@@ -354,6 +400,8 @@ def mean_tokens(algo: str) -> float:
         d = load_data("builtin:vader-preferences")
         return statistics.mean(min(128, len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]))
                                for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
+    if algo == "ddpo":  # images, not tokens
+        return math.nan
     return statistics.mean(min(48, len(tok(p)["input_ids"])) for p in load_data("builtin:chatterbot-prompts")["prompt"]) + 16
 
 
@@ -362,7 +410,7 @@ def main(args: Args) -> None:
     if missing:
         sys.exit(f"TRL is not installed in {missing}: run `bash benchmarks/setup.sh` first.")
     base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps)
-    samples = {"sft": 16, "rm": 16, "dpo": 8}
+    samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16}
     rows, extras = [], []
     for algo in args.algos:
         configs = [dict(batch_size=b) for b in args.ppo_batch_sizes] if algo == "ppo" else [dict(batch_size=samples[algo])]
@@ -401,11 +449,11 @@ def main(args: Args) -> None:
 def format_row(row: dict) -> str:
     per_s = lambda t: row["batch"] / t  # noqa: E731
     mem = row.get("memory", {})
-    status = "met" if row["ratio"] <= row["target"] else "missed"
+    target = "n/a" if row["target"] is None else f"<= {row['target']} ({'met' if row['ratio'] <= row['target'] else 'missed'})"
     cells = [row["algo"], row["batch"], f"{row['ours']:.3f}", f"{row['trl']:.3f}", f"{row['ratio']:.2f}",
              f"{per_s(row['ours']):.1f}", f"{per_s(row['trl']):.1f}", f"{per_s(row['ours']) * row['tokens']:.0f}",
              f"{per_s(row['trl']) * row['tokens']:.0f}", f"{mem.get('ours', float('nan')):.0f}",
-             f"{mem.get('trl', float('nan')):.0f}", f"<= {row['target']} ({status})"]
+             f"{mem.get('trl', float('nan')):.0f}", target]
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -421,7 +469,8 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
         f"Model: builtin:tiny-gpt2 saved to a folder (2 layers, 64 wide, GPT-2's 50257-token vocabulary), both sides "
         f"loading it with from_pretrained. {args.rounds} rounds of ours then TRL in one process per row; "
-        f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians.", "",
+        f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
+        f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images.", "",
         "| algorithm | batch | ours s/step | TRL s/step | ours/TRL | ours samples/s | TRL samples/s | ours tokens/s "
         "| TRL tokens/s | ours peak MB | TRL peak MB | target |",
         "|-|-|-|-|-|-|-|-|-|-|-|-|",
