@@ -97,6 +97,9 @@ class Args:
     """optimizer steps to run (overrides num_epochs when > 0)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    disable_dropout: bool = True
+    """set every dropout probability of the model to 0 (TRL's RewardConfig default): training scores texts as PPO
+    will; on CPU it also avoids the slow dropout path of scaled-dot-product attention"""
     eval_steps: int = 50
     """evaluate every this many optimizer steps (and at the end)"""
     normalize_reward: bool = False
@@ -199,6 +202,10 @@ if __name__ == "__main__":
     # ---- model and optimiser ----
     model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1, **quantization)
     model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last non-pad token with it
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if quantization:
         model = prepare_model_for_kbit_training(model)
     if args.use_peft:
