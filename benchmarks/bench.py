@@ -7,11 +7,12 @@ same data, batch size, sequence lengths and optimisation passes, so machine nois
 - time per step: the interval between consecutive optimizer-step ends (PPO: rollout + scoring + PPO step), the median
   over the steps after `--warmup`, pooled over the rounds;
 - peak memory: a fresh process per implementation imports both libraries, then runs one of them once; on CPU the
-  growth of its peak RSS over the RSS before the run, on GPU `torch.cuda.max_memory_allocated`.
+  growth of its peak RSS over the RSS before the run, under glibc's default allocator policy (large blocks are
+  unmapped when freed, so RSS follows the live tensors), on GPU `torch.cuda.max_memory_allocated`.
 
 Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO and DDPO (the last release with the
 PPOTrainer and DDPOTrainer this repository follows). On CPU both sides run under the allocator policy our scripts set
-(`keep_freed_memory`), so the comparison is of the training code, not of glibc's settings. `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
+(`keep_freed_memory`) for the timings, so the comparison is of the training code, not of glibc's settings. `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
 
     bash benchmarks/setup.sh
     python benchmarks/bench.py                                     # all algorithms, a table on stdout
@@ -380,6 +381,8 @@ def worker(spec: dict) -> dict:
 def spawn(spec: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TRL_PATHS[PEER[spec["algo"]]], ROOT]),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    if spec.get("memory"):  # glibc's default policy (any MALLOC_* variable turns keep_freed_memory off)
+        env["MALLOC_MMAP_MAX_"] = "65536"
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
                           text=True)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
