@@ -472,11 +472,12 @@ if __name__ == "__main__":
         stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
-            out = policy.generate(
-                input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
-                max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                logits_processor=LogitsProcessorList([logit_mask] if logit_mask is not None else []))
+            with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
+                out = policy.generate(
+                    input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
+                    max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                    logits_processor=LogitsProcessorList([logit_mask] if logit_mask is not None else []))
             outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
@@ -494,7 +495,8 @@ if __name__ == "__main__":
         scores = []
         for i in range(0, len(texts), args.reward_batch_size):
             batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
-            logits = reward_model(**batch).logits if reward_model is not None else unwrapped.compute_reward_score(**batch)
+            with accelerator.autocast():
+                logits = reward_model(**batch).logits if reward_model is not None else unwrapped.compute_reward_score(**batch)
             scores.append(logits[:, 0].float().cpu())
         return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model or args.reward_adapter}")
 
@@ -592,21 +594,27 @@ if __name__ == "__main__":
         logger.log(reduce_mean({"env/ref_reward_mean": scores.mean()}), update)
         return {"ref response": responses_text, "ref score": scores.tolist()}
 
+    def clock() -> float:
+        """Wall time once the device has finished its queued work, so that phase times add up on a GPU too."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.time()
+
     first_eval = evaluate(start_update)
     reward_history, start_time = [], time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
         # ---- rollout ----
-        t0 = time.time()
+        t0 = clock()
         indices = batch_indices(update)
         queries, query_mask = pad_left([train_queries[i] for i in indices])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))  # LengthSampler
         unwrapped.eval()
         responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)
-        t_rollout = time.time() - t0
+        t_rollout = clock() - t0
 
         # ---- score ----
-        t0 = time.time()
+        t0 = clock()
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)
@@ -618,7 +626,7 @@ if __name__ == "__main__":
             scores = (scores - running.mean if args.use_score_norm else scores) / (running.std + torch.finfo(scores.dtype).eps)
         if args.score_clip is not None:
             scores = scores.clamp(-args.score_clip, args.score_clip)
-        t_score = time.time() - t0
+        t_score = clock() - t0
 
         # ---- best checkpoint (TRL's push_to_hub_if_best): the weights that produced the best batch so far ----
         if args.save_best and update % args.compare_steps == 0:
@@ -629,7 +637,7 @@ if __name__ == "__main__":
                     save_model(f"{args.output_dir}_best", {"best/reward_mean": best_reward, "best/update": update}, final=False)
 
         # ---- forward passes: old logprobs and values, reference logprobs ----
-        t0 = time.time()
+        t0 = clock()
         full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
         old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
         with torch.no_grad():
@@ -638,7 +646,7 @@ if __name__ == "__main__":
                 fwd = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start,
                        logit_mask)
                 logits, value = forward(unwrapped, *fwd)
-                with reference_context(unwrapped, ref_model):
+                with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
                     ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *fwd)
                 old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
                 ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
@@ -656,7 +664,7 @@ if __name__ == "__main__":
             values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
                                                              args.whiten_rewards)
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
-        t_forward, t0 = time.time() - t0, time.time()
+        t_forward, t0 = clock() - t0, clock()
 
         # ---- optimise ----
         model.train()
@@ -684,7 +692,7 @@ if __name__ == "__main__":
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
-        t_optimise = time.time() - t0
+        t_optimise = clock() - t0
 
         # ---- log ----
         with torch.no_grad():
