@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common import (
     atomic_directory,
     check_columns,
+    chunked_logprobs,
     load_config,
     load_data,
     load_pretrained,
@@ -100,6 +101,10 @@ class Args:
     """NEFTune: add uniform noise of scale alpha / sqrt(seq_len * hidden) to the input embeddings in training"""
     gradient_checkpointing: bool = False
     """trade compute for memory"""
+    chunked_loss: bool = True
+    """compute the loss from the last hidden states with the LM head run on 1024 tokens at a time, forward and
+    backward (the model's own loss, without its [batch, length, vocab] logits: less memory, as TRL's fused LM head);
+    off, or for models whose head scales or soft-caps its logits: `model(**batch).loss`"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     save_steps: int = 0
@@ -240,6 +245,21 @@ if __name__ == "__main__":
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
                       f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
 
+    lm = accelerator.unwrap_model(model)
+    head = lm.get_output_embeddings()
+    scaled_head = any(getattr(lm.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    chunked = args.chunked_loss and head is not None and not scaled_head
+
+    def lm_loss(batch: dict) -> torch.Tensor:
+        """Mean next-token NLL over the labelled tokens (the model's own loss)."""
+        if not chunked:
+            return model(**batch).loss
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                    logits_to_keep=1)  # the backbone's last hidden states; logits for the last position only
+        labels = batch["labels"][:, 1:]
+        mask = labels != -100
+        return -chunked_logprobs(out.hidden_states[-1][:, :-1][mask], head.weight, labels[mask], head.bias).mean()
+
     @torch.no_grad()
     def evaluate(step: int) -> float:
         """Token-weighted eval loss over all ranks, and perplexity."""
@@ -247,7 +267,7 @@ if __name__ == "__main__":
         total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
         for batch in eval_loader:
             n_tokens = (batch["labels"][:, 1:] != -100).sum()
-            total_loss += model(**batch).loss * n_tokens
+            total_loss += lm_loss(batch) * n_tokens
             total_tokens += n_tokens
         loss = (accelerator.reduce(total_loss, "sum") / accelerator.reduce(total_tokens, "sum")).item()
         logger.log({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}, step)
@@ -263,7 +283,7 @@ if __name__ == "__main__":
         for batch in train_loader:
             step_tokens += batch["attention_mask"].sum()
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
+                loss = lm_loss(batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

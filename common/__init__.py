@@ -8,6 +8,7 @@ from common.core import (
     LogitMask,
     RunningMoments,
     check_scores,
+    chunked_logprobs,
     clip_by_value,
     entropy_from_logits,
     exact_div,

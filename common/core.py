@@ -22,6 +22,54 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Forward and backward of `chunked_logprobs`, the logits of one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, dtype: torch.dtype):
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        logprobs, lse = [], []
+        for h, y in zip(hidden.split(chunk_size), labels.split(chunk_size)):
+            logits = F.linear(h.to(dtype), w, b).to(torch.promote_types(dtype, torch.float32))
+            lse.append(torch.logsumexp(logits, -1))
+            logprobs.append(logits.gather(-1, y[:, None])[:, 0] - lse[-1])
+        ctx.save_for_backward(hidden, weight, bias, labels, torch.cat(lse))
+        ctx.chunk_size, ctx.dtype = chunk_size, dtype
+        return torch.cat(logprobs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+        grad_hidden = torch.empty_like(hidden)
+        acc = torch.promote_types(ctx.dtype, torch.float32)  # softmax and gradient sums in float32 at least
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        for i in range(0, len(hidden), ctx.chunk_size):
+            rows = slice(i, i + ctx.chunk_size)
+            h = hidden[rows].to(ctx.dtype)
+            # d log p(y) / d logits = onehot(y) - softmax(logits), scaled by the incoming gradient
+            dlogits = (F.linear(h, w, b).to(acc) - lse[rows, None]).exp_().neg_()
+            dlogits.scatter_add_(-1, labels[rows, None], torch.ones_like(dlogits[:, :1]))
+            dlogits *= grad[rows, None]
+            grad_hidden[rows] = dlogits.to(ctx.dtype) @ w
+            grad_weight += (dlogits.to(ctx.dtype).T @ h).to(acc)
+            if grad_bias is not None:
+                grad_bias += dlogits.sum(0)
+        return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
+                None, None, None)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
+                     chunk_size: int = 1024) -> torch.Tensor:
+    """log p(labels) under softmax(hidden @ weight.T + bias): [N, H], [V, H], [N] -> [N], as
+    `logprobs_from_logits(F.linear(hidden, weight, bias), labels)`, without the [N, V] logits: the LM head runs on
+    chunk_size rows at a time and again in backward, so memory is O(chunk_size * V). Under autocast the projection
+    runs in the autocast dtype, the softmax in float32."""
+    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+    return _ChunkedLogprobs.apply(hidden, weight, bias, labels, chunk_size, dtype)
+
+
 class LogitMask:
     """trlX's `logit_mask`: which tokens may follow which. `allowed` maps a token id to the ids allowed right after
     it; a token not in the map may be followed by anything.

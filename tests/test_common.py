@@ -18,6 +18,7 @@ from common import (
     check_scores,
     clip_by_value,
     create_reference_model,
+    chunked_logprobs,
     entropy_from_logits,
     exact_div,
     kl_estimate,
@@ -77,6 +78,27 @@ def test_masked_whiten_2x3_by_hand():
     assert masked_mean(whitened, MASK).item() == pytest.approx(0.0, abs=1e-6)
     unshifted = masked_whiten(VALUES, MASK, shift_mean=False)
     assert unshifted[0, 0].item() == pytest.approx((1.0 - 7 / 3) / std + 7 / 3)
+
+
+def test_chunked_logprobs_equal_the_full_logits_in_value_and_gradient():
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(37, 8), torch.randn(50, 8), torch.randn(50)
+    labels, grad = torch.randint(0, 50, (37,)), torch.randn(37)
+    results = []
+    for fn in (lambda h, w, b: chunked_logprobs(h, w, labels, b, chunk_size=5),  # 8 chunks, the last one short
+               lambda h, w, b: logprobs_from_logits(torch.nn.functional.linear(h, w, b), labels)):
+        inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        out = fn(*inputs)
+        (out * grad).sum().backward()
+        results.append([out, *(t.grad for t in inputs)])
+    for chunked, full in zip(*results):
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+    double = [t.double().requires_grad_() for t in (hidden[:6], weight[:9, :3].contiguous(), bias[:9])]
+    assert torch.autograd.gradcheck(lambda h, w, b: chunked_logprobs(h[:, :3], w, labels[:6] % 9, b, chunk_size=4), double)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the projection in bf16 as autocast's linear, softmax in fp32
+        out = chunked_logprobs(hidden, weight, labels, bias)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, logprobs_from_logits(torch.nn.functional.linear(hidden, weight, bias), labels))
 
 
 def test_logprobs_and_entropy_against_explicit_formula():

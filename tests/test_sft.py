@@ -1,11 +1,12 @@
 import math
 import os
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_tokenizer
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")
@@ -48,6 +49,17 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")
     assert model.config.n_layer == 2 and (tmp_path / "outputs" / "sft" / "tokenizer.json").exists()
     check_model_card(tmp_path / "outputs" / "sft", "sft")
+
+
+def test_chunked_loss_is_the_models_own_loss(tmp_path):
+    losses = {}
+    for flag in ("--chunked-loss", "--no-chunked-loss"):  # same seed, same dropout draws: the same training run
+        run_script([SFT, flag, "--max-steps", "3", "--eval-steps", "2", "--max-seq-length", "32", "--num-sample-generations",
+                    "0", "--log-dir", str(tmp_path / flag)], tmp_path)
+        losses[flag] = [read_scalars(str(tmp_path / flag), tag) for tag in ("train/loss", "eval/loss")]
+    assert len(losses["--chunked-loss"][0]) == 3 and len(losses["--chunked-loss"][1]) == 3
+    for chunked, full in zip(losses["--chunked-loss"], losses["--no-chunked-loss"]):
+        assert chunked == pytest.approx(full, rel=1e-4)
 
 
 def test_sft_options_run(tmp_path):
