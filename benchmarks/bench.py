@@ -10,6 +10,13 @@ same data, batch size, sequence lengths and optimisation passes, so machine nois
   growth of its peak RSS over the RSS before the run, under glibc's default allocator policy (large blocks are
   unmapped when freed, so RSS follows the live tensors), on GPU `torch.cuda.max_memory_allocated`.
 
+- model FLOPs utilisation: the model FLOPs of the step's useful (non-padding) tokens, PaLM's convention (forward 2N
+  per token plus 4 * layers * width * context for attention, backward twice the forward), over the median time, as
+  achieved TFLOP/s and as a fraction of the device's peak (MFU); for PPO per phase (generation, forward/backward).
+
+On a GPU the default model is a randomly initialised GPT-2-small-sized one (124M parameters) in bf16 mixed precision;
+on CPU builtin:tiny-gpt2 in fp32.
+
 Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO and DDPO (the last release with the
 PPOTrainer and DDPOTrainer this repository follows). On CPU both sides run under the allocator policy our scripts set
 (`keep_freed_memory`) for the timings, so the comparison is of the training code, not of glibc's settings. `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
@@ -18,6 +25,7 @@ PPOTrainer and DDPOTrainer this repository follows). On CPU both sides run under
     python benchmarks/bench.py                                     # all algorithms, a table on stdout
     python benchmarks/bench.py --algos dpo --rounds 5 --steps 10
     python benchmarks/bench.py --write benchmarks/RESULTS.md       # also write the results file
+    python benchmarks/bench.py --model gpt2-124m --bf16 True --peak-tflops 989   # model, precision, peak
 """
 
 import contextlib
@@ -37,6 +45,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import tyro
 
@@ -48,7 +57,9 @@ PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "dd
 # our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
 # needs a peft model passed in, so --use-peft is ours only)
 MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
-                   "dpo": [(["--precompute-ref-log-probs"], True)]}
+                   "sft": [(["--gradient-checkpointing"], True)],
+                   "dpo": [(["--precompute-ref-log-probs"], True), (["--gradient-checkpointing"], True)]}
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]  # dense bf16, by GPU name
 TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None}  # ours / TRL per step, at most
 
 
@@ -66,6 +77,14 @@ class Args:
     """PPO batch sizes to compare (mini-batch = half the batch, 4 PPO epochs, 16 new tokens)"""
     rollout_batch_sizes: list[int] = field(default_factory=lambda: [16, 64, 256])
     """batch sizes of the generation-only measurement (tokens/s of rollouts)"""
+    model: Literal["auto", "tiny", "gpt2-124m"] = "auto"
+    """policy model: builtin:tiny-gpt2 (2 layers, 64 wide), or gpt2-124m (GPT-2 small's shape, randomly initialised);
+    auto picks gpt2-124m on a GPU and tiny otherwise (DDPO always runs builtin:tiny-sd)"""
+    bf16: bool | None = None
+    """run both sides in bf16 mixed precision (default: on a GPU)"""
+    peak_tflops: float | None = None
+    """the device's peak dense bf16 TFLOP/s, for MFU (default: looked up for H100 / H200 / A100; otherwise only the
+    achieved TFLOP/s is reported)"""
     memory: bool = True
     """also measure peak memory (one fresh process per implementation and variant)"""
     write: str | None = None
@@ -80,6 +99,15 @@ class Args:
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def clock() -> float:
+    """time.perf_counter once the GPU (if any) has finished its queued work."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def peak_rss_mb() -> float:
@@ -122,10 +150,10 @@ def step_timer():
 
     class StepTimer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            self.times, self.last = [], time.perf_counter()
+            self.times, self.last = [], clock()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
+            now = clock()
             self.times.append(now - self.last)
             self.last = now
 
@@ -138,7 +166,8 @@ def trl_common(spec: dict, tmp: str) -> dict:
 
     return dict(output_dir=os.path.join(tmp, "trl"), max_steps=spec["warmup"] + spec["steps"], logging_steps=1,
                 save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=1,
-                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, max_grad_norm=1.0)
+                gradient_checkpointing=False,  # TRL 1.x turns it on by default; ours is off unless asked (same work)
+                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, max_grad_norm=1.0, bf16=spec["bf16"])
 
 
 def setup(spec: dict, tmp: str) -> dict:
@@ -149,8 +178,14 @@ def setup(spec: dict, tmp: str) -> dict:
     from common import load_data, load_pretrained, load_tokenizer
 
     model_dir = os.path.join(tmp, "model")
-    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    if spec["model"] == "gpt2-124m":  # GPT2Config's defaults are GPT-2 small: 12 layers, 768 wide, 12 heads
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)  # GPT-2's BPE + pad
+        GPT2LMHeadModel(config).save_pretrained(model_dir)
+    else:
+        load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     files = {}
     for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):
@@ -183,7 +218,8 @@ TRAINERS = {
             "DPO", dict(per_device_train_batch_size=8, max_length=128, beta=0.1, learning_rate=1e-4,
                         lr_scheduler_type="linear", warmup_steps=0.1)),
 }
-TRL_FLAGS = {"--precompute-ref-log-probs": dict(precompute_ref_log_probs=True)}  # our flag -> TRL's config
+TRL_FLAGS = {"--precompute-ref-log-probs": dict(precompute_ref_log_probs=True),  # our flag -> TRL's config
+             "--gradient-checkpointing": dict(gradient_checkpointing=True)}
 
 
 def trainer_ours(spec, env, tmp, tag, flags=()):
@@ -201,8 +237,8 @@ def trainer_trl(spec, env, tmp, tag, flags=()):
 
     _, data, _, name, kwargs = TRAINERS[spec["algo"]]
     timer = step_timer()
-    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp), **kwargs,
-                                           **{k: v for f in flags for k, v in TRL_FLAGS[f].items()})
+    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp) | kwargs | {k: v for f in flags
+                                                                                for k, v in TRL_FLAGS[f].items()})
     getattr(trl, f"{name}Trainer")(model=env["model"], args=config, processing_class=env["tokenizer"], callbacks=[timer],
                                    train_dataset=load_dataset("json", data_files=env["files"][data], split="train")).train()
     return dict(step=timer.times)
@@ -243,7 +279,7 @@ def ppo_trl(spec, env, tmp, tag, flags=()):
     tokenizer = AutoTokenizer.from_pretrained(env["model"])
     tokenizer.pad_token = tokenizer.eos_token
     config = PPOConfig(batch_size=batch, mini_batch_size=batch // 2, ppo_epochs=4, learning_rate=3e-4, seed=1,
-                       exp_name="bench")
+                       exp_name="bench", accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no"))
     model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"])
     shared = int(flags[1]) if flags and flags[0] == "--num-shared-layers" else None
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer, num_shared_layers=shared)
@@ -252,12 +288,12 @@ def ppo_trl(spec, env, tmp, tag, flags=()):
     out = dict(step=[], generation=[], forward_backward=[])
     for step in range(spec["warmup"] + spec["steps"]):
         queries = [q.to(trainer.accelerator.device) for q in ppo_queries(env, batch, step)]
-        t0 = time.perf_counter()
+        t0 = clock()
         responses = trainer.generate(queries, batch_size=batch, return_prompt=False, **gen_kwargs)
-        t1 = time.perf_counter()
+        t1 = clock()
         scores = [torch.tensor(s) for s in reward_fn(tokenizer.batch_decode(queries), tokenizer.batch_decode(responses))]
         stats = trainer.step(queries, responses, scores)
-        t2 = time.perf_counter()
+        t2 = clock()
         out["step"].append(t2 - t0)
         out["generation"].append(t1 - t0)
         out["forward_backward"].append(stats["time/ppo/forward_pass"] + stats["time/ppo/optimize_step"])
@@ -273,26 +309,31 @@ def rollouts(spec, env, tmp) -> dict:
 
     from common import AutoModelForCausalLMWithValueHead, load_tokenizer
 
-    ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)
+    # both sides under the same autocast (TRL 0.8.6 generates outside its accelerator's autocast)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=spec["bf16"])
     ours_tok = load_tokenizer(env["model"], padding_side="left")
     trl_tok = AutoTokenizer.from_pretrained(env["model"])
     trl_tok.pad_token = trl_tok.eos_token
     results = {}
     for batch in spec["rollout_batch_sizes"]:
-        trainer = PPOTrainer(PPOConfig(batch_size=batch, mini_batch_size=batch, exp_name="bench"),
+        trainer = PPOTrainer(PPOConfig(batch_size=batch, mini_batch_size=batch, exp_name="bench",
+                                       accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no")),
                              TrlValueHead.from_pretrained(env["model"]), tokenizer=trl_tok)
         times = {"ours": [], "trl": []}
         for r in range(spec["rounds"] + 1):
-            queries = ppo_queries(env, batch, r)
-            padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt")
-            t0 = time.perf_counter()
-            with torch.no_grad():
+            queries = [q.to(device) for q in ppo_queries(env, batch, r)]
+            padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
+            t0 = clock()
+            with torch.no_grad(), autocast:
                 ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=0,
                                     top_p=1.0, pad_token_id=ours_tok.pad_token_id, eos_token_id=ours_tok.eos_token_id)
-            t1 = time.perf_counter()
-            trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16, max_new_tokens=16,
-                             top_k=0, top_p=1.0, do_sample=True, pad_token_id=trl_tok.eos_token_id)
-            t2 = time.perf_counter()
+            t1 = clock()
+            with autocast:
+                trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16, max_new_tokens=16,
+                                 top_k=0, top_p=1.0, do_sample=True, pad_token_id=trl_tok.eos_token_id)
+            t2 = clock()
             if r:  # the first round warms up
                 times["ours"].append(t1 - t0)
                 times["trl"].append(t2 - t1)
@@ -322,16 +363,16 @@ def ddpo_trl(spec, env, tmp, tag, flags=()):
 
     from ddpo import PROMPT_FNS, jpeg_compressibility
 
-    config = DDPOConfig(num_epochs=spec["warmup"] + spec["steps"], mixed_precision="no", log_with=None,
-                        save_freq=10**6, allow_tf32=True, seed=1, **DDPO_SETTINGS,
+    config = DDPOConfig(num_epochs=spec["warmup"] + spec["steps"], mixed_precision="bf16" if spec["bf16"] else "no",
+                        log_with=None, save_freq=10**6, allow_tf32=True, seed=1, **DDPO_SETTINGS,
                         project_kwargs=dict(project_dir=os.path.join(tmp, "trl_ddpo"), automatic_checkpoint_naming=True))
     pipeline = DefaultDDPOStableDiffusionPipeline(env["pipeline"], use_lora=True)
     trainer = DDPOTrainer(config, jpeg_compressibility, PROMPT_FNS["animals"], pipeline)
     times, global_step = [], 0
     for epoch in range(config.num_epochs):
-        t0 = time.perf_counter()
+        t0 = clock()
         global_step = trainer.step(epoch, global_step)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return dict(step=times)
 
 
@@ -364,7 +405,10 @@ def worker(spec: dict) -> dict:
             before = rss_mb()
             (ours if impl == "ours" else theirs)(spec, env, tmp, "memory", flags)
             return dict(peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb() - before)
-        results = {"ours": {}, "trl": {}}
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(env["model"])
+        results = {"ours": {}, "trl": {}, "dims": [config.n_layer, config.n_embd, config.vocab_size]}
         for r in range(spec["rounds"]):
             for impl, fn in (("ours", ours), ("trl", theirs)):
                 out = fn(spec, env, tmp, f"{impl}_{r}")
@@ -379,8 +423,10 @@ def worker(spec: dict) -> dict:
 
 
 def spawn(spec: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TRL_PATHS[PEER[spec["algo"]]], ROOT]),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    path = [TRL_PATHS[PEER[spec["algo"]]], ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
+               ACCELERATE_MIXED_PRECISION="bf16" if spec["bf16"] else "no")  # our scripts' Accelerator reads it
     if spec.get("memory"):  # glibc's default policy (any MALLOC_* variable turns keep_freed_memory off)
         env["MALLOC_MMAP_MAX_"] = "65536"
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
@@ -408,11 +454,48 @@ def mean_tokens(algo: str) -> float:
     return statistics.mean(min(48, len(tok(p)["input_ids"])) for p in load_data("builtin:chatterbot-prompts")["prompt"]) + 16
 
 
+def forward_flops(dims: list[int], context: float, head: bool = True) -> float:
+    """Model FLOPs of one token's forward pass (PaLM's convention): 2 per weight of the 12 * width^2 per layer (and of
+    the vocabulary projection when the model has one), plus 4 * layers * width * context for attention."""
+    layers, width, vocab = dims
+    return 2 * (12 * layers * width**2 + (width * vocab if head else 0)) + 4 * layers * width * context
+
+
+def step_flops(algo: str, batch: int, tokens: float, dims: list[int]) -> dict[str, float]:
+    """Model FLOPs of one step's useful tokens, per phase (backward = 2x forward)."""
+    if algo == "sft":
+        return {"step": batch * tokens * 3 * forward_flops(dims, tokens)}
+    if algo == "rm":  # chosen and rejected, tokens per pair; a score head, no vocabulary projection
+        return {"step": batch * tokens * 3 * forward_flops(dims, tokens / 2, head=False)}
+    if algo == "dpo":  # policy forward + backward, reference forward, on chosen and rejected
+        return {"step": batch * tokens * 4 * forward_flops(dims, tokens / 2)}
+    if algo == "ppo":  # generation; policy (with values) and reference forwards; 4 epochs of forward + backward
+        per_token = forward_flops(dims, tokens)
+        phases = {"generation": batch * tokens * per_token, "forward_backward": batch * tokens * (2 + 4 * 3) * per_token}
+        return dict(phases, step=sum(phases.values()))
+    return {}  # DDPO: UNet FLOPs are not counted
+
+
+def peak_tflops(args: Args) -> float | None:
+    import torch
+
+    if args.peak_tflops or not torch.cuda.is_available():
+        return args.peak_tflops
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
 def main(args: Args) -> None:
     missing = [p for p in {TRL_PATHS[PEER[a]] for a in args.algos} if not os.path.isdir(p)]
     if missing:
         sys.exit(f"TRL is not installed in {missing}: run `bash benchmarks/setup.sh` first.")
-    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    args.model = args.model if args.model != "auto" else "gpt2-124m" if cuda else "tiny"
+    args.bf16 = cuda if args.bf16 is None else args.bf16
+    peak = peak_tflops(args)
+    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16)
     samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16}
     rows, extras = [], []
     for algo in args.algos:
@@ -427,19 +510,23 @@ def main(args: Args) -> None:
             batch, tokens = config["batch_size"], mean_tokens(algo)
             row = dict(algo=algo, batch=batch, ours=ours, trl=trl, ratio=ours / trl, tokens=tokens,
                        target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo])
+            median = {k: {phase: statistics.median(v) for phase, v in result[k].items()} for k in ("ours", "trl")}
+            row["tflops"] = {phase: {k: flops / median[k][phase] / 1e12 for k in ("ours", "trl")}
+                             for phase, flops in step_flops(algo, batch, tokens, result["dims"]).items()}
+            row["peak"] = peak
             if algo == "ppo":  # phase shares of the median step
-                median = {k: {phase: statistics.median(v) for phase, v in result[k].items()} for k in ("ours", "trl")}
                 row["share"] = {k: m["generation"] / m["step"] for k, m in median.items()}
                 row["share_fb"] = {k: m["forward_backward"] / m["step"] for k, m in median.items()}
             if "rollouts" in result:
                 extras.append(("rollout tokens/s (16 new tokens)", result["rollouts"]))
             if args.memory:
-                peak = lambda impl, flags=(): spawn(dict(spec, rollout_batch_sizes=None, rounds=1,  # noqa: E731
+                peak_mb = lambda impl, flags=(): spawn(dict(spec, rollout_batch_sizes=None, rounds=1,  # noqa: E731
                                                          memory=[impl, list(flags)]))["peak_mb"]
-                row["memory"] = {impl: peak(impl) for impl in ("ours", "trl")}
+                row["memory"] = {impl: peak_mb(impl) for impl in ("ours", "trl")}
                 for flags, trl_has_it in MEMORY_VARIANTS.get(algo, []) if i == 0 else []:
                     extras.append((f"{algo} peak memory with {' '.join(flags)}",
-                                   {"ours": peak("ours", flags), "trl": peak("trl", flags) if trl_has_it else None}))
+                                   {"ours": peak_mb("ours", flags), "trl": peak_mb("trl", flags) if trl_has_it else None}))
+                    print(f"[bench] {extras[-1]}", flush=True)
             rows.append(row)
             print(format_row(row), flush=True)
     text = report(args, rows, extras)
@@ -447,6 +534,10 @@ def main(args: Args) -> None:
     if args.write:
         with open(args.write, "w") as f:
             f.write(text)
+
+
+MODEL_TEXT = {"tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, GPT-2's 50257-token vocabulary)",
+              "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)"}
 
 
 def format_row(row: dict) -> str:
@@ -470,10 +561,12 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"Date: {datetime.date.today()}. Machine: {device}, {platform.platform()}; torch {torch.__version__}, "
         f"transformers {transformers.__version__}.", "",
         f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
-        f"Model: builtin:tiny-gpt2 saved to a folder (2 layers, 64 wide, GPT-2's 50257-token vocabulary), both sides "
-        f"loading it with from_pretrained. {args.rounds} rounds of ours then TRL in one process per row; "
+        f"Model: {MODEL_TEXT[args.model]} saved to a folder, both sides loading it with from_pretrained; "
+        f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours then TRL in one process per row; "
         f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
-        f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images.", "",
+        f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images. TRL's "
+        f"SFT / reward / DPO trainers run with gradient_checkpointing=False (TRL 1.x turns it on by default; ours only "
+        f"with --gradient-checkpointing, measured for memory below), so both sides do the same work.", "",
         "| algorithm | batch | ours s/step | TRL s/step | ours/TRL | ours samples/s | TRL samples/s | ours tokens/s "
         "| TRL tokens/s | ours peak MB | TRL peak MB | target |",
         "|-|-|-|-|-|-|-|-|-|-|-|-|",
@@ -484,6 +577,11 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
             lines.append(f"- PPO batch {row['batch']}: generation takes {row['share']['ours']:.0%} of our step and "
                          f"{row['share']['trl']:.0%} of TRL's; forward/backward passes {row['share_fb']['ours']:.0%} "
                          f"and {row['share_fb']['trl']:.0%}.")
+    for row in rows:
+        for phase, tflops in row["tflops"].items():
+            mfu = lambda v: "" if row["peak"] is None else f" (MFU {v / row['peak']:.1%})"  # noqa: E731
+            lines.append(f"- {row['algo']} batch {row['batch']}, {phase.replace('_', '/')}: ours {tflops['ours']:.3g} "
+                         f"TFLOP/s{mfu(tflops['ours'])}, TRL {tflops['trl']:.3g} TFLOP/s{mfu(tflops['trl'])}")
     for name, values in extras:
         if "rollout" in name:
             lines.append(f"- {name}: " + "; ".join(f"batch {b}: ours {v['ours']:.0f}, TRL {v['trl']:.0f}"
