@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_schedu
 from common import (
     atomic_directory,
     check_columns,
+    chunked_logprobs,
     create_reference_model,
     load_config,
     load_data,
@@ -121,6 +122,11 @@ class Args:
     """gradient clipping norm"""
     gradient_checkpointing: bool = False
     """trade compute for memory"""
+    chunked_logps: bool = True
+    """decoder-only models: log-probs from the last hidden states with the LM head run on 1024 labelled tokens at a
+    time, forward and backward, so the [2 * batch, length, vocab] logits of chosen and rejected are never held (the
+    same values as `get_batch_logps` on the logits, tested); off, for encoder-decoder models and for heads that scale
+    or soft-cap their logits: the full logits"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     generate_during_eval: bool = False
@@ -334,8 +340,24 @@ if __name__ == "__main__":
         ref_model = ref_model.to(device)
     model = model.to(device)
 
+    scaled_head = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    chunked = args.chunked_logps and not is_encoder_decoder and not scaled_head
+
     def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
+        if chunked:
+            out = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                         logits_to_keep=1)  # the backbone's last hidden states; logits for the last position only
+            head = accelerator.unwrap_model(policy).get_output_embeddings()
+            hidden, labels = out.hidden_states[-1], batch["labels"][:, 1:]
+            mask = labels != -100
+            per_token = torch.zeros(labels.shape, device=hidden.device).masked_scatter(
+                mask, chunked_logprobs(hidden[:, :-1][mask], head.weight, labels[mask], head.bias))
+            logps = per_token.sum(-1) / (mask.sum(-1) if args.loss_type == "ipo" else 1)
+            with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
+                mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
+                mean_logits += 0 if head.bias is None else head.bias.float().mean()
+            return logps, mean_logits
         decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if is_encoder_decoder else {}
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
         logps = get_batch_logps(logits, batch["labels"], average_log_prob=args.loss_type == "ipo",

@@ -141,6 +141,20 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
     assert all(torch.allclose(live[k], pre[k], atol=1e-6) for k in live)
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])  # summed and per-token averaged log-probs
+def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
+    runs = {}
+    for name, flag in (("chunked", "--chunked-logps"), ("full", "--no-chunked-logps")):
+        run_script([DPO, flag, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "3", "--loss-type",
+                    loss_type, "--output-dir", name, "--log-dir", str(tmp_path / "runs" / name)], tmp_path)
+        runs[name] = {tag: read_scalars(str(tmp_path / "runs" / name), f"train/{tag}")
+                      for tag in ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "rewards/margins")}
+    for tag, values in runs["chunked"].items():
+        assert len(values) == 3 and values == pytest.approx(runs["full"][tag], rel=1e-4, abs=1e-5), tag
+    chunked, full = (load_file(tmp_path / d / "model.safetensors") for d in ("chunked", "full"))
+    assert all(torch.allclose(chunked[k], full[k], atol=1e-5) for k in chunked)
+
+
 def test_dpo_options_run(tmp_path, pairs_file):
     for flags in (["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval", "--gradient-checkpointing"],
                   ["--loss-type", "kto_pair", "--reference-free", "--gradient-accumulation-steps", "2"],
