@@ -190,10 +190,7 @@ def setup(spec: dict, tmp: str) -> dict:
     files = {}
     for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):
         files[name] = os.path.join(tmp, f"{name}.jsonl")
-        data = load_data(f"builtin:{name}")
-        if name == "vader-preferences":
-            data = data.select(range(512))
-        data.to_json(files[name])
+        (preference_pairs() if name == "vader-preferences" else load_data(f"builtin:{name}")).to_json(files[name])
     env = dict(model=model_dir, files=files, tokenizer=tokenizer)
     if spec["algo"] == "ddpo":
         from common import load_pipeline
@@ -437,6 +434,16 @@ def spawn(spec: dict) -> dict:
     return json.loads(marker[-1][len("BENCH_RESULT "):])
 
 
+def preference_pairs():
+    """The reward-model / DPO data: the first 512 built-in VADER pairs whose prompt + response stays under 120 tokens
+    on both sides, so that neither side truncates (ours) or drops (TRL 1.x filters pairs over max_length) a pair."""
+    from common import load_data, load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-gpt2")
+    fits = lambda row: all(len(tok(row["prompt"] + " " + row[c])["input_ids"]) < 120 for c in ("chosen", "rejected"))  # noqa: E731
+    return load_data("builtin:vader-preferences").filter(fits).select(range(512))
+
+
 def mean_tokens(algo: str) -> float:
     """Tokens per sample of the benchmark data (ours' tokenisation; both sides see the same texts)."""
     from common import load_data, load_tokenizer
@@ -445,9 +452,9 @@ def mean_tokens(algo: str) -> float:
     if algo == "sft":
         texts = load_data("builtin:chatterbot-dialogue")["text"]
         return statistics.mean(min(128, len(tok(t)["input_ids"]) + 1) for t in texts)
-    if algo in ("rm", "dpo"):
-        d = load_data("builtin:vader-preferences")
-        return statistics.mean(min(128, len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]))
+    if algo in ("rm", "dpo"):  # chosen and rejected, each with its EOS
+        d = preference_pairs()
+        return statistics.mean(len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]) + 2
                                for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
     if algo == "ddpo":  # images, not tokens
         return math.nan
