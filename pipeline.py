@@ -3,7 +3,7 @@ then one table comparing the SFT, PPO and DPO policies on prompts that none of t
 
 Each stage is the unchanged script, launched as a researcher would launch it by hand (the commands are printed);
 this file only prepares the data, chains the outputs, and evaluates. On the offline defaults (tiny GPT-2,
-chatterbot dialogue, preferences labelled by VADER sentiment) the whole run takes about seven minutes on 2 CPU cores.
+chatterbot dialogue, preferences labelled by VADER sentiment) the whole run takes about four and a half minutes on 2 CPU cores.
 
 Usage:
     python pipeline.py                                          # offline default, everything under outputs/pipeline
