@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
@@ -125,8 +126,9 @@ class Args:
     chunked_logps: bool = True
     """decoder-only models: log-probs from the last hidden states with the LM head run on 1024 labelled tokens at a
     time, forward and backward, so the [2 * batch, length, vocab] logits of chosen and rejected are never held (the
-    same values as `get_batch_logps` on the logits, tested); off, for encoder-decoder models and for heads that scale
-    or soft-cap their logits: the full logits"""
+    same values as `get_batch_logps` on the logits, tested); off, for encoder-decoder models, under FSDP / DeepSpeed
+    (the head's weight is sharded outside the forward) and for heads that scale or soft-cap their logits: the full
+    logits"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     generate_during_eval: bool = False
@@ -341,7 +343,8 @@ if __name__ == "__main__":
     model = model.to(device)
 
     scaled_head = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    chunked = args.chunked_logps and not is_encoder_decoder and not scaled_head
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # head not whole
+    chunked = args.chunked_logps and not is_encoder_decoder and not scaled_head and not sharded
 
     def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""

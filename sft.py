@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -104,7 +105,8 @@ class Args:
     chunked_loss: bool = True
     """compute the loss from the last hidden states with the LM head run on 1024 tokens at a time, forward and
     backward (the model's own loss, without its [batch, length, vocab] logits: less memory, as TRL's fused LM head);
-    off, or for models whose head scales or soft-caps its logits: `model(**batch).loss`"""
+    off, under FSDP / DeepSpeed (the head's weight is sharded outside the forward) or for models whose head scales
+    or soft-caps its logits: `model(**batch).loss`"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     save_steps: int = 0
@@ -248,7 +250,8 @@ if __name__ == "__main__":
     lm = accelerator.unwrap_model(model)
     head = lm.get_output_embeddings()
     scaled_head = any(getattr(lm.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    chunked = args.chunked_loss and head is not None and not scaled_head
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # head not whole
+    chunked = args.chunked_loss and head is not None and not scaled_head and not sharded
 
     def lm_loss(batch: dict) -> torch.Tensor:
         """Mean next-token NLL over the labelled tokens (the model's own loss)."""
