@@ -32,8 +32,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_schedu
 from common import (
     atomic_directory,
     check_columns,
-    chunked_logprobs,
+    chunkable_head,
     create_reference_model,
+    lm_token_logprobs,
     load_config,
     load_data,
     load_pretrained,
@@ -124,11 +125,9 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory"""
     chunked_logps: bool = True
-    """decoder-only models: log-probs from the last hidden states with the LM head run on 1024 labelled tokens at a
-    time, forward and backward, so the [2 * batch, length, vocab] logits of chosen and rejected are never held (the
-    same values as `get_batch_logps` on the logits, tested); off, for encoder-decoder models, under FSDP / DeepSpeed
-    (the head's weight is sharded outside the forward) and for heads that scale or soft-cap their logits: the full
-    logits"""
+    """decoder-only: log-probs from the last hidden states, the LM head run on 1024 labelled tokens at a time, so the
+    [2 * batch, length, vocab] logits are never held (the values of `get_batch_logps`, tested); off, and for
+    encoder-decoder models, FSDP / DeepSpeed (sharded head) and heads that scale or soft-cap logits: full logits"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     generate_during_eval: bool = False
@@ -342,20 +341,15 @@ if __name__ == "__main__":
         ref_model = ref_model.to(device)
     model = model.to(device)
 
-    scaled_head = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # head not whole
-    chunked = args.chunked_logps and not is_encoder_decoder and not scaled_head and not sharded
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    chunked = args.chunked_logps and not is_encoder_decoder and chunkable_head(model, sharded) is not None
 
     def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
         if chunked:
-            out = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                         logits_to_keep=1)  # the backbone's last hidden states; logits for the last position only
             head = accelerator.unwrap_model(policy).get_output_embeddings()
-            hidden, labels = out.hidden_states[-1], batch["labels"][:, 1:]
-            mask = labels != -100
-            per_token = torch.zeros(labels.shape, device=hidden.device).masked_scatter(
-                mask, chunked_logprobs(hidden[:, :-1][mask], head.weight, labels[mask], head.bias))
+            per_token, mask, hidden = lm_token_logprobs(policy, head, batch["input_ids"], batch["attention_mask"],
+                                                        batch["labels"])
             logps = per_token.sum(-1) / (mask.sum(-1) if args.loss_type == "ipo" else 1)
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)

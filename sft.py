@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common import (
     atomic_directory,
     check_columns,
-    chunked_logprobs,
+    chunkable_head,
+    lm_token_logprobs,
     load_config,
     load_data,
     load_pretrained,
@@ -247,21 +248,15 @@ if __name__ == "__main__":
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
                       f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
 
-    lm = accelerator.unwrap_model(model)
-    head = lm.get_output_embeddings()
-    scaled_head = any(getattr(lm.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)  # head not whole
-    chunked = args.chunked_loss and head is not None and not scaled_head and not sharded
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    head = chunkable_head(accelerator.unwrap_model(model), sharded) if args.chunked_loss else None
 
     def lm_loss(batch: dict) -> torch.Tensor:
         """Mean next-token NLL over the labelled tokens (the model's own loss)."""
-        if not chunked:
+        if head is None:
             return model(**batch).loss
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                    logits_to_keep=1)  # the backbone's last hidden states; logits for the last position only
-        labels = batch["labels"][:, 1:]
-        mask = labels != -100
-        return -chunked_logprobs(out.hidden_states[-1][:, :-1][mask], head.weight, labels[mask], head.bias).mean()
+        logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return -logprobs.sum() / mask.sum()
 
     @torch.no_grad()
     def evaluate(step: int) -> float:

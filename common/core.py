@@ -70,6 +70,25 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     return _ChunkedLogprobs.apply(hidden, weight, bias, labels, chunk_size, dtype)
 
 
+def chunkable_head(model, sharded: bool = False):
+    """The LM head that `lm_token_logprobs` can run in chunks, or None: no head, a head that scales or soft-caps its
+    logits (Gemma 2, Cohere, Granite), or a weight sharded outside the forward (`sharded`: FSDP / DeepSpeed)."""
+    head = model.get_output_embeddings()
+    scaled = any(getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return None if head is None or scaled or sharded else head
+
+
+def lm_token_logprobs(model, head, input_ids, attention_mask, labels) -> tuple[torch.Tensor, ...]:
+    """Causal LM: log p(labels[:, t + 1]) [B, T - 1] (0 where the label is -100), that mask, and the last hidden
+    states [B, T, H]. One forward returns the hidden states (`logits_to_keep=1`: the full logits are never built);
+    `chunked_logprobs` runs `head` on the labelled positions. `model` may be the wrapped (DDP) module."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    hidden, labels = out.hidden_states[-1], labels[:, 1:]
+    mask = labels != -100
+    logprobs = chunked_logprobs(hidden[:, :-1][mask], head.weight, labels[mask], head.bias)
+    return torch.zeros(labels.shape, device=hidden.device).masked_scatter(mask, logprobs), mask, hidden
+
+
 class LogitMask:
     """trlX's `logit_mask`: which tokens may follow which. `allowed` maps a token id to the ids allowed right after
     it; a token not in the map may be followed by anything.

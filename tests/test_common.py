@@ -16,12 +16,14 @@ from common import (
     atomic_directory,
     check_columns,
     check_scores,
+    chunkable_head,
+    chunked_logprobs,
     clip_by_value,
     create_reference_model,
-    chunked_logprobs,
     entropy_from_logits,
     exact_div,
     kl_estimate,
+    lm_token_logprobs,
     load_data,
     load_pretrained,
     load_tokenizer,
@@ -99,6 +101,23 @@ def test_chunked_logprobs_equal_the_full_logits_in_value_and_gradient():
         out = chunked_logprobs(hidden, weight, labels, bias)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, logprobs_from_logits(torch.nn.functional.linear(hidden, weight, bias), labels))
+
+
+def test_lm_token_logprobs_match_the_models_logits_and_chunkable_head_refuses_scaled_heads():
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
+    ids = torch.randint(0, 1000, (3, 9))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, 6:] = 0
+    labels = ids.masked_fill(attention_mask == 0, -100)
+    labels[1, :4] = -100  # a prompt
+    head = chunkable_head(model)
+    logprobs, mask, hidden = lm_token_logprobs(model, head, ids, attention_mask, labels)
+    expected = logprobs_from_logits(model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1], ids[:, 1:])
+    assert torch.equal(mask, labels[:, 1:] != -100) and hidden.shape == (3, 9, model.config.n_embd)
+    torch.testing.assert_close(logprobs, expected * mask, rtol=1e-5, atol=1e-5)
+    assert chunkable_head(model, sharded=True) is None
+    model.config.final_logit_softcapping = 30.0
+    assert chunkable_head(model) is None
 
 
 def test_logprobs_and_entropy_against_explicit_formula():
