@@ -80,6 +80,24 @@ def test_reward_model_options_and_errors(tmp_path):
     assert "no preference to learn" in run_failing([RM, "--dataset-name", str(tmp_path / "same.jsonl")], tmp_path)
 
 
+def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
+    """Scoring a batch in length-sorted groups (each padded to its own longest sequence) trains the same model as one
+    pass over the whole padded batch (TRL's): same metrics, same weights."""
+    models, losses = {}, {}
+    for groups in ("1", "3"):
+        out_dir = tmp_path / f"groups{groups}"
+        run_script([RM, "--dataset-name", pairs_file, "--batch-size", "8", "--max-steps", "4", "--length-groups", groups,
+                    "--output-dir", str(out_dir), "--log-dir", str(tmp_path / f"runs{groups}")], tmp_path)
+        models[groups] = AutoModelForSequenceClassification.from_pretrained(out_dir).state_dict()
+        losses[groups] = read_scalars(str(tmp_path / f"runs{groups}"), "train/loss")
+    assert len(losses["1"]) == 4 and losses["1"] == pytest.approx(losses["3"], abs=1e-5)
+    assert not torch.equal(models["1"]["score.weight"], load_pretrained(
+        "builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).score.weight)  # it trained
+    for name, weight in models["1"].items():
+        torch.testing.assert_close(models["3"][name], weight, atol=1e-4, rtol=0)  # 4 Adam steps of lr 3e-4
+    assert "--length-groups 0" in run_failing([RM, "--length-groups", "0"], tmp_path)
+
+
 def test_reward_model_two_process_ddp(tmp_path, pairs_file):
     out = run_script([*ddp_launch(), RM, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4"],
                      tmp_path, **DDP_ENV)
