@@ -611,10 +611,9 @@ if __name__ == "__main__":
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))  # LengthSampler
         unwrapped.eval()
         responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)
-        t_rollout = clock() - t0
+        t1 = clock()
 
         # ---- score ----
-        t0 = clock()
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)
@@ -626,7 +625,7 @@ if __name__ == "__main__":
             scores = (scores - running.mean if args.use_score_norm else scores) / (running.std + torch.finfo(scores.dtype).eps)
         if args.score_clip is not None:
             scores = scores.clamp(-args.score_clip, args.score_clip)
-        t_score = clock() - t0
+        t2 = clock()
 
         # ---- best checkpoint (TRL's push_to_hub_if_best): the weights that produced the best batch so far ----
         if args.save_best and update % args.compare_steps == 0:
@@ -637,7 +636,7 @@ if __name__ == "__main__":
                     save_model(f"{args.output_dir}_best", {"best/reward_mean": best_reward, "best/update": update}, final=False)
 
         # ---- forward passes: old logprobs and values, reference logprobs ----
-        t0 = clock()
+        t3 = clock() if args.save_best else t2  # saving the best weights is not part of the step time
         full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
         old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
         with torch.no_grad():
@@ -664,7 +663,7 @@ if __name__ == "__main__":
             values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
                                                              args.whiten_rewards)
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
-        t_forward, t0 = clock() - t0, clock()
+        t4 = clock()
 
         # ---- optimise ----
         model.train()
@@ -692,7 +691,7 @@ if __name__ == "__main__":
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
-        t_optimise = clock() - t0
+        times = {"rollout": t1 - t0, "score": t2 - t1, "forward": t4 - t3, "optimise": clock() - t4}
 
         # ---- log ----
         with torch.no_grad():
@@ -709,9 +708,8 @@ if __name__ == "__main__":
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
         kl_ctl.update(mean_kl, args.batch_size * args.world_size)
-        step_time = t_rollout + t_score + t_forward + t_optimise
-        metrics.update({"time/rollout": t_rollout, "time/score": t_score, "time/forward": t_forward,
-                        "time/optimise": t_optimise,
+        step_time = sum(times.values())
+        metrics.update({f"time/{phase}": t for phase, t in times.items()} | {
                         "throughput/episodes_per_s": per_update / step_time,
                         "throughput/tokens_per_s": per_update * (metrics["tokens/query_len"] + metrics["tokens/response_len"]) / step_time,
                         "charts/learning_rate": scheduler.get_last_lr()[0], "charts/episodes": (update + 1) * per_update})

@@ -68,7 +68,7 @@ class Args:
     algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo", "ddpo"])
     """which comparisons to run: sft, rm, dpo, ppo, ddpo"""
     rounds: int = 3
-    """A/B rounds per comparison (each round: one run of ours, then one of TRL)"""
+    """A/B rounds per comparison: one run of each side per round, in alternating order (A B B A ...)"""
     warmup: int = 2
     """steps of each run left out of the timing"""
     steps: int = 6
@@ -322,18 +322,18 @@ def rollouts(spec, env, tmp) -> dict:
         for r in range(spec["rounds"] + 1):
             queries = [q.to(device) for q in ppo_queries(env, batch, r)]
             padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
-            t0 = clock()
-            with torch.no_grad(), autocast:
-                ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=0,
-                                    top_p=1.0, pad_token_id=ours_tok.pad_token_id, eos_token_id=ours_tok.eos_token_id)
-            t1 = clock()
-            with autocast:
-                trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16, max_new_tokens=16,
-                                 top_k=0, top_p=1.0, do_sample=True, pad_token_id=trl_tok.eos_token_id)
-            t2 = clock()
-            if r:  # the first round warms up
-                times["ours"].append(t1 - t0)
-                times["trl"].append(t2 - t1)
+            calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True,
+                                                         top_k=0, top_p=1.0, pad_token_id=ours_tok.pad_token_id,
+                                                         eos_token_id=ours_tok.eos_token_id),
+                     "trl": lambda: trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16,
+                                                     max_new_tokens=16, top_k=0, top_p=1.0, do_sample=True,
+                                                     pad_token_id=trl_tok.eos_token_id)}
+            for impl in ("ours", "trl")[::1 if r % 2 == 0 else -1]:  # A B B A ...
+                t0 = clock()
+                with torch.no_grad(), autocast:
+                    calls[impl]()
+                if r:  # the first round warms up
+                    times[impl].append(clock() - t0)
         results[batch] = {k: batch * 16 / statistics.median(v) for k, v in times.items()}
     return results
 
@@ -406,8 +406,8 @@ def worker(spec: dict) -> dict:
 
         config = AutoConfig.from_pretrained(env["model"])
         results = {"ours": {}, "trl": {}, "dims": [config.n_layer, config.n_embd, config.vocab_size]}
-        for r in range(spec["rounds"]):
-            for impl, fn in (("ours", ours), ("trl", theirs)):
+        for r in range(spec["rounds"]):  # A B B A ...: neither side always runs first
+            for impl, fn in (("ours", ours), ("trl", theirs))[::1 if r % 2 == 0 else -1]:
                 out = fn(spec, env, tmp, f"{impl}_{r}")
                 for key, values in out.items():
                     results[impl].setdefault(key, []).extend(values[spec["warmup"]:])
@@ -569,7 +569,7 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"transformers {transformers.__version__}.", "",
         f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
         f"Model: {MODEL_TEXT[args.model]} saved to a folder, both sides loading it with from_pretrained; "
-        f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours then TRL in one process per row; "
+        f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours and TRL (A B B A) in one process per row; "
         f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
         f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images. TRL's "
         f"SFT / reward / DPO trainers run with gradient_checkpointing=False (TRL 1.x turns it on by default; ours only "
