@@ -55,9 +55,9 @@ sys.path.insert(0, ROOT)
 TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
 PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "ddpo": "0.8.6"}
 # our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
-# needs a peft model passed in, so --use-peft is ours only)
+# needs a peft model passed in, so --use-peft is ours only; TRL's reward step is always one padded pass)
 MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
-                   "sft": [(["--gradient-checkpointing"], True)],
+                   "sft": [(["--gradient-checkpointing"], True)], "rm": [(["--length-groups", "1"], False)],
                    "dpo": [(["--precompute-ref-log-probs"], True), (["--gradient-checkpointing"], True)]}
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]  # dense bf16, by GPU name
 TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None}  # ours / TRL per step, at most
