@@ -77,6 +77,9 @@ class Args:
     """PPO batch sizes to compare (mini-batch = half the batch, 4 PPO epochs, 16 new tokens)"""
     rollout_batch_sizes: list[int] = field(default_factory=lambda: [16, 64, 256])
     """batch sizes of the generation-only measurement (tokens/s of rollouts)"""
+    rollout_rounds: int = 6
+    """timed A/B rounds of the generation-only measurement (after one warm-up round); a call is short, so more
+    rounds than `--rounds` are cheap and average out the machine's drift"""
     model: Literal["auto", "tiny", "gpt2-124m"] = "auto"
     """policy model: builtin:tiny-gpt2 (2 layers, 64 wide), or gpt2-124m (GPT-2 small's shape, randomly initialised);
     auto picks gpt2-124m on a GPU and tiny otherwise (DDPO always runs builtin:tiny-sd)"""
@@ -319,7 +322,7 @@ def rollouts(spec, env, tmp) -> dict:
                                        accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no")),
                              TrlValueHead.from_pretrained(env["model"]), tokenizer=trl_tok)
         times = {"ours": [], "trl": []}
-        for r in range(spec["rounds"] + 1):
+        for r in range(spec["rollout_rounds"] + 1):
             queries = [q.to(device) for q in ppo_queries(env, batch, r)]
             padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
             calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True,
@@ -510,7 +513,7 @@ def main(args: Args) -> None:
         for i, config in enumerate(configs):
             spec = dict(base, algo=algo, **config)
             if algo == "ppo" and i == 0:
-                spec["rollout_batch_sizes"] = args.rollout_batch_sizes
+                spec["rollout_batch_sizes"], spec["rollout_rounds"] = args.rollout_batch_sizes, args.rollout_rounds
             print(f"[bench] {algo} batch {config['batch_size']}: {args.rounds} rounds of ours / TRL ...", flush=True)
             result = spawn(spec)
             ours, trl = (statistics.median(result[k]["step"]) for k in ("ours", "trl"))
@@ -525,7 +528,8 @@ def main(args: Args) -> None:
                 row["share"] = {k: m["generation"] / m["step"] for k, m in median.items()}
                 row["share_fb"] = {k: m["forward_backward"] / m["step"] for k, m in median.items()}
             if "rollouts" in result:
-                extras.append(("rollout tokens/s (16 new tokens)", result["rollouts"]))
+                extras.append((f"rollout tokens/s (16 new tokens, median of {args.rollout_rounds} A/B rounds)",
+                               result["rollouts"]))
             if args.memory:
                 peak_mb = lambda impl, flags=(): spawn(dict(spec, rollout_batch_sizes=None, rounds=1,  # noqa: E731
                                                          memory=[impl, list(flags)]))["peak_mb"]
