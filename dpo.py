@@ -266,6 +266,9 @@ if __name__ == "__main__":
     device = accelerator.device
     model_config = load_config(args.model_name)
     is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
+    context = getattr(model_config, "n_positions", None) or getattr(model_config, "max_position_embeddings", None)
+    if context and not is_encoder_decoder and args.max_length > context:
+        raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens: lower --max-length.")
     if args.max_prompt_length >= args.max_length and not is_encoder_decoder:
         raise ValueError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
                          "or no response token would be left.")
@@ -426,9 +429,10 @@ if __name__ == "__main__":
         if args.generate_during_eval and accelerator.is_main_process:
             prompts = [p + " " for p in eval_dataset[args.prompt_column][:4]]
             policy = accelerator.unwrap_model(model)
-            tokenizer.padding_side = "left"
-            inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
-            tokenizer.padding_side = "right"
+            # prompts cut as in training (truncation_mode), leaving a causal model room for the 24 new tokens
+            keep = args.max_prompt_length if is_encoder_decoder else max(1, min(args.max_prompt_length, args.max_length - 24))
+            ids = [(i[-keep:] if args.truncation_mode == "keep_end" else i[:keep]) for i in tokenizer(prompts)["input_ids"]]
+            inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(device)
             samplers = {"policy": (policy, contextlib.nullcontext())}
             if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
                 samplers["reference"] = (ref_model if ref_model is not None else policy, reference_context(policy, ref_model))

@@ -34,6 +34,7 @@ from common import (
     atomic_directory,
     check_columns,
     check_scores,
+    load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
@@ -279,6 +280,11 @@ if __name__ == "__main__":
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    config = load_config(args.model_name)
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if context and args.max_length + args.max_new_tokens > context:
+        raise ValueError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
+                         f"context of {context} tokens: lower one of them.")
 
     # ---- data: tokenised samples with normalised terminal rewards ----
     dataset = load_data(args.dataset_name, args.dataset_split)
@@ -346,7 +352,8 @@ if __name__ == "__main__":
     def generate(prompts: list[str], beta: float) -> list[str]:
         """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
         heads = accelerator.unwrap_model(model)
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+        ids = [i[-args.max_length:] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
+        inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         past, generated = None, []

@@ -212,7 +212,8 @@ if __name__ == "__main__":
                               "(no response template, or nothing left to learn after truncation)")
     if not train_examples or not eval_examples:
         raise ValueError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
-                         "examples): use more data, a smaller --max-seq-length with --packing, or a larger --eval-fraction.")
+                         "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
+                         "to learn), a smaller one with --packing, or a larger --eval-fraction.")
 
     def collate(batch: list[dict]) -> dict:
         """Right padding; labels padded with -100."""
@@ -327,8 +328,9 @@ if __name__ == "__main__":
         prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
                    [text.split(args.response_template)[0] + args.response_template if args.response_template
                     else " ".join(text.split()[:4]) for text in eval_dataset[args.text_column]])[: args.num_sample_generations]
-        tokenizer.padding_side = "left"
-        batch = tokenizer(prompts, return_tensors="pt", padding=True).to(accelerator.device)
+        keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
+        ids = [i[-keep:] for i in tokenizer(prompts)["input_ids"]]
+        batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
         unwrapped.eval()
         with torch.no_grad():
             out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)

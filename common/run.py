@@ -70,16 +70,19 @@ class RunLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, float(value), step)
 
-    def samples(self, title: str, columns: dict[str, list], step: int, max_rows: int = 8) -> None:
-        """Print a table of sample generations and log it to TensorBoard as markdown."""
+    def samples(self, title: str, columns: dict[str, list], step: int, max_rows: int = 8, max_chars: int = 240) -> None:
+        """Print a table of sample generations (cells over `max_chars` lose their middle) and log it to TensorBoard
+        as markdown, in full."""
         if self.writer is None:
             return
         table = Table(title=title, show_lines=True)
         for name in columns:
             table.add_column(name)
         rows = list(zip(*columns.values()))[:max_rows]
+        half = max_chars // 2
         for row in rows:
-            table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+            cells = (f"{v:.3f}" if isinstance(v, float) else str(v) for v in row)
+            table.add_row(*(c if len(c) <= max_chars else f"{c[:half]} … {c[-half:]}" for c in cells))
         Console().print(table)
         markdown = "|" + "|".join(columns) + "|\n|" + "-|" * len(columns) + "\n"
         markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|"

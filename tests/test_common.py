@@ -1,5 +1,6 @@
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from common import (
     AutoModelForSeq2SeqLMWithValueHead,
     FixedKLController,
     LogitMask,
+    RunLogger,
     RunningMoments,
     atomic_directory,
     check_columns,
@@ -333,3 +335,18 @@ def test_quantised_loading_says_what_is_missing():
     with pytest.raises(RuntimeError, match="--load-in-4bit needs a CUDA GPU and bitsandbytes"):
         quantization_kwargs("gpt2", False, True, use_peft=True)
 
+
+
+def test_sample_tables_shorten_long_cells_on_the_console_only(tmp_path, capsys):
+    args = SimpleNamespace(track=False, log_dir=str(tmp_path), seed=1)
+    logger = RunLogger("run", args)
+    logger.samples("samples", {"prompt": ["a" * 150 + "b" * 150], "score": [0.5]}, step=1, max_chars=20)
+    logger.close()
+    printed = capsys.readouterr().out
+    assert "a" * 10 + " … " + "b" * 10 in printed and "a" * 11 not in printed and "0.500" in printed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"tensors": 0})
+    events.Reload()
+    markdown = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "a" * 150 + "b" * 150 in markdown  # TensorBoard keeps the whole text

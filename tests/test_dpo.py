@@ -183,9 +183,20 @@ def test_dpo_learns_the_preferences(tmp_path):
 def test_dpo_bad_input(tmp_path, pairs_file):
     assert "no column ['answer']" in run_failing([DPO, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path)
     assert "must be below max_length" in run_failing([DPO, "--max-prompt-length", "128"], tmp_path)
+    assert "exceeds the model's context of 256" in run_failing([DPO, "--max-length", "300"], tmp_path)
     same = tmp_path / "same.jsonl"
     same.write_text("\n".join(json.dumps(dict(prompt="q", chosen="x", rejected="x")) for _ in range(10)))
     assert "no preference to learn" in run_failing([DPO, "--dataset-name", str(same)], tmp_path)
+
+
+def test_long_prompts_are_cut_for_sample_generation(tmp_path):
+    """Prompts of ~300 tokens (the tiny model's context is 256): training keeps max_prompt_length of them, and so
+    must --generate-during-eval, or the position embeddings run out."""
+    rows = [dict(prompt="word " * 300 + f"question {i}?", chosen=" good answer", rejected=" bad answer") for i in range(24)]
+    (tmp_path / "long.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = run_script([DPO, "--dataset-name", str(tmp_path / "long.jsonl"), "--batch-size", "4", "--max-steps", "1",
+                      "--eval-fraction", "0.2", "--generate-during-eval"], tmp_path)
+    assert "dpo: 1 steps" in out and "question" in out  # the sample table shows the prompts' ends
 
 
 def test_dpo_two_process_ddp(tmp_path, pairs_file):

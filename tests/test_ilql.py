@@ -136,9 +136,19 @@ def test_text_reward_data_peft_and_bad_input(tmp_path):
     assert "ilql: 2 steps" in out
     assert "no column ['reward']" in run_failing([ILQL, "--dataset-name", str(data), "--prompt-column", "None",
                                                   "--response-column", "text", "--reward-column", "reward"], tmp_path)
+    assert "exceeds the model's context of 256" in run_failing([ILQL, "--max-length", "250"], tmp_path)  # + 12 new
     data.write_text("".join(f'{{"text": "x {i}", "score": NaN}}\n' for i in range(40)))
     assert "NaN" in run_failing([ILQL, "--dataset-name", str(data), "--prompt-column", "None", "--response-column",
                                  "text", "--reward-column", "score"], tmp_path)
+
+
+def test_long_eval_prompts_keep_their_last_max_length_tokens(tmp_path):
+    """Prompts of ~300 tokens (the tiny model's context is 256) are cut to their last max_length tokens for
+    evaluation, as in training, or the position embeddings run out."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(f'{{"prompt": "{"word " * 300}question {i}?", "completion": " fine"}}\n' for i in range(40)))
+    out = run_script([ILQL, *TINY, "--max-steps", "1", "--dataset-name", str(data), "--eval-fraction", "0.1"], tmp_path)
+    assert "ilql: 1 steps" in out
 
 
 def test_logit_mask_restricts_generation(tmp_path, positive_mask_file):

@@ -1,3 +1,4 @@
+import json
 import math
 import os
 
@@ -78,6 +79,17 @@ def test_sft_bad_input_is_a_clear_error(tmp_path):
     assert "exceeds the model's context of 256" in run_failing([SFT, "--max-seq-length", "1000"], tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     assert "is empty" in run_failing([SFT, "--dataset-name", str(tmp_path / "empty.jsonl")], tmp_path)
+
+
+def test_long_prompts_are_cut_for_sample_generation(tmp_path):
+    """Half the prompts are ~300 tokens (the tiny model's context is 256): they leave no completion in
+    max_seq_length and are dropped from training, and the sample generations at the end keep their last tokens."""
+    rows = [dict(prompt=("word " * 300 if i % 2 else "") + f"question {i}?", completion=" fine thanks") for i in range(40)]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = run_script([SFT, "--dataset-name", str(tmp_path / "mixed.jsonl"), "--prompt-column", "prompt",
+                      "--completion-column", "completion", "--max-steps", "1", "--batch-size", "4",
+                      "--max-seq-length", "256", "--eval-fraction", "0.2", "--num-sample-generations", "8"], tmp_path)
+    assert "training examples dropped" in out and "sft: 1 steps" in out
 
 
 def test_sft_two_process_ddp(tmp_path):
