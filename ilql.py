@@ -386,7 +386,7 @@ if __name__ == "__main__":
             torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
             for beta in dict.fromkeys([0.0, args.gen_beta]):
                 responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i: i + 64], beta)]
-                rewards = torch.tensor(reward_fn(eval_prompts, responses), device=device)
+                rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
                 results[f"eval/reward_beta_{beta:g}"] = accelerator.gather(rewards).mean().item()
                 for name, values in metric_fn(eval_prompts, responses).items():
                     results[f"eval/{name}_beta_{beta:g}"] = accelerator.gather(torch.tensor(values, device=device)).mean().item()

@@ -1,8 +1,9 @@
 """Supervised fine-tuning (SFT) of a causal LM: the first stage of the RLHF pipeline (TRL 0.7-0.8 `SFTTrainer`).
 
-Trains next-token prediction on a text column, or on prompt/completion columns with the loss on the completion
-only. Options: constant-length packing of EOS-separated texts, a completion-only loss after a response template,
-LoRA, NEFTune embedding noise (Jain et al. 2023), gradient checkpointing.
+Trains next-token prediction on a text column (plain text, or chat messages rendered by the tokenizer's chat
+template), or on prompt/completion columns with the loss on the completion only. Options: constant-length packing
+of EOS-separated texts, a completion-only loss after a response template, LoRA, NEFTune embedding noise (Jain et al.
+2023), gradient checkpointing.
 
 Usage:
     python sft.py                                   # offline: tiny GPT-2 on the built-in chatterbot dialogue
@@ -27,6 +28,7 @@ from common import (
     atomic_directory,
     check_columns,
     chunkable_head,
+    is_conversation,
     lm_token_logprobs,
     load_config,
     load_data,
@@ -65,7 +67,9 @@ class Args:
     dataset_split: str = "train"
     """the split to load from a hub dataset"""
     text_column: str = "text"
-    """the column of plain text to train on (used when prompt_column is None)"""
+    """the column of plain text to train on (used when prompt_column is None), or of chat messages (TRL's
+    conversational format, [{"role": ..., "content": ...}, ...]), each conversation rendered by the tokenizer's chat
+    template"""
     prompt_column: str | None = None
     """with completion_column: train on prompt + completion, the loss on the completion tokens only"""
     completion_column: str = "completion"
@@ -179,6 +183,14 @@ if __name__ == "__main__":
 
     # ---- data: tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
+    if not args.prompt_column and args.text_column in dataset.column_names and len(dataset) and is_conversation(
+            dataset[0][args.text_column]):  # TRL's conversational format: rendered by the tokenizer's chat template
+        if not tokenizer.chat_template:
+            raise ValueError(f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
+                             f"{args.model_name} has no chat template: set tokenizer.chat_template, save the tokenizer "
+                             "and pass that folder, or render the conversations into text yourself.")
+        dataset = dataset.map(lambda row: {args.text_column: tokenizer.apply_chat_template(
+            row[args.text_column], tokenize=False)}, remove_columns=[args.text_column])
     columns = [args.prompt_column, args.completion_column] if args.prompt_column else [args.text_column]
     check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)

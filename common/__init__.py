@@ -30,6 +30,7 @@ from common.models import (
 )
 from common.presets import (
     check_columns,
+    is_conversation,
     load_config,
     load_data,
     load_pipeline,

@@ -189,14 +189,25 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
     return load_dataset(name, split=split)
 
 
+def is_conversation(value) -> bool:
+    """A list of chat messages, [{"role": ..., "content": ...}, ...] (TRL's conversational format)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                           for m in value)
+
+
 def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments") -> None:
-    """A clear error naming the missing columns and the ones the dataset has."""
+    """A clear error naming the missing columns and the ones the dataset has, or a column of chat messages."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise ValueError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
                          f"rename them or point {flag_hint} at the right ones.")
     if len(dataset) == 0:
         raise ValueError("The dataset is empty.")
+    chat = [c for c in columns if is_conversation(dataset[0][c])]
+    if chat:
+        raise ValueError(f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
+                         "script reads text: render each conversation into a string first, e.g. with "
+                         "tokenizer.apply_chat_template(messages, tokenize=False).")
 
 
 def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:

@@ -24,6 +24,7 @@ from common import (
     create_reference_model,
     entropy_from_logits,
     exact_div,
+    is_conversation,
     kl_estimate,
     lm_token_logprobs,
     load_data,
@@ -288,6 +289,13 @@ def test_builtin_and_local_datasets(tmp_path):
     assert local["question"] == ["q0", "q1", "q2"]
     with pytest.raises(ValueError, match=r"no column \['prompt'\].*'question'"):
         check_columns(local, ["prompt"])
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path.write_text("\n".join(json.dumps({"prompt": "q", "chosen": chat, "score": 1.0}) for _ in range(3)))
+    conversations = load_data(str(path))
+    assert is_conversation(conversations[0]["chosen"]) and not is_conversation(conversations[0]["prompt"])
+    check_columns(conversations, ["prompt", "score"])
+    with pytest.raises(ValueError, match=r"\['chosen'\] holds chat messages.*apply_chat_template"):
+        check_columns(conversations, ["prompt", "chosen"])
 
 
 def test_atomic_directory_keeps_previous_on_failure(tmp_path):

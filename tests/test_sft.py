@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import load_tokenizer
+from common import load_pretrained, load_tokenizer
 from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
@@ -90,6 +90,24 @@ def test_long_prompts_are_cut_for_sample_generation(tmp_path):
                       "--completion-column", "completion", "--max-steps", "1", "--batch-size", "4",
                       "--max-seq-length", "256", "--eval-fraction", "0.2", "--num-sample-generations", "8"], tmp_path)
     assert "training examples dropped" in out and "sft: 1 steps" in out
+
+
+def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
+    """A `messages` column of TRL's conversational format goes through the tokenizer's chat template: with the
+    assistant marker as response template, every example keeps a loss only if the rendering put the marker there."""
+    model_dir = tmp_path / "chat-model"
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(model_dir)
+    rows = [{"messages": [{"role": "user", "content": f"How are you, {i}?"}, {"role": "assistant", "content": "Fine."}]}
+            for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    flags = ["--dataset-name", str(tmp_path / "chat.jsonl"), "--text-column", "messages", "--max-steps", "2",
+             "--batch-size", "4", "--eval-fraction", "0.1"]
+    out = run_script([SFT, "--model-name", str(model_dir), *flags, "--response-template", "<|assistant|>"], tmp_path)
+    assert "sft: 2 steps" in out and "dropped" not in out and "<|user|> How are you" in out  # the sample prompts
+    assert "has no chat template" in run_failing([SFT, *flags], tmp_path)  # the built-in tokenizer has none
 
 
 def test_sft_two_process_ddp(tmp_path):
