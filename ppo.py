@@ -445,6 +445,15 @@ if __name__ == "__main__":
                          f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
     train_queries = [q[-args.max_query_length:] for q in train_queries if q]
     eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
+    reward_config = reward_model.config if reward_model is not None else None
+    reward_context = getattr(reward_config, "n_positions", None) or getattr(reward_config, "max_position_embeddings", None)
+    if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
+        texts = tokenizer.batch_decode(train_queries + eval_queries, skip_special_tokens=True)
+        longest = max(len(ids) for ids in reward_tokenizer(texts)["input_ids"])
+        if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
+            raise ValueError(f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
+                             f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
+                             "--truncate-queries) or --max-new-tokens.")
     per_update = args.batch_size * args.world_size
     batches_per_epoch = len(train_queries) // per_update
     if batches_per_epoch == 0:

@@ -59,12 +59,12 @@ def builtin_config(name: str, **kwargs):
     tokenizer = builtin_tokenizer()
     special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    if name == "builtin:tiny-gpt2":
-        return GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                          tie_word_embeddings=False, **special, **kwargs)
+    if name == "builtin:tiny-gpt2":  # kwargs override the preset's sizes
+        return GPT2Config(**dict(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                                 tie_word_embeddings=False, **special) | kwargs)
     if name == "builtin:tiny-t5":
-        return T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                        decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **special, **kwargs)
+        return T5Config(**dict(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                               decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **special) | kwargs)
     raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-gpt2 or builtin:tiny-t5.")
 
 

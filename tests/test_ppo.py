@@ -229,6 +229,11 @@ def test_reward_model_from_local_folder(tmp_path):
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
     out = run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "ppo: 1 updates" in out
+    # a reward model with a shorter context than query + response: an error before training, not mid-run
+    load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1, n_positions=24).save_pretrained(
+        tmp_path / "rm")
+    error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
+    assert "exceed the reward model's context of 24" in error
 
 
 def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file):
