@@ -33,6 +33,7 @@ from common import (
     atomic_directory,
     check_columns,
     chunkable_head,
+    context_length,
     create_reference_model,
     lm_token_logprobs,
     load_config,
@@ -266,7 +267,7 @@ if __name__ == "__main__":
     device = accelerator.device
     model_config = load_config(args.model_name)
     is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
-    context = getattr(model_config, "n_positions", None) or getattr(model_config, "max_position_embeddings", None)
+    context = context_length(model_config)
     if context and not is_encoder_decoder and args.max_length > context:
         raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens: lower --max-length.")
     if args.max_prompt_length >= args.max_length and not is_encoder_decoder:

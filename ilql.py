@@ -34,6 +34,7 @@ from common import (
     atomic_directory,
     check_columns,
     check_scores,
+    context_length,
     load_config,
     load_data,
     load_pretrained,
@@ -281,7 +282,7 @@ if __name__ == "__main__":
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     config = load_config(args.model_name)
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    context = context_length(config)
     if context and args.max_length + args.max_new_tokens > context:
         raise ValueError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
                          f"context of {context} tokens: lower one of them.")

@@ -39,6 +39,7 @@ from common import (
     check_columns,
     check_scores,
     clip_by_value,
+    context_length,
     create_reference_model,
     entropy_from_logits,
     exact_div,
@@ -403,7 +404,7 @@ if __name__ == "__main__":
     model = wrapper_class.from_pretrained(args.model_name, value_head_kwargs=dict(init=args.value_head_init), **quantization)
     # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
-    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    context = context_length(model.config)
     if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
         raise ValueError(f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
                          f"exceeds the model's context of {context} tokens: shorten one of them.")
@@ -445,8 +446,7 @@ if __name__ == "__main__":
                          f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
     train_queries = [q[-args.max_query_length:] for q in train_queries if q]
     eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
-    reward_config = reward_model.config if reward_model is not None else None
-    reward_context = getattr(reward_config, "n_positions", None) or getattr(reward_config, "max_position_embeddings", None)
+    reward_context = context_length(reward_model.config if reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
         texts = tokenizer.batch_decode(train_queries + eval_queries, skip_special_tokens=True)
         longest = max(len(ids) for ids in reward_tokenizer(texts)["input_ids"])

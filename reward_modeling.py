@@ -30,6 +30,7 @@ from common import (
     REWARD_NORMALIZATION_FILE,
     atomic_directory,
     check_columns,
+    context_length,
     load_config,
     load_data,
     load_pretrained,
@@ -167,7 +168,7 @@ if __name__ == "__main__":
     # Right padding is fine: the classifier scores the last non-pad token, and pad is distinct from EOS
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
     config = load_config(args.model_name)
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    context = context_length(config)
     if context and args.max_length > context:
         raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     if args.length_groups < 1:

@@ -28,6 +28,7 @@ from common import (
     atomic_directory,
     check_columns,
     chunkable_head,
+    context_length,
     is_conversation,
     lm_token_logprobs,
     load_config,
@@ -175,7 +176,7 @@ if __name__ == "__main__":
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
     config = load_config(args.model_name)
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    context = context_length(config)
     if context and args.max_seq_length > context:
         raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
     if args.packing and (args.prompt_column or args.response_template):

@@ -30,6 +30,7 @@ from common.models import (
 )
 from common.presets import (
     check_columns,
+    context_length,
     is_conversation,
     load_config,
     load_data,

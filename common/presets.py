@@ -73,6 +73,12 @@ def load_config(name: str):
     return builtin_config(name) if is_builtin(name) else AutoConfig.from_pretrained(name)
 
 
+def context_length(config) -> int | None:
+    """The most positions a model reads (max_position_embeddings, GPT-2's n_positions), or None where positions are
+    relative (T5) or absent (ALiBi)."""
+    return getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
+
+
 def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
     """`auto_class.from_pretrained(name)`, or for a built-in name a tiny model initialised with `seed`."""
     if not is_builtin(name):

@@ -21,6 +21,7 @@ from common import (
     chunkable_head,
     chunked_logprobs,
     clip_by_value,
+    context_length,
     create_reference_model,
     entropy_from_logits,
     exact_div,
@@ -358,3 +359,11 @@ def test_sample_tables_shorten_long_cells_on_the_console_only(tmp_path, capsys):
     events.Reload()
     markdown = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "a" * 150 + "b" * 150 in markdown  # TensorBoard keeps the whole text
+
+
+def test_context_length_of_absolute_relative_and_no_positions():
+    from transformers import BertConfig, GPT2Config, T5Config
+
+    assert context_length(GPT2Config(n_positions=24)) == 24 and context_length(BertConfig()) == 512
+    assert context_length(T5Config()) is None and context_length(None) is None  # relative positions; no model
+    assert context_length(load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM, n_positions=32).config) == 32
