@@ -281,8 +281,7 @@ if __name__ == "__main__":
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    config = load_config(args.model_name)
-    context = context_length(config)
+    context = context_length(load_config(args.model_name))
     if context and args.max_length + args.max_new_tokens > context:
         raise ValueError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
                          f"context of {context} tokens: lower one of them.")
