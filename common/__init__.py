@@ -32,6 +32,7 @@ from common.presets import (
     check_columns,
     context_length,
     is_conversation,
+    is_random_builtin,
     load_config,
     load_data,
     load_pipeline,

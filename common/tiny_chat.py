@@ -1,0 +1,154 @@
+"""The pretrained built-in models, trained here on first use and cached: what every default run starts from.
+
+builtin:tiny-chat     GPT-2 (4 layers x 128, tied embeddings) trained as a language model on the built-in chatterbot
+                      dialogue, each exchange written "utterance reply<eos>": a policy that already answers in English.
+builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, trained on the built-in VADER preference
+                      pairs as reward_modeling.py trains one ("prompt response<eos>", Bradley-Terry loss).
+
+Both are built deterministically from a fixed seed (same weights on the same machine and thread count), written
+atomically into the cache (~/.cache/rlhf-builtin, or $XDG_CACHE_HOME), guarded by a file lock so that concurrent
+processes build once, and load with plain `from_pretrained(folder)`.
+"""
+
+import contextlib
+import fcntl
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+# Bump a version when its recipe changes: the cache then builds the new one beside the old
+FOLDERS = {"builtin:tiny-chat": "tiny-chat-v1", "builtin:tiny-chat-rm": "tiny-chat-rm-v1"}
+CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
+
+
+def cache_root() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlhf-builtin")
+
+
+@contextlib.contextmanager
+def file_lock(path: str):
+    """An exclusive lock on `path` (created if missing) for the block: a second process waits for the first."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pretrained_folder(name: str) -> str:
+    """The cached folder of a pretrained built-in model, built first if it is not there yet."""
+    folder = os.path.join(cache_root(), FOLDERS[name])
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        with file_lock(folder + ".lock"):
+            if not os.path.isfile(os.path.join(folder, "config.json")):  # another process may have built it meanwhile
+                tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
+                try:
+                    start = time.time()
+                    (build_tiny_chat if name == "builtin:tiny-chat" else build_tiny_chat_rm)(tmp)
+                    os.chmod(tmp, 0o755)
+                    shutil.rmtree(folder, ignore_errors=True)
+                    os.rename(tmp, folder)
+                    print(f"{name}: built in {time.time() - start:.0f}s, cached in {folder}", flush=True)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _seeded(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_size: int = 16, lr: float = 2e-3,
+                    seed: int = 0, max_steps: int | None = None) -> None:
+    """Train builtin:tiny-chat into `folder`: the dialogue, each "utterance reply<eos>", packed into blocks of
+    `block_size` tokens, `epochs` passes of AdamW with a cosine schedule (`max_steps`: stop early, for tests)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
+
+    from common.presets import builtin_tokenizer, chatterbot_pairs
+
+    tokenizer = builtin_tokenizer()
+    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    generator = _seeded(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **CHAT_SIZES, **special))
+    texts = [f"{prompt} {reply}" for prompt, reply in chatterbot_pairs()]
+    stream = [t for ids in tokenizer(texts)["input_ids"] for t in (*ids, tokenizer.eos_token_id)]
+    blocks = torch.tensor(stream[: len(stream) // block_size * block_size]).view(-1, block_size)
+    steps = min(epochs * (len(blocks) // batch_size), max_steps or 10**9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=steps // 20, num_training_steps=steps)
+    print(f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
+          f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 2 minutes on 2 CPU cores)",
+          flush=True)
+    model.train()
+    progress = tqdm(total=steps, desc="builtin:tiny-chat", leave=False)
+    for _ in range(epochs):
+        for batch in blocks[torch.randperm(len(blocks), generator=generator)].split(batch_size)[: len(blocks) // batch_size]:
+            if progress.n == steps:
+                break
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.2f}")
+    progress.close()
+    model.config.name_or_path = "builtin:tiny-chat"
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: float = 3e-4, max_length: int = 128,
+                       seed: int = 0) -> None:
+    """Train builtin:tiny-chat-rm into `folder`: tiny-chat with a one-logit score head on the VADER preference pairs,
+    each text "prompt response<eos>" (the format reward_modeling.py trains and ppo.py scores)."""
+    from transformers import AutoModelForSequenceClassification, get_scheduler
+
+    from common.presets import builtin_tokenizer, vader_preferences
+
+    tokenizer = builtin_tokenizer()
+    tokenizer.truncation_side = "left"  # a long pair keeps the end of its response, as reward_modeling.py does
+    base = pretrained_folder("builtin:tiny-chat")
+    generator = _seeded(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    rows = vader_preferences(seed)
+    texts = {k: [f"{r['prompt']} {r[k].strip()}{tokenizer.eos_token}" for r in rows] for k in ("chosen", "rejected")}
+    steps = epochs * (len(rows) // batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)
+    print(f"builtin:tiny-chat-rm: training a reward model from builtin:tiny-chat on {len(rows):,} VADER-ranked pairs "
+          f"({steps} steps, once; about 30 seconds on 2 CPU cores)", flush=True)
+    model.train()
+    progress = tqdm(total=steps, desc="builtin:tiny-chat-rm", leave=False)
+    for _ in range(epochs):
+        for indices in torch.randperm(len(rows), generator=generator).split(batch_size)[: steps // epochs]:
+            batch = tokenizer([texts["chosen"][i] for i in indices] + [texts["rejected"][i] for i in indices],
+                              padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            chosen, rejected = model(**batch).logits[:, 0].chunk(2)
+            loss = -F.logsigmoid(chosen - rejected).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+    progress.close()
+    model.config.name_or_path = "builtin:tiny-chat-rm"
+    model.config.id2label, model.config.label2id = {0: "reward"}, {"reward": 0}
+    model.eval().save_pretrained(folder)
+    tokenizer.truncation_side = "right"
+    tokenizer.save_pretrained(folder)
