@@ -90,6 +90,9 @@ def ddp_launch() -> list[str]:
     return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port)]
 
 
+# Tests of the machinery run on the random tiny preset (fast); the pretrained defaults have tests of their own
+RANDOM_MODEL = ["--model-name", "builtin:tiny-gpt2"]
+
 # Real 2-process DDP over gloo on CPU: accelerate needs ACCELERATE_USE_CPU, or each process runs alone
 DDP_ENV = dict(ACCELERATE_USE_CPU="1")
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import AutoModelForCausalLMWithValueHead, LogitMask, logprobs_from_logits
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from ppo import compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -162,12 +162,13 @@ def test_truncate_responses_after_eos_and_stop_sequences():
 
 
 def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
-    assert "is not divisible by" in run_failing([PPO, "--batch-size", "10", "--mini-batch-size", "4"], tmp_path)
-    assert "longer than max_query_length=4" in run_failing([PPO, "--max-query-length", "4"], tmp_path)
+    assert "is not divisible by" in run_failing([PPO, *TINY, "--batch-size", "10", "--mini-batch-size", "4"], tmp_path)
+    assert "longer than max_query_length=4" in run_failing([PPO, *TINY, "--max-query-length", "4"], tmp_path)
 
 
-TINY = ["--batch-size", "8", "--mini-batch-size", "4", "--min-new-tokens", "8", "--max-new-tokens", "8",
-        "--eval-samples", "8", "--ppo-epochs", "2", "--log-freq", "1"]
+# the random tiny preset scored by VADER: fast runs of the machinery (the default run is tested on its own below)
+TINY = ["--model-name", "builtin:tiny-gpt2", "--reward-model", "None", "--batch-size", "8", "--mini-batch-size", "4",
+        "--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--ppo-epochs", "2", "--log-freq", "1"]
 
 
 def test_resume_continues_where_it_stopped(tmp_path):
@@ -225,6 +226,7 @@ def test_reward_model_from_local_folder(tmp_path):
 
     from common import load_pretrained, load_tokenizer
 
+    # a random but complete classifier checkpoint: every weight of the head is in the folder
     load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).save_pretrained(tmp_path / "rm")
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
     out = run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
@@ -234,6 +236,46 @@ def test_reward_model_from_local_folder(tmp_path):
         tmp_path / "rm")
     error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "exceed the reward model's context of 24" in error
+
+
+def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
+    """TRL's gpt2-sentiment recipe offline: a 2-label (NEGATIVE, POSITIVE) classifier folder; --reward-label POSITIVE
+    scores with the POSITIVE logit (the same as its index 1); without a label, or with an unknown one, the run stops
+    before training, and so it does for a folder whose classification head would be random."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from common import load_pretrained, load_tokenizer
+    from ppo import load_reward_model
+
+    labels = dict(id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
+    classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=2, **labels)
+    classifier.config.pad_token_id = load_tokenizer("builtin:tiny-gpt2").pad_token_id
+    classifier.save_pretrained(tmp_path / "sentiment")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "sentiment")
+    folder = str(tmp_path / "sentiment")
+    assert load_reward_model(folder, "POSITIVE")[1] == load_reward_model(folder, "1")[1] == 1
+    assert load_reward_model(folder, "NEGATIVE")[1] == 0
+    run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", folder, "--reward-label", "POSITIVE"], tmp_path)
+    first = read_scalars(str(tmp_path / "runs"), "env/reward_mean")[0]
+    # the logged reward is the POSITIVE logit of the classifier on "query response<eos>" texts: recompute one batch
+    assert math.isfinite(first)
+    assert "pass --reward-label" in run_failing([PPO, *TINY, "--reward-model", folder], tmp_path)
+    assert "has the labels" in run_failing([PPO, *TINY, "--reward-model", folder, "--reward-label", "HAPPY"], tmp_path)
+    # a causal LM folder (e.g. outputs/sft) would load with a freshly initialised score head: refused
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "lm")
+    assert "no trained classification head" in run_failing([PPO, *TINY, "--reward-model", str(tmp_path / "lm")], tmp_path)
+    assert "randomly initialised preset" in run_failing([PPO, *TINY, "--reward-model", "builtin:tiny-gpt2"], tmp_path)
+
+
+def test_health_check_warns_on_reward_hacking():
+    from ppo import health_check, top_token_share
+
+    assert top_token_share(torch.tensor([[5, 5, 6, 0], [7, 8, 9, 0]]), pad_token_id=0).item() == pytest.approx(2 / 6)
+    line, warning = health_check(5.0, 6.0, top_share=0.1, distinct_words=0.9)
+    assert "KL to the reference 5.00 nats" in line and warning is None
+    assert "left the reference" in health_check(190.0, 6.0, 0.1, 0.9)[1]
+    assert "collapsed" in health_check(4.0, 6.0, 0.45, 0.2)[1]
 
 
 def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file):
@@ -253,7 +295,7 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
 
     from common import load_pretrained, load_tokenizer
 
-    run_script([RM, "--dataset-name", pairs_file, "--use-peft", "--lora-r", "4", "--max-steps", "3", "--batch-size", "4",
+    run_script([RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--use-peft", "--lora-r", "4", "--max-steps", "3", "--batch-size", "4",
                 "--learning-rate", "1e-2", "--normalize-reward", "--output-dir", "rm"], tmp_path)
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     base = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
@@ -286,9 +328,10 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     out = run_script([PPO, *TINY, "--total-episodes", "8", "--use-peft", "--lora-r", "4", "--reward-adapter",
                       str(tmp_path / "rm" / "reward_adapter")], tmp_path)
     assert "ppo: 1 updates" in out
-    assert "add --use-peft" in run_failing([PPO, "--reward-adapter", str(tmp_path / "rm" / "reward_adapter")], tmp_path)
-    assert "must share the base model" in run_failing([PPO, "--use-peft", "--model-name", "builtin:tiny-t5", "--reward-adapter",
-                                                       str(tmp_path / "rm" / "reward_adapter")], tmp_path)
+    adapter = str(tmp_path / "rm" / "reward_adapter")
+    assert "add --use-peft" in run_failing([PPO, *TINY, "--reward-adapter", adapter], tmp_path)
+    assert "must share the base model" in run_failing([PPO, *TINY, "--use-peft", "--model-name", "builtin:tiny-t5",
+                                                       "--reward-adapter", adapter], tmp_path)
 
 
 def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):
@@ -316,14 +359,21 @@ def test_two_process_ddp(tmp_path):
     assert out.count("policy builtin:tiny-gpt2") == 1  # printed by the main process only
 
 
-def test_ppo_raises_the_sentiment_reward(tmp_path):
-    """The offline default, 16 updates at lr 5e-4: held-out VADER reward rises well above its start.
-
-    A flipped policy-gradient sign drives it down and detached advantages leave it flat; it measured -0.05 -> 0.35.
-    """
-    out = run_script([PPO, "--total-episodes", "256", "--learning-rate", "5e-4", "--eval-freq", "0", "--log-freq", "1000"],
-                     tmp_path)
-    first, last = [float(x) for x in out.split("eval reward ")[1].split(";")[0].split(" -> ")]
-    assert last > first + 0.3, out[-800:]
-    train = read_scalars(str(tmp_path / "runs"), "env/reward_mean")
-    assert sum(train[-5:]) / 5 > sum(train[:5]) / 5 + 0.1, train  # measured 0.131 -> 0.262
+def test_default_run_learns_inside_its_kl_budget(tmp_path):
+    """`python ppo.py` as it comes: the pretrained builtin:tiny-chat policy against builtin:tiny-chat-rm raises the
+    held-out reward by more than half a standard deviation of the initial policy's held-out rewards, with the final KL
+    within 2x the controller's target and varied responses (no reward hacking). Measured over seeds 1, 2, 3: eval
+    -0.75 -> 0.87, -0.65 -> 0.47, -0.71 -> 0.66 (initial std 1.0-1.3) at final KL 9.2, 7.2, 6.1 (target 6). With a
+    flipped policy-gradient sign the reward model's score rises too (-0.75 -> 0.58) while the policy runs from the
+    reference (KL 81.5, one token 53% of the responses): this test fails it on the KL and the collapse. At a learning
+    rate of 1e-3 the replies collapse to an immediate EOS (reward -0.75 -> -1.12, one token 100%)."""
+    out = run_script([PPO, "--log-freq", "1000"], tmp_path)
+    summary = out.split("eval reward ")[1]
+    first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
+    initial_std = float(summary.split("initial std ")[1].split(")")[0])
+    final_kl = float(summary.split("KL ")[1].split(";")[0])
+    assert last - first > 0.5 * initial_std, out[-1500:]
+    assert final_kl < 2 * 6.0, out[-1500:]
+    top_share = read_scalars(str(tmp_path / "runs"), "eval/top_token_share")[-1]
+    distinct = read_scalars(str(tmp_path / "runs"), "eval/distinct_words")[-1]
+    assert top_share < 0.3 and distinct > 0.5 and "warning:" not in out, (top_share, distinct, out[-1500:])
