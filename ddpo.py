@@ -29,7 +29,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from diffusers import DDIMScheduler, StableDiffusionPipeline
@@ -41,7 +40,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from common import atomic_directory, check_scores, exact_div, load_pipeline, start_run, write_model_card
+from common import UsageError, atomic_directory, check_args, check_scores, cli, exact_div, load_pipeline, start_run, write_model_card
 
 
 @dataclass
@@ -186,7 +185,7 @@ def resolve_function(spec: str, builtins: dict, what: str):
     if spec in builtins:
         return builtins[spec]
     if ":" not in spec:
-        raise ValueError(f"Unknown {what} {spec!r}: choose one of {sorted(builtins)} or give 'module:function'.")
+        raise UsageError(f"Unknown {what} {spec!r}: choose one of {sorted(builtins)} or give 'module:function'.")
     module_name, function_name = spec.rsplit(":", 1)
     if module_name.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
@@ -291,7 +290,12 @@ def image_samples_hook(images: torch.Tensor, prompts: list[str], rewards: list[f
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("num_epochs", "sample_num_steps", "sample_guidance_scale", "sample_batch_size",
+                               "sample_num_batches_per_epoch", "train_batch_size", "train_gradient_accumulation_steps",
+                               "train_num_inner_epochs", "train_adv_clip_max", "train_clip_range", "train_max_grad_norm",
+                               "train_learning_rate", "max_workers", "lora_rank", "num_checkpoint_limit", "resolution"),
+               non_negative=("eval_samples", "save_freq", "train_adam_weight_decay"))
     num_train_timesteps = max(1, int(args.sample_num_steps * args.train_timestep_fraction))
     # one optimizer step per train_gradient_accumulation_steps batches x their timesteps (ddpo-pytorch)
     accelerator = Accelerator(mixed_precision=args.mixed_precision,
@@ -299,9 +303,9 @@ if __name__ == "__main__":
 
     # ---- sizes and settings, checked before anything expensive ----
     if args.sample_eta <= 0:
-        raise ValueError("--sample-eta must be > 0: with eta = 0 DDIM is deterministic and a step has no log-prob.")
+        raise UsageError("--sample-eta must be > 0: with eta = 0 DDIM is deterministic and a step has no log-prob.")
     if not 0 < args.train_timestep_fraction <= 1:
-        raise ValueError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
+        raise UsageError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
     exact_div(args.sample_batch_size, args.train_batch_size, "sample_batch_size / train_batch_size")
     samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch  # on each process
     exact_div(samples_per_epoch, args.train_batch_size * args.train_gradient_accumulation_steps,
@@ -313,7 +317,7 @@ if __name__ == "__main__":
         try:
             import bitsandbytes
         except ImportError as e:
-            raise ImportError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.") from e
+            raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.") from e
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     run_name, logger = start_run(args, accelerator)
@@ -542,3 +546,7 @@ if __name__ == "__main__":
         f"{(epoch_rewards or [math.nan])[0]:.3f} -> {(epoch_rewards or [math.nan])[-1]:.3f} (first -> last epoch); eval reward {first_eval:.3f} -> {last_eval:.3f}; "
         f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}")
     logger.close()
+    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
+    # talks to its store makes gloo abort the other one
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

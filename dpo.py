@@ -6,7 +6,7 @@ log pi(chosen) - log pi(rejected) with the reference model's, so no reward model
 The implicit reward of a response is beta * (log pi(y|x) - log pi_ref(y|x)).
 
 Usage:
-    python dpo.py                                   # offline: tiny GPT-2 on the built-in VADER-labelled pairs
+    python dpo.py                                   # offline: builtin:tiny-chat on the built-in VADER-labelled pairs
     accelerate launch dpo.py --loss-type ipo --beta 0.5
     accelerate launch --config_file configs/multi_gpu.yaml dpo.py --model-name outputs/sft --use-peft
     python dpo.py --model-name builtin:tiny-t5       # encoder-decoder: prompt to the encoder, responses as labels
@@ -22,7 +22,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -30,9 +29,12 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from common import (
+    UsageError,
     atomic_directory,
+    check_args,
     check_columns,
     chunkable_head,
+    cli,
     context_length,
     create_reference_model,
     lm_token_logprobs,
@@ -45,6 +47,7 @@ from common import (
     reference_context,
     start_run,
     train_eval_split,
+    weight_decay_groups,
     write_model_card,
 )
 
@@ -67,9 +70,11 @@ class Args:
     """TensorBoard logs go to {log_dir}/{run_name}"""
 
     # Model and data
-    model_name: str = "builtin:tiny-gpt2"
-    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), builtin:tiny-gpt2, or an
-    encoder-decoder model (e.g. builtin:tiny-t5, t5-small: the prompt goes to the encoder, responses are the labels)"""
+    model_name: str = "builtin:tiny-chat"
+    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), a built-in preset
+    (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
+    random), or an encoder-decoder model (e.g. builtin:tiny-t5, t5-small: the prompt goes to the encoder, responses are
+    the labels)"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -111,6 +116,8 @@ class Args:
     """peak learning rate (high because the default model is tiny and random; ~5e-7 for a pretrained 7B model)"""
     lr_scheduler_type: str = "linear"
     """a transformers scheduler name"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (TRL's default 0), on the weight matrices only: biases and norm weights are not decayed"""
     warmup_ratio: float = 0.1
     """fraction of the steps spent warming up"""
     batch_size: int = 8
@@ -261,7 +268,13 @@ def tokenize_pair_seq2seq(tokenizer, prompt: str, chosen: str, rejected: str, ma
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("beta", "learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs",
+                               "max_length", "max_prompt_length", "max_target_length", "eval_steps", "max_grad_norm"),
+               non_negative=("weight_decay", "save_steps"), fractions=("eval_fraction",))
+    if not 0 <= args.label_smoothing < 0.5 or not 0 <= args.warmup_ratio < 1:
+        raise UsageError(f"--label-smoothing {args.label_smoothing}, --warmup-ratio {args.warmup_ratio}: label smoothing "
+                         "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
@@ -269,12 +282,12 @@ if __name__ == "__main__":
     is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
     context = context_length(model_config)
     if context and not is_encoder_decoder and args.max_length > context:
-        raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens: lower --max-length.")
+        raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens: lower --max-length.")
     if args.max_prompt_length >= args.max_length and not is_encoder_decoder:
-        raise ValueError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
+        raise UsageError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
                          "or no response token would be left.")
     if args.label_smoothing and args.loss_type != "sigmoid":
-        raise ValueError("--label-smoothing applies to the sigmoid loss only.")
+        raise UsageError("--label-smoothing applies to the sigmoid loss only.")
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
 
@@ -283,7 +296,7 @@ if __name__ == "__main__":
     check_columns(dataset, [args.prompt_column, args.chosen_column, args.rejected_column],
                   "--prompt-column / --chosen-column / --rejected-column")
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
-        raise ValueError("Every chosen response equals its rejected one: there is no preference to learn.")
+        raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
     tokenize = lambda split: [tokenize_pair_seq2seq(  # noqa: E731
         tokenizer, row[args.prompt_column], row[args.chosen_column], row[args.rejected_column], args.max_prompt_length,
@@ -296,7 +309,7 @@ if __name__ == "__main__":
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     if total_steps == 0:
-        raise ValueError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+        raise UsageError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
                          f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
     accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
                       f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
@@ -386,9 +399,11 @@ if __name__ == "__main__":
         gc.collect()
 
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, fused=True)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps * accelerator.num_processes)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
+    ticks = accelerator.num_processes
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+                              num_training_steps=total_steps * ticks)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step = 0
     if args.resume_from:
@@ -419,9 +434,11 @@ if __name__ == "__main__":
         model.eval()
         sums, count = {}, 0
         shard = eval_pairs[accelerator.process_index:: accelerator.num_processes]
+        weight = 1.0 if shard else 0.0  # fewer pairs than ranks: an empty shard scores one pair at weight 0, so that
+        shard = shard or eval_pairs[:1]  # every rank reaches the same collectives
         for i in range(0, len(shard), args.batch_size):
             _, metrics = pair_metrics(collate(shard[i: i + args.batch_size]), "eval")
-            n = len(shard[i: i + args.batch_size])
+            n = len(shard[i: i + args.batch_size]) * weight
             sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
             count += n
         total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")
@@ -502,3 +519,7 @@ if __name__ == "__main__":
         f"{last_eval['eval/rewards/accuracies']:.3f}, margin {first_eval['eval/rewards/margins']:.3f} -> "
         f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}")
     logger.close()
+    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
+    # talks to its store makes gloo abort the other one
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -7,7 +7,7 @@ queried; Q fits reward + gamma * V(next). The LM itself is trained on the data (
 term keeps Q low on unseen tokens. At generation the behaviour policy's log-probs are shifted by beta * (Q - V).
 
 Usage:
-    python ilql.py                                  # offline: tiny GPT-2, chatterbot replies scored by VADER
+    python ilql.py                                  # offline: builtin:tiny-chat, chatterbot replies scored by VADER
     accelerate launch ilql.py --gen-beta 2 --cql-scale 0.5
     accelerate launch --config_file configs/multi_gpu.yaml ilql.py --model-name gpt2 --dataset-name data.jsonl \\
         --reward-column reward
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
@@ -31,9 +30,12 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
     LogitMask,
+    UsageError,
     atomic_directory,
+    check_args,
     check_columns,
     check_scores,
+    cli,
     context_length,
     load_config,
     load_data,
@@ -67,8 +69,9 @@ class Args:
     """TensorBoard logs go to {log_dir}/{run_name}"""
 
     # Model and data
-    model_name: str = "builtin:tiny-gpt2"
-    """a causal LM (hub id, local folder, builtin:tiny-gpt2) or a folder saved by this script (heads load back)"""
+    model_name: str = "builtin:tiny-chat"
+    """a causal LM (hub id, local folder, or a built-in preset: builtin:tiny-chat, pretrained on the built-in dialogue
+    and built on first use; builtin:tiny-gpt2, random) or a folder saved by this script (heads load back)"""
     dataset_name: str = "builtin:chatterbot-mixed-replies"
     """a hub id, a local json/jsonl/csv/parquet file, or a built-in: chatterbot-mixed-replies (each utterance with its
     reply and with a random other one, so every state has actions of different return: offline RL data of mixed
@@ -276,20 +279,28 @@ def tokenize_sample(tokenizer, prompt: str | None, response: str, max_length: in
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
+                               "max_grad_norm", "max_length", "max_new_tokens", "eval_samples", "steps_for_target_q_sync",
+                               "temperature"),
+               non_negative=("weight_decay", "save_steps", "cql_scale", "awac_scale", "gen_beta", "top_k"),
+               fractions=("eval_fraction", "tau"))
+    if not (0 < args.alpha <= 1 and 0 <= args.gamma <= 1 and 0 <= args.warmup_ratio < 1):
+        raise UsageError(f"--alpha {args.alpha}, --gamma {args.gamma}, --warmup-ratio {args.warmup_ratio}: alpha lies in "
+                         "(0, 1], gamma in [0, 1], the warmup ratio in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     context = context_length(load_config(args.model_name))
     if context and args.max_length + args.max_new_tokens > context:
-        raise ValueError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
+        raise UsageError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
                          f"context of {context} tokens: lower one of them.")
 
     # ---- data: tokenised samples with normalised terminal rewards ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.response_column, args.reward_column) if c]
-    check_columns(dataset, columns, "--prompt-column / --response-column / --reward-column")
+    check_columns(dataset, columns, "--prompt-column / --response-column / --reward-column", numeric=(args.reward_column,))
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
     prompts = list(train_dataset[args.prompt_column]) if args.prompt_column else [None] * len(train_dataset)
     responses = list(train_dataset[args.response_column])
@@ -305,12 +316,14 @@ if __name__ == "__main__":
         eval_prompts = list(dict.fromkeys(eval_dataset[args.prompt_column]))[: args.eval_samples]
     else:  # (text, reward) data: the start of held-out texts as prompts
         eval_prompts = [" ".join(t.split()[:3]) for t in eval_dataset[args.response_column]][: args.eval_samples]
-    eval_prompts = eval_prompts[accelerator.process_index:: accelerator.num_processes]
+    share = eval_prompts[accelerator.process_index:: accelerator.num_processes]
+    # fewer prompts than ranks: a rank without any answers one prompt at weight 0, so every rank reaches every collective
+    eval_prompts, eval_weight = share or eval_prompts[:1], 1.0 if share else 0.0
     per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(samples) // per_step
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     if total_steps == 0:
-        raise ValueError(f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
+        raise UsageError(f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
                          "lower --batch-size or --gradient-accumulation-steps.")
     accelerator.print(f"{len(samples)} training samples (reward mean {torch.as_tensor(scores, dtype=torch.float).mean():.3f}), "
                       f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps")
@@ -338,8 +351,10 @@ if __name__ == "__main__":
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay, fused=True)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps * accelerator.num_processes)
+    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
+    ticks = accelerator.num_processes
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+                              num_training_steps=total_steps * ticks)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step = 0
     if args.resume_from:
@@ -387,9 +402,11 @@ if __name__ == "__main__":
             for beta in dict.fromkeys([0.0, args.gen_beta]):
                 responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i: i + 64], beta)]
                 rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
-                results[f"eval/reward_beta_{beta:g}"] = accelerator.gather(rewards).mean().item()
-                for name, values in metric_fn(eval_prompts, responses).items():
-                    results[f"eval/{name}_beta_{beta:g}"] = accelerator.gather(torch.tensor(values, device=device)).mean().item()
+                metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in metric_fn(eval_prompts, responses).items()}
+                # means over every rank's samples: sums and counts, one collective
+                sums = accelerator.reduce(torch.stack([v.float().sum() * eval_weight for v in metrics.values()] +
+                                                      [torch.tensor(len(responses) * eval_weight, device=device)]), "sum")
+                results |= {f"eval/{k}_beta_{beta:g}": (v / sums[-1]).item() for k, v in zip(metrics, sums[:-1])}
                 columns |= {f"beta={beta:g}": responses, f"reward (beta={beta:g})": rewards.tolist()}
         logger.log(results, step)
         logger.samples("eval samples", columns, step)
@@ -452,3 +469,7 @@ if __name__ == "__main__":
         f"{first_eval['eval/reward_beta_0']:.3f} -> {last_eval['eval/reward_beta_0']:.3f}, beta={args.gen_beta:g} "
         f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}")
     logger.close()
+    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
+    # talks to its store makes gloo abort the other one
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

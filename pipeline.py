@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from common import logprobs_from_logits
+from common import logprobs_from_logits, reward_model_text
 from common.presets import chatterbot_pairs, vader_preferences
 
 
@@ -35,7 +35,8 @@ class Args:
     output_dir: str = "outputs/pipeline"
     """everything goes here: data/, sft/, reward_model/, ppo/, dpo/, runs/ (TensorBoard), results.json"""
     launcher: str = "python"
-    """how each stage is launched, e.g. "accelerate launch --num_processes 2" or with --config_file"""
+    """how each stage is launched, e.g. "accelerate launch --num_processes 2" or with --config_file. "python" and
+    "accelerate launch" run under the interpreter running this file (`sys.executable`), not whichever is first on PATH"""
     seed: int = 1
     """seed of every stage, of the data split and of the evaluation samples"""
     heldout_prompts: int = 64
@@ -108,8 +109,7 @@ def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str],
         logprobs[name] = (logprobs_from_logits(logits, responses) * response_mask).sum(1)
     texts = tokenizer.batch_decode(responses.masked_fill(~response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
     # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
-    eos = reward_tokenizer.eos_token or ""
-    scored = [f"{q} {r.strip()}{eos if e else ''}" for q, r, e in zip(queries, texts, ended[:, -1].bool().tolist())]
+    scored = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries, texts, ended[:, -1].bool().tolist())]
     rm_scores = torch.cat([reward_model(**reward_tokenizer(scored[i: i + 64], padding=True, return_tensors="pt")).logits[:, 0]
                            for i in range(0, len(scored), 64)])
     metrics = {"reward model": rm_scores.mean().item(), "VADER": sum(vader(texts)) / len(texts),
@@ -136,8 +136,13 @@ if __name__ == "__main__":
         ("dpo", "dpo.py", ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.dpo_args)]),
     ]
     here, timings = os.path.dirname(os.path.abspath(__file__)), {}
+    launcher = shlex.split(args.launcher)
+    if launcher[:1] in (["python"], ["python3"]):  # the interpreter running the pipeline has its packages
+        launcher = [sys.executable, *launcher[1:]]
+    elif launcher[:2] == ["accelerate", "launch"]:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", *launcher[2:]]
     for name, script, flags in stages:
-        command = [*shlex.split(args.launcher), os.path.join(here, script), *flags, *common_flags,
+        command = [*launcher, os.path.join(here, script), *flags, *common_flags,
                    "--output-dir", f"{out}/{name}"]
         print(f"\n==== {name}: {shlex.join(command)}", flush=True)
         start = time.time()

@@ -35,9 +35,12 @@ from common import (
     FixedKLController,
     LogitMask,
     RunningMoments,
+    UsageError,
     atomic_directory,
+    check_args,
     check_columns,
     check_scores,
+    cli,
     clip_by_value,
     context_length,
     create_reference_model,
@@ -56,6 +59,7 @@ from common import (
     peft_model_of,
     quantization_kwargs,
     reference_context,
+    reward_model_text,
     start_run,
     train_eval_split,
     write_model_card,
@@ -245,10 +249,10 @@ class Args:
     hub_model_id: str | None = None
     """the hub repository for --push-to-hub"""
 
-    # to be filled in runtime
-    world_size: int = 0
+    # to be filled in runtime (not flags)
+    world_size: tyro.conf.Suppress[int] = 0
     """number of processes"""
-    num_updates: int = 0
+    num_updates: tyro.conf.Suppress[int] = 0
     """number of PPO updates"""
 
 
@@ -265,22 +269,22 @@ def load_reward_model(name: str, label: str | None = None) -> tuple[torch.nn.Mod
     the single logit of a one-label head). A folder whose classification head would be freshly initialised (a causal
     LM such as outputs/sft, a random built-in) is an error: PPO against a random head learns nothing real."""
     if is_random_builtin(name):
-        raise ValueError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
+        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
                          "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
     model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
     if info["missing_keys"]:
-        raise ValueError(f"--reward-model {name} has no trained classification head (its checkpoint lacks "
+        raise UsageError(f"--reward-model {name} has no trained classification head (its checkpoint lacks "
                          f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
                          "reward_modeling.py.")
     labels = model.config.id2label if model.config.num_labels > 1 else {}
     if label is None:
         if model.config.num_labels != 1:
-            raise ValueError(f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
+            raise UsageError(f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
                              "pass --reward-label with the one to maximise (a name or an index).")
         return model.eval(), 0
     index = model.config.label2id.get(label, int(label) if label.isdigit() else None)
     if index is None or not 0 <= index < model.config.num_labels:
-        raise ValueError(f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
+        raise UsageError(f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
                          "pass one of their names or indices.")
     return model.eval(), index
 
@@ -434,7 +438,16 @@ def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=())
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("total_episodes", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
+                               "learning_rate", "max_query_length", "temperature", "target", "horizon", "cliprange",
+                               "cliprange_value", "reward_batch_size", "eval_samples", "log_freq", "compare_steps",
+                               "ratio_threshold", "generation_batch_size", "adam_eps", "max_grad_norm", "score_clip"),
+               non_negative=("init_kl_coef", "vf_coef", "top_k", "eval_freq", "save_freq", "target_kl"),
+               fractions=("eval_fraction",))
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 < args.top_p <= 1):
+        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], "
+                         "top_p in (0, 1].")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
@@ -446,13 +459,35 @@ if __name__ == "__main__":
     args.num_updates = exact_div(args.total_episodes, args.batch_size * args.world_size,
                                  "total_episodes / (batch_size * world_size)")
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
-        raise ValueError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
+        raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
     generation_batch_size = args.generation_batch_size or args.batch_size
     exact_div(args.batch_size, generation_batch_size, "batch_size / generation_batch_size")
     run_name, logger = start_run(args, accelerator)
 
-    # ---- models ----
+    # ---- data: tokenised queries, a held-out split for evaluation (checked before any model is loaded) ----
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    check_columns(dataset, [args.query_column], "--query-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
+    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
+    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
+    if too_long and not args.truncate_queries:
+        raise UsageError(f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
+                         f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
+    if not all(train_queries) or not all(eval_queries):
+        accelerator.print(f"warning: {sum(not q for q in train_queries + eval_queries)} empty queries left out")
+    train_queries = [q[-args.max_query_length:] for q in train_queries if q]
+    eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
+    per_update = args.batch_size * args.world_size
+    batches_per_epoch = len(train_queries) // per_update
+    if batches_per_epoch == 0:
+        raise UsageError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
+    accelerator.print(f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
+                      f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
+                      f"{len(train_queries) % per_update} queries (different ones each pass)")
+
+    # ---- models ----
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
     # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
@@ -462,7 +497,7 @@ if __name__ == "__main__":
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
     context = context_length(model.config)
     if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
-        raise ValueError(f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
+        raise UsageError(f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
                          f"exceeds the model's context of {context} tokens: shorten one of them.")
     if args.disable_dropout:
         for module in model.modules():
@@ -489,33 +524,14 @@ if __name__ == "__main__":
                       f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
                       f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}")
 
-    # ---- data: tokenised queries, a held-out split for evaluation ----
-    dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(dataset, [args.query_column], "--query-column")
-    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
-    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
-    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
-    if too_long and not args.truncate_queries:
-        raise ValueError(f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
-                         f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
-    train_queries = [q[-args.max_query_length:] for q in train_queries if q]
-    eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
     reward_context = context_length(reward_model.config if reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
         texts = tokenizer.batch_decode(train_queries + eval_queries, skip_special_tokens=True)
         longest = max(len(ids) for ids in reward_tokenizer(texts)["input_ids"])
         if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
-            raise ValueError(f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
+            raise UsageError(f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
                              f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
                              "--truncate-queries) or --max-new-tokens.")
-    per_update = args.batch_size * args.world_size
-    batches_per_epoch = len(train_queries) // per_update
-    if batches_per_epoch == 0:
-        raise ValueError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
-    accelerator.print(f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
-                      f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
-                      f"{len(train_queries) % per_update} queries (different ones each pass)")
 
     def batch_indices(update: int) -> list[int]:
         """This rank's query indices for an update: a seeded reshuffle per data pass, so a resume continues exactly."""
@@ -554,8 +570,7 @@ if __name__ == "__main__":
         reward_modeling.py trains it: "query response<eos>", the EOS only for responses that ended."""
         if reward_tokenizer is None:
             return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
-        eos = reward_tokenizer.eos_token or ""
-        texts = [f"{q} {r.strip()}{eos if e else ''}" for q, r, e in zip(queries_text, responses_text, ended)]
+        texts = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries_text, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), args.reward_batch_size):
             batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)

@@ -6,7 +6,7 @@ of Llama 2, Touvron et al. 2023, section 3.2.2). TRL 0.7-0.8 `RewardTrainer` sem
 normalised after training to mean 0 and std 1 (lm-human-preferences), folded into the saved model's weights.
 
 Usage:
-    python reward_modeling.py                       # offline: tiny GPT-2 on the built-in VADER-labelled pairs
+    python reward_modeling.py                       # offline: builtin:tiny-chat on the built-in VADER-labelled pairs
     accelerate launch reward_modeling.py --model-name path/to/minilm --normalize-reward
     accelerate launch --config_file configs/multi_gpu.yaml reward_modeling.py --model-name gpt2 --dataset-name pairs.jsonl
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.nn.utils.rnn import pad_sequence
@@ -28,8 +27,11 @@ from transformers import AutoModelForSequenceClassification, get_scheduler
 
 from common import (
     REWARD_NORMALIZATION_FILE,
+    UsageError,
     atomic_directory,
+    check_args,
     check_columns,
+    cli,
     context_length,
     load_config,
     load_data,
@@ -37,8 +39,10 @@ from common import (
     load_tokenizer,
     peft_model_of,
     quantization_kwargs,
+    reward_model_text,
     start_run,
     train_eval_split,
+    weight_decay_groups,
     write_model_card,
 )
 
@@ -61,8 +65,10 @@ class Args:
     """TensorBoard logs go to {log_dir}/{run_name}"""
 
     # Model and data
-    model_name: str = "builtin:tiny-gpt2"
-    """backbone: a hub id, a local folder (e.g. an encoder such as all-MiniLM-L6-v2), or builtin:tiny-gpt2"""
+    model_name: str = "builtin:tiny-chat"
+    """backbone: a hub id, a local folder (e.g. an encoder such as all-MiniLM-L6-v2), or a built-in preset
+    (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
+    random)"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -88,7 +94,7 @@ class Args:
     warmup_ratio: float = 0.03
     """fraction of the steps spent warming up"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay, on the weight matrices only: biases and norm weights are not decayed (as TRL)"""
     batch_size: int = 16
     """pairs per forward/backward pass on each process (2x sequences: chosen and rejected together)"""
     gradient_accumulation_steps: int = 1
@@ -154,13 +160,18 @@ def fold_reward_normalization(model, gain: float, bias: float) -> None:
             return
         norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and getattr(m, "bias", None) is not None]
         if not norms or norms[-1].bias.shape != head.weight.shape[1:]:
-            raise ValueError(f"Cannot fold a reward bias into {type(model).__name__}: its score head has no bias "
+            raise UsageError(f"Cannot fold a reward bias into {type(model).__name__}: its score head has no bias "
                              "and no final norm with a bias feeds it; train without --normalize-reward.")
         norms[-1].bias.add_(bias * head.weight[0] / head.weight[0].square().sum())
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
+                               "max_grad_norm", "max_length"),
+               non_negative=("weight_decay",), fractions=("eval_fraction",))
+    if not 0 <= args.warmup_ratio < 1:
+        raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
@@ -170,22 +181,23 @@ if __name__ == "__main__":
     config = load_config(args.model_name)
     context = context_length(config)
     if context and args.max_length > context:
-        raise ValueError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
+        raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     if args.length_groups < 1:
-        raise ValueError(f"--length-groups {args.length_groups}: a batch needs at least one forward pass (1 = TRL's).")
+        raise UsageError(f"--length-groups {args.length_groups}: a batch needs at least one forward pass (1 = TRL's).")
 
     # ---- data: (prompt + chosen, prompt + rejected) token ids ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
-    check_columns(dataset, columns, "--prompt-column / --chosen-column / --rejected-column / --margin-column")
+    check_columns(dataset, columns, "--prompt-column / --chosen-column / --rejected-column / --margin-column",
+                  numeric=(args.margin_column,))
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
     def tokenize(split) -> list[dict]:
         """Each pair -> chosen and rejected ids of "prompt response<eos>" (the format ppo.py scores), left-truncated."""
         pairs = []
         for row in split:
-            prompt = row[args.prompt_column] + " " if args.prompt_column else ""
-            ids = [(tokenizer(prompt + row[c].strip())["input_ids"] + [tokenizer.eos_token_id])[-args.max_length:]
+            prompt = row[args.prompt_column] if args.prompt_column else None
+            ids = [tokenizer(reward_model_text(prompt, row[c], tokenizer.eos_token))["input_ids"][-args.max_length:]
                    for c in (args.chosen_column, args.rejected_column)]
             pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=float(row[args.margin_column]) if args.margin_column else 0.0))
         return pairs
@@ -193,7 +205,7 @@ if __name__ == "__main__":
     train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
     identical = sum(p["chosen"] == p["rejected"] for p in train_pairs)
     if identical == len(train_pairs):
-        raise ValueError("Every chosen response equals its rejected one: there is no preference to learn.")
+        raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     if identical:
         accelerator.print(f"warning: {identical} pairs have identical chosen and rejected texts (they add a constant loss)")
 
@@ -225,13 +237,14 @@ if __name__ == "__main__":
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                  target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
     pairs_per_step = args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps * accelerator.num_processes)
+    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
+    ticks = accelerator.num_processes
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+                              num_training_steps=total_steps * ticks)
     model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
     accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps")
 
@@ -328,3 +341,7 @@ if __name__ == "__main__":
                       f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, loss {first_eval['eval/loss']:.3f} "
                       f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")
     logger.close()
+    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
+    # talks to its store makes gloo abort the other one
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import tyro
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -25,9 +24,12 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
+    UsageError,
     atomic_directory,
+    check_args,
     check_columns,
     chunkable_head,
+    cli,
     context_length,
     is_conversation,
     lm_token_logprobs,
@@ -39,6 +41,7 @@ from common import (
     quantization_kwargs,
     start_run,
     train_eval_split,
+    weight_decay_groups,
     write_model_card,
 )
 
@@ -93,7 +96,7 @@ class Args:
     warmup_ratio: float = 0.03
     """fraction of the steps spent warming up"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay, on the weight matrices only: biases and norm weights are not decayed (as TRL)"""
     batch_size: int = 16
     """examples per forward/backward pass on each process"""
     gradient_accumulation_steps: int = 1
@@ -170,7 +173,14 @@ def neftune_hook(alpha: float):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
+    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
+                               "max_grad_norm"),
+               non_negative=("weight_decay", "save_steps", "num_sample_generations", "neftune_noise_alpha"),
+               fractions=("eval_fraction",))
+    if args.max_seq_length < 2 or not 0 <= args.warmup_ratio < 1:
+        raise UsageError(f"--max-seq-length {args.max_seq_length}, --warmup-ratio {args.warmup_ratio}: a sequence needs "
+                         "at least 2 tokens (one to predict from, one to predict), the warmup ratio lies in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
@@ -178,16 +188,16 @@ if __name__ == "__main__":
     config = load_config(args.model_name)
     context = context_length(config)
     if context and args.max_seq_length > context:
-        raise ValueError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
+        raise UsageError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
     if args.packing and (args.prompt_column or args.response_template):
-        raise ValueError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
+        raise UsageError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
 
     # ---- data: tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     if not args.prompt_column and args.text_column in dataset.column_names and len(dataset) and is_conversation(
             dataset[0][args.text_column]):  # TRL's conversational format: rendered by the tokenizer's chat template
         if not tokenizer.chat_template:
-            raise ValueError(f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
+            raise UsageError(f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
                              f"{args.model_name} has no chat template: set tokenizer.chat_template, save the tokenizer "
                              "and pass that folder, or render the conversations into text yourself.")
         dataset = dataset.map(lambda row: {args.text_column: tokenizer.apply_chat_template(
@@ -224,7 +234,7 @@ if __name__ == "__main__":
             accelerator.print(f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
                               "(no response template, or nothing left to learn after truncation)")
     if not train_examples or not eval_examples:
-        raise ValueError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
+        raise UsageError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
                          "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
                          "to learn), a smaller one with --packing, or a larger --eval-fraction.")
 
@@ -252,12 +262,13 @@ if __name__ == "__main__":
     if args.neftune_noise_alpha:
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps * accelerator.num_processes)
+    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
+    ticks = accelerator.num_processes
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+                              num_training_steps=total_steps * ticks)
     model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
                       f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
@@ -352,3 +363,7 @@ if __name__ == "__main__":
     accelerator.print(f"sft: {step} steps in {time.time() - start_time:.0f}s; eval loss {first_eval_loss:.3f} -> "
                       f"{last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); model saved to {args.output_dir}")
     logger.close()
+    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
+    # talks to its store makes gloo abort the other one
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

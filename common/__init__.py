@@ -7,6 +7,8 @@ from common.core import (
     FixedKLController,
     LogitMask,
     RunningMoments,
+    UsageError,
+    check_args,
     check_scores,
     chunkable_head,
     chunked_logprobs,
@@ -19,6 +21,7 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    weight_decay_groups,
 )
 from common.models import (
     REWARD_NORMALIZATION_FILE,
@@ -39,6 +42,7 @@ from common.presets import (
     load_pretrained,
     load_tokenizer,
     quantization_kwargs,
+    reward_model_text,
     train_eval_split,
 )
-from common.run import RunLogger, atomic_directory, start_run, write_model_card
+from common.run import RunLogger, atomic_directory, cli, start_run, write_model_card

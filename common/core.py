@@ -9,6 +9,13 @@ import json
 import torch
 import torch.nn.functional as F
 
+
+
+class UsageError(ValueError):
+    """An anticipated mistake in the input (a flag, a file, a dataset column, a reward function): reported as one line
+    `error: ...` without a traceback by the handler that `common.cli` installs."""
+
+
 # Log-prob written into positions that are padding: an obviously-wrong value makes a masking bug visible
 INVALID_LOGPROB = 1.0
 
@@ -100,7 +107,7 @@ class LogitMask:
     def __init__(self, allowed: dict[int, list[int]], vocab_size: int):
         for token, nexts in allowed.items():
             if not nexts or not all(0 <= t < vocab_size for t in [int(token), *nexts]):
-                raise ValueError(f"logit mask: token {token} -> {nexts}: every token needs at least one allowed next "
+                raise UsageError(f"logit mask: token {token} -> {nexts}: every token needs at least one allowed next "
                                  f"token, and every id must be in [0, {vocab_size}).")
         self.allowed = {int(k): torch.tensor(v, dtype=torch.long) for k, v in allowed.items()}
 
@@ -242,14 +249,37 @@ def check_scores(scores, n: int, source: str) -> torch.Tensor:
     """A reward must be one finite float per sample: the scores as a [n] tensor, or an error naming `source`."""
     scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
     if scores.numel() != n:
-        raise ValueError(f"{source} returned {scores.numel()} scores for {n} samples: return one float each.")
+        raise UsageError(f"{source} returned {scores.numel()} scores for {n} samples: return one float each.")
     if not torch.isfinite(scores).all():
-        raise ValueError(f"{source} returned a NaN or infinite score: {scores.tolist()}")
+        raise UsageError(f"{source} returned a NaN or infinite score: {scores.tolist()}")
     return scores
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups as transformers' Trainer (and so TRL) makes them: biases and the weights of normalisation
+    layers are not decayed; frozen parameters are left out."""
+    norms = {id(p) for m in model.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if name.endswith("bias") or id(param) in norms else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_args(args, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+               fractions: tuple[str, ...] = ()) -> None:
+    """A one-line error for the first numeric flag out of its range: `positive` ones > 0, `non_negative` >= 0,
+    `fractions` strictly between 0 and 1 (None values are skipped: they mean "off")."""
+    for names, ok, wanted in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
+                              (fractions, lambda v: 0 < v < 1, "between 0 and 1")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                raise UsageError(f"--{name.replace('_', '-')} {value}: it must be {wanted}.")
 
 
 def exact_div(a: int, b: int, what: str = "") -> int:
     """a // b, or a clear error naming the two sizes when b does not divide a."""
     if b <= 0 or a % b != 0:
-        raise ValueError(f"{what or 'size'}: {a} is not divisible by {b}; choose sizes where it is.")
+        raise UsageError(f"{what or 'size'}: {a} is not divisible by {b}; choose sizes where it is.")
     return a // b

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+from common.core import UsageError
 from common.presets import load_pretrained
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -91,18 +92,18 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         multi-adapter RL). Call it before wrapping the model for distributed training."""
         peft_model = peft_model_of(self)
         if peft_model is None:
-            raise ValueError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
+            raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
         with open(os.path.join(path, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
         same = lambda a, b: (os.path.realpath(a) if os.path.exists(a) else a) == (os.path.realpath(b) if os.path.exists(b) else b)  # noqa: E731
         if not same(base, base_model_name):
-            raise ValueError(f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
+            raise UsageError(f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
                              "they must share the base model (or use --reward-model with a full reward model).")
         peft_model.load_adapter(path, adapter_name, is_trainable=False)
         weights = load_file(os.path.join(path, "adapter_model.safetensors"))
         score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
         if "weight" not in score:
-            raise ValueError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
+            raise UsageError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
         self.score = nn.Linear(score["weight"].shape[1], 1, bias="bias" in score).to(score["weight"])
         self.score.load_state_dict(score)
         self.score.requires_grad_(False)
@@ -180,14 +181,14 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
         if pattern is None:
             pattern = next((p for p in LAYER_PATTERNS.values() if any(p.format(layer=0) in n for n, _ in named)), None)
             if pattern is None:
-                raise ValueError(
+                raise UsageError(
                     f"Cannot find the transformer blocks of {type(model).__name__} to share: pass pattern= "
                     f"(the parameter-name prefix of block k with {{layer}}, e.g. 'transformer.h.{{layer}}.')."
                 )
         marker = pattern.format(layer=num_shared_layers)
         first_unshared = next((i for i, (n, _) in enumerate(named) if marker in n), None)
         if first_unshared is None:
-            raise ValueError(
+            raise UsageError(
                 f"num_shared_layers={num_shared_layers}, but no parameter matches {marker!r}: the model has "
                 "fewer blocks than that (sharing all of them would leave nothing to train)."
             )

@@ -21,6 +21,7 @@ an offline RL dataset of mixed quality).
 """
 
 import glob
+import json
 import os
 import random
 import shutil
@@ -30,6 +31,7 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
+from common.core import UsageError
 from common.tiny_chat import FOLDERS, cache_root, pretrained_folder
 
 PAD_TOKEN = "<|pad|>"
@@ -82,13 +84,27 @@ def builtin_config(name: str, **kwargs):
     if name == "builtin:tiny-t5":
         return T5Config(**dict(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **special) | kwargs)
-    raise ValueError(f"Unknown built-in model {name!r}: choose builtin:tiny-chat, builtin:tiny-chat-rm, builtin:tiny-gpt2 "
+    raise UsageError(f"Unknown built-in model {name!r}: choose builtin:tiny-chat, builtin:tiny-chat-rm, builtin:tiny-gpt2 "
                      "or builtin:tiny-t5.")
+
+
+def located(load, name: str, what: str):
+    """`load(name)`; a local path that does not exist, a folder without `config.json`, or a hub id that cannot be reached
+    from here is a one-line error naming which of them it is."""
+    if what == "model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise UsageError(f"no config.json in the folder {name!r}: it holds no saved model (save_pretrained writes one)")
+    try:
+        return load(name)
+    except (OSError, ConnectionError) as error:  # transformers and datasets raise these for a missing repo or file
+        if os.path.exists(name):
+            raise
+        raise UsageError(f"{what} {name!r}: no such file or folder here, nor a hub id that can be reached from here "
+                         f"({type(error).__name__}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})") from error
 
 
 def load_config(name: str):
     """The config of a built-in preset, hub id or local folder."""
-    return builtin_config(name) if is_random_builtin(name) else AutoConfig.from_pretrained(resolve(name))
+    return builtin_config(name) if is_random_builtin(name) else located(AutoConfig.from_pretrained, resolve(name), "model")
 
 
 def context_length(config) -> int | None:
@@ -100,7 +116,8 @@ def context_length(config) -> int | None:
 def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
     """`auto_class.from_pretrained(name)`, or for a random built-in name a tiny model initialised with `seed`."""
     if not is_random_builtin(name):
-        loaded = auto_class.from_pretrained(resolve(name), **kwargs)  # (model, info) with output_loading_info=True
+        loaded = located(lambda n: auto_class.from_pretrained(n, **kwargs), resolve(name), "model")  # (model, info) with
+        # output_loading_info=True
         if is_builtin(name):  # peft records it as the adapter's base model
             model = loaded[0] if isinstance(loaded, tuple) else loaded
             model.config.name_or_path = model.name_or_path = name
@@ -127,15 +144,15 @@ def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_p
         return {}
     flag = "--load-in-8bit" if load_in_8bit else "--load-in-4bit"
     if load_in_8bit and load_in_4bit:
-        raise ValueError("Pass one of --load-in-8bit and --load-in-4bit, not both.")
+        raise UsageError("Pass one of --load-in-8bit and --load-in-4bit, not both.")
     if not use_peft:
-        raise ValueError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
+        raise UsageError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
     if is_builtin(name):
-        raise ValueError(f"{flag} quantises large pretrained weights: {name} is a tiny built-in preset; pass a hub model.")
+        raise UsageError(f"{flag} quantises large pretrained weights: {name} is a tiny built-in preset; pass a hub model.")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
-        raise RuntimeError(f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
+        raise UsageError(f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
                            f"{'no CUDA GPU' if not torch.cuda.is_available() else 'no bitsandbytes'}. Drop the flag "
                            "to train in full precision.")
     from accelerate import PartialState
@@ -148,9 +165,13 @@ def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_p
 
 def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenizerBase:
     """The tokenizer of a model name; a clear error when it has no pad token (add one, do not reuse EOS)."""
-    tokenizer = builtin_tokenizer() if is_builtin(name) else AutoTokenizer.from_pretrained(name)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")
+    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
+        raise UsageError(f"no tokenizer files in the folder {name!r}: save the tokenizer beside the model "
+                         "(tokenizer.save_pretrained(folder))")
+    tokenizer = builtin_tokenizer() if is_builtin(name) else located(AutoTokenizer.from_pretrained, name, "tokenizer")
     if tokenizer.pad_token is None:
-        raise ValueError(
+        raise UsageError(
             f"The tokenizer of {name!r} has no pad token. Add a distinct one (tokenizer.add_special_tokens("
             "{'pad_token': '<|pad|>'}) and resize the model's embeddings), then save and pass that folder."
         )
@@ -205,16 +226,34 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
         rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
         return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
     if is_builtin(name):
-        raise ValueError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
+        raise UsageError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
                          "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies.")
     extension = os.path.splitext(name)[1].lower()
+    if extension in DATA_FILE_TYPES and not os.path.exists(name):
+        raise UsageError(f"the dataset file {name!r}: no such file (from {os.getcwd()})")
     if os.path.isfile(name):
         if os.path.getsize(name) == 0:
-            raise ValueError(f"The dataset file {name!r} is empty.")
+            raise UsageError(f"The dataset file {name!r} is empty.")
         if extension not in DATA_FILE_TYPES:
-            raise ValueError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
-        return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
-    return load_dataset(name, split=split)
+            raise UsageError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
+        try:
+            return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
+        except Exception:  # a corrupt line: name it rather than the parser's internals
+            if extension in (".json", ".jsonl"):
+                with open(name) as f:
+                    for number, line in enumerate(f, 1):
+                        try:
+                            line.strip() and json.loads(line)
+                        except json.JSONDecodeError as bad:
+                            raise UsageError(f"{name}, line {number}: not valid JSON ({bad.msg}): {line.strip()[:80]!r}")
+            raise
+    return located(lambda n: load_dataset(n, split=split), name, "dataset")
+
+
+def reward_model_text(prompt: str | None, response: str, eos_token: str | None, ended: bool = True) -> str:
+    """The text a reward model reads: "prompt response<eos>", as reward_modeling.py trains it and ppo.py scores it
+    (EOS only after a response that ended and for a tokenizer that has one; without a prompt, the response alone)."""
+    return (f"{prompt} " if prompt else "") + response.strip() + (eos_token or "" if ended else "")
 
 
 def is_conversation(value) -> bool:
@@ -223,19 +262,27 @@ def is_conversation(value) -> bool:
                                                            for m in value)
 
 
-def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments") -> None:
-    """A clear error naming the missing columns and the ones the dataset has, or a column of chat messages."""
+def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments",
+                  numeric: tuple[str, ...] = ()) -> None:
+    """A clear error naming the missing columns and the ones the dataset has, a column of chat messages, or a value of
+    the wrong kind (text columns hold strings; the `numeric` ones numbers) with its column and row."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
-        raise ValueError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
+        raise UsageError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
                          f"rename them or point {flag_hint} at the right ones.")
     if len(dataset) == 0:
-        raise ValueError("The dataset is empty.")
+        raise UsageError("The dataset is empty.")
     chat = [c for c in columns if is_conversation(dataset[0][c])]
     if chat:
-        raise ValueError(f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
+        raise UsageError(f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
                          "script reads text: render each conversation into a string first, e.g. with "
                          "tokenizer.apply_chat_template(messages, tokenize=False).")
+    for column in columns:
+        kind = (int, float) if column in numeric else str
+        for row, value in enumerate(dataset[column]):
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {'a number' if column in numeric else 'text'}"
+                                 " (fix or drop that row).")
 
 
 def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -257,7 +304,7 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
     if not is_builtin(name):
         return StableDiffusionPipeline.from_pretrained(name, safety_checker=None, requires_safety_checker=False, **kwargs)
     if name != "builtin:tiny-sd":
-        raise ValueError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
+        raise UsageError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
     alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>
     vocab = {t: i for i, t in enumerate(["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet])}
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", bos_token="<|startoftext|>",

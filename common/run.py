@@ -5,14 +5,32 @@ import ctypes
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import torch
+import tyro
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from rich.console import Console
 from rich.table import Table
+
+from common.core import UsageError
+
+
+def _report(kind, error, traceback) -> None:
+    if issubclass(kind, UsageError):  # argparse's convention: one line on stderr, exit status 2
+        sys.stdout.flush()
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        os._exit(2)  # an exception hook cannot choose the exit status; nothing is left to clean up before training
+    sys.__excepthook__(kind, error, traceback)  # anything unexpected keeps its traceback
+
+
+def cli(args_class):
+    """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2."""
+    sys.excepthook = _report
+    return tyro.cli(args_class)
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
@@ -104,25 +122,50 @@ class RunLogger:
 
 @contextlib.contextmanager
 def atomic_directory(path: str):
-    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path` in one rename.
+    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path`.
 
-    A crash mid-save leaves the previous `path` intact (at worst a stray `.tmp-*` folder beside it).
+    The new folder is written as `.tmp-NAME-*`, renamed `.new-NAME-*` once complete, and only then is the previous
+    `path` renamed aside (`.old-NAME-*`) and the new one renamed into place. A crash at any point leaves a complete
+    copy: `path` itself, or (between the last two renames) a `.new-` or `.old-` folder that the next save of `path`
+    moves back into place before it starts. Folders get the usual permissions (0755 under the usual umask).
     """
-    parent = os.path.dirname(os.path.abspath(path))
+    parent, name = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=parent)
+    recover_directory(path)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
+    new = tmp.replace(f"{os.sep}.tmp-{name}-", f"{os.sep}.new-{name}-")
+    os.rename(tmp, new)  # complete: from here on a crash never loses it
+    old = new.replace(f"{os.sep}.new-{name}-", f"{os.sep}.old-{name}-")
     if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=f".old-{os.path.basename(path)}-", dir=parent)
-        os.rename(path, os.path.join(old, "previous"))
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_directory(path: str) -> None:
+    """Finish or undo a save of `path` that was killed: the newest complete copy (`.new-`, else `.old-`) goes back
+    into place if `path` is missing; half-written `.tmp-` folders and stale copies are removed."""
+    parent, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return
+    def ours(folder: str, kind: str) -> bool:  # .KIND-NAME- and mkdtemp's 8 characters: not .KIND-NAME-2-...
+        rest = folder[len(f".{kind}-{name}-"):]
+        return folder.startswith(f".{kind}-{name}-") and len(rest) == 8 and "-" not in rest
+
+    leftovers = {kind: sorted((os.path.join(parent, d) for d in os.listdir(parent) if ours(d, kind)), key=os.path.getmtime)
+                 for kind in ("tmp", "new", "old")}
+    if not os.path.exists(path) and (leftovers["new"] or leftovers["old"]):
+        os.rename((leftovers["new"] or leftovers["old"]).pop(), path)
+    for folder in sum(leftovers.values(), []):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_model_card(directory: str, args, algorithm: str, metrics: dict[str, float], library: str = "transformers") -> None:

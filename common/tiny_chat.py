@@ -116,7 +116,7 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     each text "prompt response<eos>" (the format reward_modeling.py trains and ppo.py scores)."""
     from transformers import AutoModelForSequenceClassification, get_scheduler
 
-    from common.presets import builtin_tokenizer, vader_preferences
+    from common.presets import builtin_tokenizer, reward_model_text, vader_preferences
 
     tokenizer = builtin_tokenizer()
     tokenizer.truncation_side = "left"  # a long pair keeps the end of its response, as reward_modeling.py does
@@ -125,7 +125,7 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     rows = vader_preferences(seed)
-    texts = {k: [f"{r['prompt']} {r[k].strip()}{tokenizer.eos_token}" for r in rows] for k in ("chosen", "rejected")}
+    texts = {k: [reward_model_text(r["prompt"], r[k], tokenizer.eos_token) for r in rows] for k in ("chosen", "rejected")}
     steps = epochs * (len(rows) // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common import (
+    UsageError,
     AdaptiveKLController,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
@@ -327,9 +329,21 @@ def test_builtin_and_local_datasets(tmp_path):
     path.write_text("\n".join(json.dumps({"prompt": "q", "chosen": chat, "score": 1.0}) for _ in range(3)))
     conversations = load_data(str(path))
     assert is_conversation(conversations[0]["chosen"]) and not is_conversation(conversations[0]["prompt"])
-    check_columns(conversations, ["prompt", "score"])
+    check_columns(conversations, ["prompt", "score"], numeric=("score",))
     with pytest.raises(ValueError, match=r"\['chosen'\] holds chat messages.*apply_chat_template"):
         check_columns(conversations, ["prompt", "chosen"])
+    # values of the wrong kind are named with their column and row; so is a corrupt line and a missing file
+    path.write_text("\n".join(json.dumps({"prompt": p, "score": r}) for p, r in [("a", 1.0), (None, 2.0), ("c", "x")]))
+    with pytest.raises(UsageError, match=r"column 'prompt', row 1: None is not text"):
+        check_columns(load_data(str(path)), ["prompt"])
+    path.write_text("\n".join(json.dumps({"prompt": p, "score": r}) for p, r in [("a", 1.0), ("b", "high")]))
+    with pytest.raises(UsageError, match=r"column 'score', row 1: 'high' is not a number"):
+        check_columns(load_data(str(path)), ["prompt", "score"], numeric=("score",))
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n')
+    with pytest.raises(UsageError, match=r"data.jsonl, line 2: not valid JSON"):
+        load_data(str(path))
+    with pytest.raises(UsageError, match=r"nope.jsonl'?: no such file"):
+        load_data(str(tmp_path / "nope.jsonl"))
 
 
 def test_atomic_directory_keeps_previous_on_failure(tmp_path):
@@ -345,6 +359,36 @@ def test_atomic_directory_keeps_previous_on_failure(tmp_path):
         (tmp_path / tmp / "a.txt").write_text("second")
     assert (target / "a.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (target.stat().st_mode & 0o777) == 0o777 & ~_umask()  # 0755 under the usual umask, as save_pretrained
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_atomic_directory_recovers_a_save_killed_between_its_renames(tmp_path):
+    """A SIGKILL after the old folder was renamed aside and before the new one was renamed into place leaves no
+    `ckpt`; the next save (or recover_directory) puts the newest complete copy back first, and cleans up."""
+    from common.run import recover_directory
+
+    target = tmp_path / "ckpt"
+    (tmp_path / ".old-ckpt-abcd1234").mkdir()
+    (tmp_path / ".old-ckpt-abcd1234" / "a.txt").write_text("previous")
+    (tmp_path / ".new-ckpt-abcd1234").mkdir()
+    (tmp_path / ".new-ckpt-abcd1234" / "a.txt").write_text("complete new")
+    (tmp_path / ".tmp-ckpt-efgh5678").mkdir()  # a half-written one: never used
+    (tmp_path / ".tmp-ckpt-2-efgh5678").mkdir()  # another folder's leftover: not ours
+    recover_directory(str(target))
+    assert (target / "a.txt").read_text() == "complete new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-2-efgh5678", "ckpt"]
+    # killed with only the old copy aside: it comes back
+    os.rename(target, tmp_path / ".old-ckpt-zzzz9999")
+    with atomic_directory(str(target)) as tmp:
+        assert (target / "a.txt").read_text() == "complete new"  # recovered before the new save starts
+        (tmp_path / tmp / "a.txt").write_text("third")
+    assert (target / "a.txt").read_text() == "third"
 
 
 def test_model_card_names_base_data_metrics_and_command(tmp_path, monkeypatch):
@@ -374,7 +418,7 @@ def test_quantised_loading_says_what_is_missing():
         quantization_kwargs("gpt2", True, False, use_peft=False)
     with pytest.raises(ValueError, match="tiny built-in preset"):
         quantization_kwargs("builtin:tiny-gpt2", False, True, use_peft=True)
-    with pytest.raises(RuntimeError, match="--load-in-4bit needs a CUDA GPU and bitsandbytes"):
+    with pytest.raises(UsageError, match="--load-in-4bit needs a CUDA GPU and bitsandbytes"):
         quantization_kwargs("gpt2", False, True, use_peft=True)
 
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import load_tokenizer
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from dpo import dpo_loss, get_batch_logps, tokenize_pair, tokenize_pair_seq2seq
 
 DPO = os.path.join(ROOT, "dpo.py")
@@ -86,7 +86,7 @@ def test_encoder_decoder_dpo_learns_and_logs_the_true_seq2seq_logps(tmp_path):
 
     from common import load_data, train_eval_split
 
-    out = run_script([DPO, "--model-name", "builtin:tiny-t5", "--max-steps", "16", "--batch-size", "4", "--learning-rate",
+    out = run_script([DPO, *RANDOM_MODEL, "--model-name", "builtin:tiny-t5", "--max-steps", "16", "--batch-size", "4", "--learning-rate",
                       "3e-4", "--eval-steps", "1000", "--eval-fraction", "0.05", "--max-prompt-length", "32",
                       "--max-target-length", "24"], tmp_path)  # measured: accuracy 0.775, margin 0.0 -> 1.2 in 24 steps
     accuracy = float(out.split("eval reward accuracy ")[1].split(",")[0].split(" -> ")[1])
@@ -131,7 +131,7 @@ def test_tokenize_pair_truncation_modes():
 
 
 def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
-    common = [DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
     out_live = run_script([*common, "--output-dir", "live"], tmp_path)
     out_pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs"], tmp_path)
     summary = lambda out: out.split("eval reward accuracy ")[1].split("; model")[0]  # noqa: E731
@@ -145,7 +145,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
 def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
     runs = {}
     for name, flag in (("chunked", "--chunked-logps"), ("full", "--no-chunked-logps")):
-        run_script([DPO, flag, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "3", "--loss-type",
+        run_script([DPO, *RANDOM_MODEL, flag, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "3", "--loss-type",
                     loss_type, "--output-dir", name, "--log-dir", str(tmp_path / "runs" / name)], tmp_path)
         runs[name] = {tag: read_scalars(str(tmp_path / "runs" / name), f"train/{tag}")
                       for tag in ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "rewards/margins")}
@@ -159,12 +159,12 @@ def test_dpo_options_run(tmp_path, pairs_file):
     for flags in (["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval", "--gradient-checkpointing"],
                   ["--loss-type", "kto_pair", "--reference-free", "--gradient-accumulation-steps", "2"],
                   ["--label-smoothing", "0.1", "--precompute-ref-log-probs", "--use-peft", "--lora-r", "4"]):
-        out = run_script([DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path)
+        out = run_script([DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path)
         assert "dpo: 2 steps" in out, flags
 
 
 def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
-    common = [DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
     run_script([*common, "--save-steps", "2", "--output-dir", "straight"], tmp_path)
     out = run_script([*common, "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"), "--output-dir", "resumed"], tmp_path)
     assert "resumed from" in out and "dpo: 2 steps" in out
@@ -173,7 +173,7 @@ def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
 
 
 def test_dpo_learns_the_preferences(tmp_path):
-    out = run_script([DPO, "--max-steps", "24", "--batch-size", "4", "--learning-rate", "3e-4", "--eval-steps", "1000",
+    out = run_script([DPO, *RANDOM_MODEL, "--max-steps", "24", "--batch-size", "4", "--learning-rate", "3e-4", "--eval-steps", "1000",
                       "--eval-fraction", "0.05"], tmp_path)  # measured: accuracy 0.76, margin 3.25
     accuracy = float(out.split("eval reward accuracy ")[1].split(",")[0].split(" -> ")[1])
     first_margin, last_margin = (float(x) for x in out.split("margin ")[1].split(";")[0].split(" -> "))
@@ -181,12 +181,12 @@ def test_dpo_learns_the_preferences(tmp_path):
 
 
 def test_dpo_bad_input(tmp_path, pairs_file):
-    assert "no column ['answer']" in run_failing([DPO, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path)
-    assert "must be below max_length" in run_failing([DPO, "--max-prompt-length", "128"], tmp_path)
-    assert "exceeds the model's context of 256" in run_failing([DPO, "--max-length", "300"], tmp_path)
+    assert "no column ['answer']" in run_failing([DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path)
+    assert "must be below max_length" in run_failing([DPO, *RANDOM_MODEL, "--max-prompt-length", "128"], tmp_path)
+    assert "exceeds the model's context of 256" in run_failing([DPO, *RANDOM_MODEL, "--max-length", "300"], tmp_path)
     same = tmp_path / "same.jsonl"
     same.write_text("\n".join(json.dumps(dict(prompt="q", chosen="x", rejected="x")) for _ in range(10)))
-    assert "no preference to learn" in run_failing([DPO, "--dataset-name", str(same)], tmp_path)
+    assert "no preference to learn" in run_failing([DPO, *RANDOM_MODEL, "--dataset-name", str(same)], tmp_path)
 
 
 def test_long_prompts_are_cut_for_sample_generation(tmp_path):
@@ -194,11 +194,14 @@ def test_long_prompts_are_cut_for_sample_generation(tmp_path):
     must --generate-during-eval, or the position embeddings run out."""
     rows = [dict(prompt="word " * 300 + f"question {i}?", chosen=" good answer", rejected=" bad answer") for i in range(24)]
     (tmp_path / "long.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    out = run_script([DPO, "--dataset-name", str(tmp_path / "long.jsonl"), "--batch-size", "4", "--max-steps", "1",
+    out = run_script([DPO, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "long.jsonl"), "--batch-size", "4", "--max-steps", "1",
                       "--eval-fraction", "0.2", "--generate-during-eval"], tmp_path)
     assert "dpo: 1 steps" in out and "question" in out  # the sample table shows the prompts' ends
 
 
-def test_dpo_two_process_ddp(tmp_path, pairs_file):
-    out = run_script([*ddp_launch(), DPO, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"], tmp_path, **DDP_ENV)
-    assert out.count("dpo: 2 steps") == 1
+def test_dpo_two_process_ddp_with_fewer_eval_pairs_than_processes(tmp_path, pairs_file):
+    """40 pairs, one held out, two ranks: rank 1's eval shard is empty and scores a pair at weight 0, so both ranks
+    reach the same collectives (gloo aborted on a size mismatch before)."""
+    out = run_script([*ddp_launch(), DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps",
+                      "2", "--eval-fraction", "0.025"], tmp_path, timeout=300, **DDP_ENV)
+    assert out.count("dpo: 2 steps") == 1 and "39 training / 1 eval pairs" in out

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, run_failing, run_script
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from ilql import CausalLMWithILQLHeads, advantage_logits, ilql_loss, tokenize_sample
 
 ILQL = os.path.join(ROOT, "ilql.py")
-TINY = ["--batch-size", "4", "--max-length", "24", "--max-new-tokens", "4", "--eval-samples", "4"]
+TINY = [*RANDOM_MODEL, "--batch-size", "4", "--max-length", "24", "--max-new-tokens", "4", "--eval-samples", "4"]
 
 
 def reference_ilql_loss(logits, qs, target_qs, vs, actions, rewards, n_actions, gamma, tau, cql_scale, awac_scale, beta):
@@ -134,11 +134,11 @@ def test_text_reward_data_peft_and_bad_input(tmp_path):
     out = run_script([ILQL, *TINY, "--max-steps", "2", "--dataset-name", str(data), "--prompt-column", "None",
                       "--response-column", "text", "--reward-column", "score", "--use-peft", "--lora-r", "4"], tmp_path)
     assert "ilql: 2 steps" in out
-    assert "no column ['reward']" in run_failing([ILQL, "--dataset-name", str(data), "--prompt-column", "None",
+    assert "no column ['reward']" in run_failing([ILQL, *RANDOM_MODEL, "--dataset-name", str(data), "--prompt-column", "None",
                                                   "--response-column", "text", "--reward-column", "reward"], tmp_path)
-    assert "exceeds the model's context of 256" in run_failing([ILQL, "--max-length", "250"], tmp_path)  # + 12 new
+    assert "exceeds the model's context of 256" in run_failing([ILQL, *RANDOM_MODEL, "--max-length", "250"], tmp_path)  # + 12 new
     data.write_text("".join(f'{{"text": "x {i}", "score": NaN}}\n' for i in range(40)))
-    assert "NaN" in run_failing([ILQL, "--dataset-name", str(data), "--prompt-column", "None", "--response-column",
+    assert "NaN" in run_failing([ILQL, *RANDOM_MODEL, "--dataset-name", str(data), "--prompt-column", "None", "--response-column",
                                  "text", "--reward-column", "score"], tmp_path)
 
 
@@ -159,9 +159,12 @@ def test_logit_mask_restricts_generation(tmp_path, positive_mask_file):
     assert behaviour > 0.5 and steered > 0.5, out[-3000:]
 
 
-def test_two_process_ddp(tmp_path):
-    out = run_script([*ddp_launch(), ILQL, *TINY, "--max-steps", "2"], tmp_path, **DDP_ENV)
-    assert "2 eval prompts per process" in out and "ilql: 2 steps" in out
+def test_two_process_ddp_with_fewer_eval_prompts_than_processes(tmp_path):
+    """One held-out prompt for two ranks: rank 1 answers it at weight 0, so both reach every collective (it used to
+    wait forever in the gather)."""
+    out = run_script([*ddp_launch(), ILQL, *TINY, "--max-steps", "2", "--eval-samples", "1"], tmp_path, timeout=300,
+                     **DDP_ENV)
+    assert "1 eval prompts per process" in out and "ilql: 2 steps" in out
 
 
 def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
@@ -177,7 +180,7 @@ def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
             yes = rng.random() < 0.5
             f.write(json.dumps({"prompt": f"Question {i}: do you agree?", "completion": " yes" if yes else " no",
                                 "reward": float(yes)}) + "\n")
-    out = run_script([ILQL, "--dataset-name", "yesno.jsonl", "--reward-column", "reward", "--eval-fraction", "0.2",
+    out = run_script([ILQL, *RANDOM_MODEL, "--dataset-name", "yesno.jsonl", "--reward-column", "reward", "--eval-fraction", "0.2",
                       "--num-epochs", "4", "--batch-size", "16", "--max-new-tokens", "4", "--eval-steps", "1000"], tmp_path)
     behaviour, steered = map(float, re.search(r"beta=0 \S+ -> (-?[\d.]+), beta=4 \S+ -> (-?[\d.]+)", out).groups())
     assert steered > behaviour + 0.15, out[-3000:]

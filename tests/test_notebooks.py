@@ -1,5 +1,6 @@
-"""Every notebook runs top to bottom (with a smaller budget injected after its `parameters` cell, the papermill
-convention), its plots render, and it is committed without outputs."""
+"""Every notebook is committed executed (its outputs and plots are what a reader sees on GitHub), runs top to bottom
+again here (with a smaller budget injected after its `parameters` cell, the papermill convention), and its plots
+render."""
 
 import base64
 import io
@@ -34,7 +35,11 @@ def test_every_notebook_has_a_budget():
 def test_notebook_runs_and_renders_its_plots(name, tmp_path):
     notebook = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code_cells), "commit notebooks without outputs"
+    # committed with the outputs a reader on GitHub should see: run top to bottom once, plots included
+    assert [c.execution_count for c in code_cells] == list(range(1, len(code_cells) + 1)), "commit it executed, in order"
+    assert any("image/png" in out.get("data", {}) for c in code_cells for out in c.outputs), "commit it with its plots"
+    for cell in code_cells:  # the test runs it afresh
+        cell.outputs, cell.execution_count = [], None
     (index,) = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
     overrides = BUDGETS[name] | {"OUT": str(tmp_path / "out")}
     for key in overrides:

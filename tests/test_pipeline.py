@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 
 from conftest import ROOT, run_script
 
@@ -7,10 +8,18 @@ PIPELINE = os.path.join(ROOT, "pipeline.py")
 
 
 def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
+    # a `python` first on PATH that is not this interpreter (as when a venv's python is called without activating it):
+    # the stages must still run under sys.executable
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text("#!/bin/sh\necho 'wrong interpreter' >&2\nexit 3\n")
+    (fake / "python").chmod(0o755)
     out = run_script([PIPELINE, "--output-dir", "pipe", "--heldout-prompts", "4", "--samples-per-prompt", "2",
                       "--sft-args=--max-steps 3 --num-sample-generations 0 --eval-fraction 0.01",
                       "--rm-args=--max-steps 3 --eval-fraction 0.02", "--ppo-args=--total-episodes 16 --eval-samples 4",
-                      "--dpo-args=--max-steps 2 --eval-fraction 0.02"], tmp_path)
+                      "--dpo-args=--max-steps 2 --eval-fraction 0.02"], tmp_path,
+                     PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert f"==== sft: {sys.executable} " in out
     pipe = tmp_path / "pipe"
     results = json.loads((pipe / "results.json").read_text())
     assert list(results["policies"]) == ["sft", "ppo", "dpo"] and list(results["stage_seconds"]) == ["sft", "reward_model", "ppo", "dpo"]

@@ -274,7 +274,7 @@ def test_health_check_warns_on_reward_hacking():
     assert top_token_share(torch.tensor([[5, 5, 6, 0], [7, 8, 9, 0]]), pad_token_id=0).item() == pytest.approx(2 / 6)
     line, warning = health_check(5.0, 6.0, top_share=0.1, distinct_words=0.9)
     assert "KL to the reference 5.00 nats" in line and warning is None
-    assert "left the reference" in health_check(190.0, 6.0, 0.1, 0.9)[1]
+    assert "left its reference" in health_check(190.0, 6.0, 0.1, 0.9)[1]
     assert "collapsed" in health_check(4.0, 6.0, 0.45, 0.2)[1]
 
 

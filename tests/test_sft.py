@@ -110,6 +110,14 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
     assert "has no chat template" in run_failing([SFT, *flags], tmp_path)  # the built-in tokenizer has none
 
 
-def test_sft_two_process_ddp(tmp_path):
-    out = run_script([*ddp_launch(), SFT, "--max-steps", "4", "--batch-size", "4", "--max-seq-length", "32"], tmp_path, **DDP_ENV)
-    assert "sft: 4 steps" in out and "of 8 examples" in out  # 2 ranks x 4
+def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
+    """The warmup lasts as many optimizer steps with 2 processes as with 1 (it was half as long): the peak of a linear
+    schedule with --warmup-ratio 0.5 over 8 steps is at step 4 either way, and both schedules are the same."""
+    flags = ["--max-steps", "8", "--batch-size", "4", "--max-seq-length", "32", "--warmup-ratio", "0.5", "--lr-scheduler-type",
+             "linear", "--eval-steps", "100", "--num-sample-generations", "0"]
+    out = run_script([*ddp_launch(), SFT, *flags, "--log-dir", str(tmp_path / "two")], tmp_path, timeout=300, **DDP_ENV)
+    assert "sft: 8 steps" in out and "of 8 examples" in out  # 2 ranks x 4
+    run_script([SFT, *flags, "--log-dir", str(tmp_path / "one")], tmp_path)
+    one, two = (read_scalars(str(tmp_path / name), "train/learning_rate") for name in ("one", "two"))
+    assert len(one) == len(two) == 8 and one == pytest.approx(two)
+    assert max(range(8), key=lambda i: one[i]) == 3  # logged after step 4's update: the peak
