@@ -40,7 +40,17 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from common import UsageError, atomic_directory, check_args, check_scores, cli, exact_div, load_pipeline, start_run, write_model_card
+from common import (
+    UsageError,
+    atomic_directory,
+    check_args,
+    check_scores,
+    cli,
+    exact_div,
+    load_pipeline,
+    start_run,
+    write_model_card,
+)
 
 
 @dataclass
@@ -210,12 +220,14 @@ def ddim_step_with_logprob(scheduler: DDIMScheduler, model_output: torch.Tensor,
         raise ValueError("Call scheduler.set_timesteps(num_steps) before stepping.")
     config = scheduler.config
     timestep = torch.as_tensor(timestep).reshape(-1).long().cpu()  # [1] or [B]
-    prev_timestep = (timestep - config.num_train_timesteps // scheduler.num_inference_steps).clamp(0, config.num_train_timesteps - 1)
+    step = config.num_train_timesteps // scheduler.num_inference_steps
+    prev_timestep = (timestep - step).clamp(0, config.num_train_timesteps - 1)
 
     def per_sample(x):  # [1] or [B] -> [B, 1, 1, 1], broadcast against the latents
         return x.reshape(-1, *[1] * (sample.ndim - 1)).to(sample.device)
 
-    alpha_prod_t, alpha_prod_t_prev = per_sample(scheduler.alphas_cumprod[timestep]), per_sample(scheduler.alphas_cumprod[prev_timestep])
+    alpha_prod_t = per_sample(scheduler.alphas_cumprod[timestep])
+    alpha_prod_t_prev = per_sample(scheduler.alphas_cumprod[prev_timestep])
     beta_prod_t = 1 - alpha_prod_t
     if config.prediction_type == "epsilon":
         pred_original_sample = (sample - beta_prod_t.sqrt() * model_output) / alpha_prod_t.sqrt()
@@ -235,7 +247,8 @@ def ddim_step_with_logprob(scheduler: DDIMScheduler, model_output: torch.Tensor,
     # sigma_t(eta) of Eq. 16
     variance = (1 - alpha_prod_t_prev) / (1 - alpha_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
     std_dev_t = eta * variance.sqrt()
-    prev_sample_mean = alpha_prod_t_prev.sqrt() * pred_original_sample + (1 - alpha_prod_t_prev - std_dev_t**2).sqrt() * pred_epsilon
+    direction = (1 - alpha_prod_t_prev - std_dev_t**2).sqrt() * pred_epsilon  # "direction pointing to x_t"
+    prev_sample_mean = alpha_prod_t_prev.sqrt() * pred_original_sample + direction
     if prev_sample is None:
         noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype)
         prev_sample = prev_sample_mean + std_dev_t * noise
@@ -361,7 +374,8 @@ if __name__ == "__main__":
         if guidance_scale == 1.0:
             return model(latents, timesteps, encoder_hidden_states=prompt_embeds).sample
         embeds = torch.cat([negative_embeds.expand_as(prompt_embeds), prompt_embeds])
-        uncond, cond = model(torch.cat([latents] * 2), torch.cat([timesteps] * 2), encoder_hidden_states=embeds).sample.chunk(2)
+        out = model(torch.cat([latents] * 2), torch.cat([timesteps] * 2), encoder_hidden_states=embeds).sample
+        uncond, cond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
 
     def call_reward_fn(images, prompts, metadata):
@@ -378,13 +392,15 @@ if __name__ == "__main__":
         """Denoise from Gaussian latents, keeping every latent and every step's log-prob; decode to images in [0, 1]."""
         prompt_embeds = embed(prompts)
         scheduler.set_timesteps(args.sample_num_steps, device=device)
-        shape = (len(prompts), unet.config.in_channels, resolution // pipeline.vae_scale_factor, resolution // pipeline.vae_scale_factor)
+        side = resolution // pipeline.vae_scale_factor
+        shape = (len(prompts), unet.config.in_channels, side, side)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=inference_dtype) * scheduler.init_noise_sigma
         all_latents, log_probs = [latents], []
         with accelerator.autocast():
             for t in scheduler.timesteps:
                 model_input = scheduler.scale_model_input(latents, t)
-                noise_pred = predict_noise(model, model_input, t.expand(len(prompts)), prompt_embeds, args.sample_guidance_scale)
+                noise_pred = predict_noise(model, model_input, t.expand(len(prompts)), prompt_embeds,
+                                           args.sample_guidance_scale)
                 latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred.float(), t, latents.float(), args.sample_eta,
                                                            generator=generator)
                 latents = latents.to(inference_dtype)
@@ -416,7 +432,8 @@ if __name__ == "__main__":
     trainable_names = [n for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad]
     start_epoch = global_step = 0
     if args.resume_from:
-        accelerator.unwrap_model(unet).load_state_dict(load_file(os.path.join(args.resume_from, "trainable.safetensors")), strict=False)
+        trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
+        accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
         optimizer.load_state_dict(torch.load(os.path.join(args.resume_from, "optimizer.pt"), map_location=device))
         with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
             state = json.load(f)
@@ -430,7 +447,8 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             params = dict(accelerator.unwrap_model(unet).named_parameters())
             with atomic_directory(os.path.join(folder, f"epoch_{epoch}")) as tmp:
-                save_file({n: params[n].detach().cpu().contiguous() for n in trainable_names}, os.path.join(tmp, "trainable.safetensors"))
+                weights = {n: params[n].detach().cpu().contiguous() for n in trainable_names}
+                save_file(weights, os.path.join(tmp, "trainable.safetensors"))
                 torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                     json.dump({"epoch": epoch, "global_step": global_step, "stat_tracker": stat_tracker.state_dict()}, f)
@@ -474,7 +492,7 @@ if __name__ == "__main__":
         # ---- optimise: PPO over (sample, timestep) pairs ----
         unet.train()
         infos = {"train/loss": [], "train/approx_kl": [], "train/clipfrac": []}
-        for inner_epoch in range(args.train_num_inner_epochs):
+        for _ in range(args.train_num_inner_epochs):
             # shuffle the samples, then each sample's timesteps independently (ddpo-pytorch)
             perm = torch.randperm(samples_per_epoch, device=device)
             shuffled = {k: v[perm] for k, v in samples.items()}
@@ -488,8 +506,9 @@ if __name__ == "__main__":
                 advantages = batch["advantages"].clamp(-args.train_adv_clip_max, args.train_adv_clip_max)
                 for j in range(num_train_timesteps):
                     with accelerator.accumulate(unet), accelerator.autocast():
+                        guidance = args.sample_guidance_scale if args.train_cfg else 1.0
                         noise_pred = predict_noise(unet, batch["latents"][:, j], batch["timesteps"][:, j],
-                                                   batch["prompt_embeds"], args.sample_guidance_scale if args.train_cfg else 1.0)
+                                                   batch["prompt_embeds"], guidance)
                         _, log_prob = ddim_step_with_logprob(scheduler, noise_pred.float(), batch["timesteps"][:, j],
                                                              batch["latents"][:, j].float(), args.sample_eta,
                                                              prev_sample=batch["next_latents"][:, j].float())
@@ -543,7 +562,8 @@ if __name__ == "__main__":
     elapsed = time.time() - start_time
     accelerator.print(
         f"ddpo: {args.num_epochs - start_epoch} epochs in {elapsed:.0f}s; sampled reward "
-        f"{(epoch_rewards or [math.nan])[0]:.3f} -> {(epoch_rewards or [math.nan])[-1]:.3f} (first -> last epoch); eval reward {first_eval:.3f} -> {last_eval:.3f}; "
+        f"{(epoch_rewards or [math.nan])[0]:.3f} -> {(epoch_rewards or [math.nan])[-1]:.3f} (first -> last epoch); "
+        f"eval reward {first_eval:.3f} -> {last_eval:.3f}; "
         f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}")
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still

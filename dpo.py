@@ -42,6 +42,7 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    pad_right,
     peft_model_of,
     quantization_kwargs,
     reference_context,
@@ -239,7 +240,8 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length
     longest_answer = max(len(a) for _, a in answers.values())
     for name, (prompt_part, answer) in answers.items():
         if len(prompt_part) + longest_answer > max_length:
-            prompt_part = prompt_part[-max_prompt_length:] if truncation_mode == "keep_end" else prompt_part[:max_prompt_length]
+            keep_end = truncation_mode == "keep_end"
+            prompt_part = prompt_part[-max_prompt_length:] if keep_end else prompt_part[:max_prompt_length]
         if len(prompt_part) + longest_answer > max_length:
             answer = answer[: max_length - max_prompt_length]
         out[f"{name}_input_ids"] = prompt_part + answer
@@ -298,16 +300,21 @@ if __name__ == "__main__":
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    tokenize = lambda split: [tokenize_pair_seq2seq(  # noqa: E731
-        tokenizer, row[args.prompt_column], row[args.chosen_column], row[args.rejected_column], args.max_prompt_length,
-        args.max_target_length, args.truncation_mode) if is_encoder_decoder else tokenize_pair(
-        tokenizer, row[args.prompt_column] + " ", row[args.chosen_column], row[args.rejected_column],
-        args.max_length, args.max_prompt_length, args.truncation_mode) for row in split]
-    train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
+    def tokenize(row: dict) -> dict:
+        """A pair's token ids and labels: TRL 0.8's `tokenize_row`, decoder-only or encoder-decoder."""
+        prompt, chosen, rejected = row[args.prompt_column], row[args.chosen_column], row[args.rejected_column]
+        if is_encoder_decoder:
+            return tokenize_pair_seq2seq(tokenizer, prompt, chosen, rejected, args.max_prompt_length,
+                                         args.max_target_length, args.truncation_mode)
+        return tokenize_pair(tokenizer, prompt + " ", chosen, rejected, args.max_length, args.max_prompt_length,
+                             args.truncation_mode)
+
+    train_pairs, eval_pairs = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
     pairs_per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(train_pairs) // pairs_per_step
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
-    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
         raise UsageError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
                          f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
@@ -317,11 +324,11 @@ if __name__ == "__main__":
     def collate(pairs: list[dict]) -> dict:
         """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both. Encoder-decoder: the
         prompt twice as encoder input, the answers as labels, and the decoder input <start> + labels[:-1]."""
-        pad = lambda rows, value: torch.tensor([r + [value] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
         sources = ("prompt_input_ids",) * 2 if is_encoder_decoder else ("chosen_input_ids", "rejected_input_ids")
         sequences = [p[sources[0]] for p in pairs] + [p[sources[1]] for p in pairs]
-        batch = dict(input_ids=pad(sequences, tokenizer.pad_token_id), attention_mask=pad([[1] * len(s) for s in sequences], 0),
-                     labels=pad([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100))
+        batch = dict(input_ids=pad_right(sequences, tokenizer.pad_token_id),
+                     attention_mask=pad_right([[1] * len(s) for s in sequences], 0),
+                     labels=pad_right([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100))
         if is_encoder_decoder:
             shifted = batch["labels"][:, :-1].masked_fill(batch["labels"][:, :-1] == -100, tokenizer.pad_token_id)
             start = torch.full_like(shifted[:, :1], model_config.decoder_start_token_id)
@@ -494,7 +501,8 @@ if __name__ == "__main__":
         metrics = dict(zip(metrics, values))
         step_time = time.time() - step_start
         logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "time/step": step_time,
-                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time}, step + 1)
+                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time},
+                   step + 1)
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)

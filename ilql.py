@@ -42,6 +42,7 @@ from common import (
     load_pretrained,
     load_tokenizer,
     masked_mean,
+    pad_right,
     peft_model_of,
     start_run,
     train_eval_split,
@@ -305,7 +306,8 @@ if __name__ == "__main__":
     prompts = list(train_dataset[args.prompt_column]) if args.prompt_column else [None] * len(train_dataset)
     responses = list(train_dataset[args.response_column])
     scores = train_dataset[args.reward_column] if args.reward_column else reward_fn([p or "" for p in prompts], responses)
-    returns = check_scores(scores, len(responses), f"the reward column {args.reward_column!r}" if args.reward_column else "reward_fn")
+    source = f"the reward column {args.reward_column!r}" if args.reward_column else "reward_fn"
+    returns = check_scores(scores, len(responses), source)
     returns = (returns - returns.mean()) / (returns.std() + torch.finfo(returns.dtype).eps)  # trlX normalises returns
     samples = []
     for prompt, response, ret in zip(prompts, responses, returns.tolist()):
@@ -321,11 +323,13 @@ if __name__ == "__main__":
     eval_prompts, eval_weight = share or eval_prompts[:1], 1.0 if share else 0.0
     per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(samples) // per_step
-    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
         raise UsageError(f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
                          "lower --batch-size or --gradient-accumulation-steps.")
-    accelerator.print(f"{len(samples)} training samples (reward mean {torch.as_tensor(scores, dtype=torch.float).mean():.3f}), "
+    mean_score = torch.as_tensor(scores, dtype=torch.float).mean()
+    accelerator.print(f"{len(samples)} training samples (reward mean {mean_score:.3f}), "
                       f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps")
 
     def batch_of(step: int) -> dict:
@@ -334,12 +338,9 @@ if __name__ == "__main__":
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
         chunk = [samples[j] for j in order[start: start + args.batch_size].tolist()]
-        width = {key: max(len(s[key]) for s in chunk) for key in chunk[0]}
-        pad = lambda key, value: torch.tensor([s[key] + [value] * (width[key] - len(s[key])) for s in chunk])  # noqa: E731
-        batch = dict(input_ids=pad("input_ids", tokenizer.pad_token_id), actions_ixs=pad("actions_ixs", 0),
-                     states_ixs=pad("states_ixs", 0), dones=pad("dones", 0), rewards=pad("rewards", 0.0))
-        batch["attention_mask"] = torch.tensor([[1] * len(s["input_ids"]) + [0] * (width["input_ids"] - len(s["input_ids"]))
-                                                for s in chunk])
+        padding = dict(input_ids=tokenizer.pad_token_id, actions_ixs=0, states_ixs=0, dones=0, rewards=0.0)
+        batch = {key: pad_right([s[key] for s in chunk], value) for key, value in padding.items()}
+        batch["attention_mask"] = pad_right([[1] * len(s["input_ids"]) for s in chunk], 0)
         return {k: v.to(device) for k, v in batch.items()}
 
     # ---- model ----
@@ -387,7 +388,8 @@ if __name__ == "__main__":
             tokens = tokens.masked_fill(finished, tokenizer.pad_token_id)
             generated.append(tokens)
             finished |= tokens == tokenizer.eos_token_id
-            input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, (~finished | (tokens == tokenizer.eos_token_id))[:, None].long()], 1)
+            real = ~finished | (tokens == tokenizer.eos_token_id)  # the EOS itself is attended to, padding after it not
+            input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, real[:, None].long()], 1)
             if finished.all():
                 break
         return tokenizer.batch_decode(torch.stack(generated, 1), skip_special_tokens=True)
@@ -402,7 +404,8 @@ if __name__ == "__main__":
             for beta in dict.fromkeys([0.0, args.gen_beta]):
                 responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i: i + 64], beta)]
                 rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
-                metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in metric_fn(eval_prompts, responses).items()}
+                extra = metric_fn(eval_prompts, responses)
+                metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in extra.items()}
                 # means over every rank's samples: sums and counts, one collective
                 sums = accelerator.reduce(torch.stack([v.float().sum() * eval_weight for v in metrics.values()] +
                                                       [torch.tensor(len(responses) * eval_weight, device=device)]), "sum")

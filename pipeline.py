@@ -109,7 +109,8 @@ def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str],
         logprobs[name] = (logprobs_from_logits(logits, responses) * response_mask).sum(1)
     texts = tokenizer.batch_decode(responses.masked_fill(~response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
     # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
-    scored = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries, texts, ended[:, -1].bool().tolist())]
+    ends = ended[:, -1].bool().tolist()
+    scored = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries, texts, ends)]
     rm_scores = torch.cat([reward_model(**reward_tokenizer(scored[i: i + 64], padding=True, return_tensors="pt")).logits[:, 0]
                            for i in range(0, len(scored), 64)])
     metrics = {"reward model": rm_scores.mean().item(), "VADER": sum(vader(texts)) / len(texts),
@@ -133,7 +134,8 @@ if __name__ == "__main__":
                                                 f"{data}/preferences.jsonl", *shlex.split(args.rm_args)]),
         ("ppo", "ppo.py", ["--model-name", f"{out}/sft", "--reward-model", f"{out}/reward_model", "--dataset-name",
                            f"{data}/prompts.jsonl", *shlex.split(args.ppo_args)]),
-        ("dpo", "dpo.py", ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.dpo_args)]),
+        ("dpo", "dpo.py", ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl",
+                           *shlex.split(args.dpo_args)]),
     ]
     here, timings = os.path.dirname(os.path.abspath(__file__)), {}
     launcher = shlex.split(args.launcher)

@@ -507,7 +507,8 @@ if __name__ == "__main__":
         model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
     if args.use_peft and peft_model_of(model) is None:
         lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          target_modules=args.lora_target_modules, task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM")
+                          target_modules=args.lora_target_modules,
+                          task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM")
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
     reward_model = reward_tokenizer = None
@@ -570,7 +571,8 @@ if __name__ == "__main__":
         reward_modeling.py trains it: "query response<eos>", the EOS only for responses that ended."""
         if reward_tokenizer is None:
             return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
-        texts = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries_text, responses_text, ended)]
+        eos = reward_tokenizer.eos_token
+        texts = [reward_model_text(q, r, eos, e) for q, r, e in zip(queries_text, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), args.reward_batch_size):
             batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
@@ -586,7 +588,8 @@ if __name__ == "__main__":
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                  eps=args.adam_eps, fused=True)
-    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // (args.mini_batch_size * args.gradient_accumulation_steps)
+    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // (
+        args.mini_batch_size * args.gradient_accumulation_steps)
     # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler("linear" if args.lr_anneal else "constant", optimizer, num_warmup_steps=0,
                               num_training_steps=optimizer_steps * args.world_size)
@@ -596,7 +599,8 @@ if __name__ == "__main__":
         ref_model = ref_model.to(device)
     if reward_model is not None:
         reward_model = reward_model.to(device)
-    kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(args.init_kl_coef)
+    kl_ctl = (AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl
+              else FixedKLController(args.init_kl_coef))
     running = RunningMoments()
     start_update, best_reward = 0, float("-inf")
     if args.resume_from:
@@ -656,7 +660,8 @@ if __name__ == "__main__":
         scores = score(queries_text, responses_text, ended.tolist())
         metrics = {"eval/reward_mean": scores.mean(), "eval/reward_std": scores.std(),
                    "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id)}
-        metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in metric_fn(queries_text, responses_text).items()})
+        extra = metric_fn(queries_text, responses_text)
+        metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
         metrics = reduce_mean(metrics)
         logger.log(metrics, update)
         logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
@@ -680,53 +685,63 @@ if __name__ == "__main__":
             torch.cuda.synchronize(device)
         return time.time()
 
+    def save_best(update: int, raw_scores: torch.Tensor) -> float:
+        """TRL's push_to_hub_if_best: every compare_steps updates, if this batch's mean raw score (over ranks) is the
+        best so far, save the weights that produced it (those before this update's optimisation) to {output_dir}_best.
+        Returns the best batch reward so far."""
+        if not args.save_best or update % args.compare_steps:
+            return best_reward
+        batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
+        if batch_reward <= best_reward:
+            return best_reward
+        if accelerator.is_main_process:
+            save_model(f"{args.output_dir}_best", {"best/reward_mean": batch_reward, "best/update": update}, final=False)
+        return batch_reward
+
     first_eval = evaluate(start_update)
     reward_history, kl_history, start_time = [], [], time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
-        # ---- rollout ----
-        t0 = clock()
-        indices = batch_indices(update)
-        queries, query_mask = pad_left([train_queries[i] for i in indices])
-        max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))  # LengthSampler
-        unwrapped.eval()
-        responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)
-        t1 = clock()
+        # ================================ the algorithm: phases 1-6 ================================
+        marks = [clock()]  # phase boundaries, for time/* (bookkeeping below)
 
-        # ---- score ----
+        # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
+        queries, query_mask = pad_left([train_queries[i] for i in batch_indices(update)])
+        max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
+        unwrapped.eval()
+        responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T] each
+        mask = response_mask.float()
+        marks.append(clock())
+
+        # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)
+        raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)  # [B]
         scores = raw_scores.clone()
         if args.missing_eos_penalty is not None:
             scores[~ended] -= args.missing_eos_penalty
         if args.use_score_scaling:
             running.update(accelerator.gather(scores))
-            scores = (scores - running.mean if args.use_score_norm else scores) / (running.std + torch.finfo(scores.dtype).eps)
+            shifted = scores - running.mean if args.use_score_norm else scores
+            scores = shifted / (running.std + torch.finfo(scores.dtype).eps)
         if args.score_clip is not None:
             scores = scores.clamp(-args.score_clip, args.score_clip)
-        t2 = clock()
+        marks.append(clock())
+        best_reward = save_best(update, raw_scores)  # plumbing (--save-best), before this update changes the weights
+        marks.append(clock())  # saving the best weights is not part of the step time
 
-        # ---- best checkpoint (TRL's push_to_hub_if_best): the weights that produced the best batch so far ----
-        if args.save_best and update % args.compare_steps == 0:
-            batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
-            if batch_reward > best_reward:
-                best_reward = batch_reward
-                if accelerator.is_main_process:
-                    save_model(f"{args.output_dir}_best", {"best/reward_mean": best_reward, "best/update": update}, final=False)
-
-        # ---- forward passes: old logprobs and values, reference logprobs ----
-        t3 = clock() if args.save_best else t2  # saving the best weights is not part of the step time
+        # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
+        #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
         full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
         old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
         with torch.no_grad():
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
-                fwd = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start,
-                       logit_mask)
-                logits, value = forward(unwrapped, *fwd)
+                inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start,
+                          logit_mask)
+                logits, value = forward(unwrapped, *inputs)
                 with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *fwd)
+                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs)
                 old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
                 ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
                 values.append(value)
@@ -734,21 +749,25 @@ if __name__ == "__main__":
                     full_logprobs.append(torch.log_softmax(logits.float(), -1))
                     full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
             old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
-            mask = response_mask.float()
 
-            # ---- rewards and advantages ----
+            # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
             kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
             rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_ctl.value, args.kl_penalty)
             del kl_inputs, full_logprobs, full_ref_logprobs
+
+            # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
+            #    (compute_advantages), then whitened; returns = A + V are the value head's targets
             values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
                                                              args.whiten_rewards)
+            # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
+            # loss then shows up as exploding ratios instead of passing silently
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
-        t4 = clock()
+        marks.append(clock())
 
-        # ---- optimise ----
+        # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss)
         model.train()
-        all_stats = []
-        for epoch in range(args.ppo_epochs):
+        all_stats, epochs_done = [], 0
+        for _ in range(args.ppo_epochs):
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb],
@@ -766,14 +785,15 @@ if __name__ == "__main__":
                 with torch.no_grad():
                     stats["ppo/policy/entropy"] = masked_mean(entropy_from_logits(logits), mask[mb])
                 all_stats.append(stats)
+            epochs_done += 1
             if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks
                 policykl = accelerator.reduce(stats["ppo/policy/policykl"].to(device), "mean").item()
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
-        times = {"rollout": t1 - t0, "score": t2 - t1, "forward": t4 - t3, "optimise": clock() - t4}
+        marks.append(clock())
 
-        # ---- log ----
+        # ================================ bookkeeping: plumbing from here on ================================
         with torch.no_grad():
             metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean() for k in all_stats[0]}
             metrics.update({
@@ -782,16 +802,18 @@ if __name__ == "__main__":
                 "env/reward_mean": raw_scores.mean(), "env/reward_std": raw_scores.std(),
                 "env/score_mean": scores.mean(), "env/contains_eos": ended.float().mean(),
                 "tokens/query_len": query_mask.sum(1).float().mean(), "tokens/response_len": mask.sum(1).mean(),
-                "ppo/epochs_done": torch.tensor(float(epoch + 1)),
+                "ppo/epochs_done": torch.tensor(float(epochs_done)),
             })
             metrics = reduce_mean(metrics)
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
-        kl_ctl.update(mean_kl, args.batch_size * args.world_size)
-        step_time = sum(times.values())
+        kl_ctl.update(mean_kl, args.batch_size * args.world_size)  # towards its target KL (Ziegler et al. 2019)
+        phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
+        times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
+        step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
         metrics.update({f"time/{phase}": t for phase, t in times.items()} | {
                         "throughput/episodes_per_s": per_update / step_time,
-                        "throughput/tokens_per_s": per_update * (metrics["tokens/query_len"] + metrics["tokens/response_len"]) / step_time,
+                        "throughput/tokens_per_s": per_update * tokens / step_time,
                         "charts/learning_rate": scheduler.get_last_lr()[0], "charts/episodes": (update + 1) * per_update})
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
@@ -805,7 +827,8 @@ if __name__ == "__main__":
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
             evaluate(update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
-            save_checkpoint(os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}"), update + 1)
+            folder = args.checkpoint_dir or f"{args.output_dir}_checkpoints"
+            save_checkpoint(os.path.join(folder, f"update_{update + 1}"), update + 1)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
     last_eval = evaluate(args.num_updates)

@@ -199,7 +199,8 @@ if __name__ == "__main__":
             prompt = row[args.prompt_column] if args.prompt_column else None
             ids = [tokenizer(reward_model_text(prompt, row[c], tokenizer.eos_token))["input_ids"][-args.max_length:]
                    for c in (args.chosen_column, args.rejected_column)]
-            pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=float(row[args.margin_column]) if args.margin_column else 0.0))
+            margin = float(row[args.margin_column]) if args.margin_column else 0.0
+            pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=margin))
         return pairs
 
     train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
@@ -245,7 +246,8 @@ if __name__ == "__main__":
     ticks = accelerator.num_processes
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
                               num_training_steps=total_steps * ticks)
-    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
+    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, eval_loader)
     accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps")
 
     def batch_rewards(net, batch: dict) -> torch.Tensor:
@@ -338,7 +340,8 @@ if __name__ == "__main__":
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "reward_modeling", last_eval)
     accelerator.print(f"reward model: {step} steps in {time.time() - start_time:.0f}s; eval accuracy "
-                      f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, loss {first_eval['eval/loss']:.3f} "
+                      f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, "
+                      f"loss {first_eval['eval/loss']:.3f} "
                       f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still

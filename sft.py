@@ -37,6 +37,7 @@ from common import (
     load_data,
     load_pretrained,
     load_tokenizer,
+    pad_right,
     peft_model_of,
     quantization_kwargs,
     start_run,
@@ -240,11 +241,9 @@ if __name__ == "__main__":
 
     def collate(batch: list[dict]) -> dict:
         """Right padding; labels padded with -100."""
-        width = max(len(e["input_ids"]) for e in batch)
-        pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
-        return dict(input_ids=torch.tensor([pad(e["input_ids"], tokenizer.pad_token_id) for e in batch]),
-                    attention_mask=torch.tensor([pad([1] * len(e["input_ids"]), 0) for e in batch]),
-                    labels=torch.tensor([pad(e["labels"], -100) for e in batch]))
+        return dict(input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id),
+                    attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0),
+                    labels=pad_right([e["labels"] for e in batch], -100))
 
     train_loader = torch.utils.data.DataLoader(train_examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate,
                                                generator=torch.Generator().manual_seed(args.seed))
@@ -269,7 +268,8 @@ if __name__ == "__main__":
     ticks = accelerator.num_processes
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
                               num_training_steps=total_steps * ticks)
-    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)
+    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, eval_loader)
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
                       f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
 
@@ -347,7 +347,8 @@ if __name__ == "__main__":
         with atomic_directory(args.output_dir) as tmp:
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": math.exp(min(last_eval_loss, 50))})
+            perplexity = math.exp(min(last_eval_loss, 50))
+            write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": perplexity})
     if accelerator.is_main_process and args.num_sample_generations > 0:
         prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
                    [text.split(args.response_template)[0] + args.response_template if args.response_template
@@ -361,7 +362,8 @@ if __name__ == "__main__":
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         logger.samples("samples", {"prompt": prompts, "completion": completions}, step)
     accelerator.print(f"sft: {step} steps in {time.time() - start_time:.0f}s; eval loss {first_eval_loss:.3f} -> "
-                      f"{last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); model saved to {args.output_dir}")
+                      f"{last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
+                      f"model saved to {args.output_dir}")
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

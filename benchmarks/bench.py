@@ -19,7 +19,8 @@ on CPU builtin:tiny-gpt2 in fp32.
 
 Peers: TRL's current release for SFT / reward modelling / DPO, TRL 0.8.6 for PPO and DDPO (the last release with the
 PPOTrainer and DDPOTrainer this repository follows). On CPU both sides run under the allocator policy our scripts set
-(`keep_freed_memory`) for the timings, so the comparison is of the training code, not of glibc's settings. `bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
+(`keep_freed_memory`) for the timings, so the comparison is of the training code, not of glibc's settings.
+`bash benchmarks/setup.sh` puts both in benchmarks/.trl-*/.
 
     bash benchmarks/setup.sh
     python benchmarks/bench.py                                     # all algorithms, a table on stdout
@@ -573,7 +574,8 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"transformers {transformers.__version__}.", "",
         f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
         f"Model: {MODEL_TEXT[args.model]} saved to a folder, both sides loading it with from_pretrained; "
-        f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours and TRL (A B B A) in one process per row; "
+        f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours and TRL (A B B A) in one process "
+        "per row; "
         f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
         f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images. TRL's "
         f"SFT / reward / DPO trainers run with gradient_checkpointing=False (TRL 1.x turns it on by default; ours only "

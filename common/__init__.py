@@ -21,6 +21,7 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    pad_right,
     weight_decay_groups,
 )
 from common.models import (

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 class UsageError(ValueError):
     """An anticipated mistake in the input (a flag, a file, a dataset column, a reward function): reported as one line
     `error: ...` without a traceback by the handler that `common.cli` installs."""
@@ -132,6 +131,12 @@ class LogitMask:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return self.apply(scores, input_ids[:, -1])
+
+
+def pad_right(rows: list[list], value) -> torch.Tensor:
+    """Lists of different lengths as one right-padded tensor [len(rows), longest]."""
+    width = max(len(row) for row in rows)
+    return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows])
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:

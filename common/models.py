@@ -95,8 +95,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
             raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
         with open(os.path.join(path, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
-        same = lambda a, b: (os.path.realpath(a) if os.path.exists(a) else a) == (os.path.realpath(b) if os.path.exists(b) else b)  # noqa: E731
-        if not same(base, base_model_name):
+        def canonical(name: str) -> str:  # a local folder by its real path, a hub id as it is
+            return os.path.realpath(name) if os.path.exists(name) else name
+
+        if canonical(base) != canonical(base_model_name):
             raise UsageError(f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
                              "they must share the base model (or use --reward-model with a full reward model).")
         peft_model.load_adapter(path, adapter_name, is_trainable=False)
@@ -127,7 +129,8 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         finally:
             peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
         last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
-        return self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype)) * self.reward_gain + self.reward_bias
+        scores = self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype))
+        return scores * self.reward_gain + self.reward_bias
 
 
 class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):

@@ -245,7 +245,8 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
                         try:
                             line.strip() and json.loads(line)
                         except json.JSONDecodeError as bad:
-                            raise UsageError(f"{name}, line {number}: not valid JSON ({bad.msg}): {line.strip()[:80]!r}")
+                            text = line.strip()[:80]
+                            raise UsageError(f"{name}, line {number}: not valid JSON ({bad.msg}): {text!r}") from None
             raise
     return located(lambda n: load_dataset(n, split=split), name, "dataset")
 
@@ -281,8 +282,8 @@ def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --
         kind = (int, float) if column in numeric else str
         for row, value in enumerate(dataset[column]):
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {'a number' if column in numeric else 'text'}"
-                                 " (fix or drop that row).")
+                wanted = "a number" if column in numeric else "text"
+                raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
 
 
 def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:

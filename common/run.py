@@ -52,7 +52,8 @@ def keep_freed_memory() -> None:
     By default glibc maps every large block afresh and unmaps it on free, so the vocabulary-sized tensors of each
     step are page-faulted in again: on the tiny presets that is about 45% of a DPO step and 40% of an ILQL step,
     spent in the kernel. The price is a higher peak RSS (fragmentation: +22% for DPO, +65% for ILQL's
-    vocabulary-sized Q heads). Set any MALLOC_* variable (e.g. MALLOC_MMAP_MAX_=65536, glibc's default) to keep glibc's own policy.
+    vocabulary-sized Q heads). Set any MALLOC_* variable (e.g. MALLOC_MMAP_MAX_=65536, glibc's default) to keep glibc's
+    own policy.
     """
     if any(key.startswith("MALLOC_") for key in os.environ):
         return

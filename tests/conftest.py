@@ -2,8 +2,9 @@ import os
 import sys
 
 # Offline by default: no hub retries, no wandb uploads
-for key, value in dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
-                       TOKENIZERS_PARALLELISM="false").items():
+for key, value in dict(
+    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false"
+).items():
     os.environ.setdefault(key, value)
 if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: one core per worker, no oversubscription (set before torch)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -66,8 +67,7 @@ def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -
             pytest.fail(f"{' '.join(map(str, args))} failed\n{output[-4000:]}\n{trace[-6000:]}")
         return output
     env = dict(os.environ, PYTHONPATH=ROOT, **env_overrides)
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         pytest.fail(f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
     return result.stdout + result.stderr

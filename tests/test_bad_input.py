@@ -6,43 +6,53 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import RANDOM_MODEL, ROOT, run_failing
 
 SCRIPTS = {name: os.path.join(ROOT, f"{name}.py") for name in ("ppo", "dpo", "sft", "reward_modeling", "ilql", "ddpo")}
 
 
 def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
-    for script, flags, message in (("ppo", ["--batch-size", "10", "--mini-batch-size", "4"], "is not divisible by 4"),
-                                   ("dpo", ["--beta", "-1"], "--beta -1.0: it must be > 0")):
-        result = subprocess.run([sys.executable, SCRIPTS[script], *flags], cwd=tmp_path, capture_output=True, text=True,
-                                env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    for script, flags, message in (
+        ("ppo", ["--batch-size", "10", "--mini-batch-size", "4"], "is not divisible by 4"),
+        ("dpo", ["--beta", "-1"], "--beta -1.0: it must be > 0"),
+    ):
+        result = subprocess.run(
+            [sys.executable, SCRIPTS[script], *flags],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=120,
+        )
         assert result.returncode == 2, result.stderr[-2000:]
         assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
         assert message in result.stderr
 
 
-@pytest.mark.parametrize("script, flags, message", [
-    # zero and negative budgets: nothing to train is an error, not a run that replaces the output with an untrained model
-    ("ppo", ["--total-episodes", "0"], "--total-episodes 0: it must be > 0"),
-    ("sft", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
-    ("reward_modeling", ["--num-epochs", "-1"], "--num-epochs -1: it must be > 0"),
-    ("dpo", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
-    ("ilql", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
-    ("ddpo", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
-    # values that would silently train something else
-    ("dpo", ["--label-smoothing", "0.5"], "label smoothing (the chance a label is flipped) lies in [0, 0.5)"),
-    ("dpo", ["--max-prompt-length", "0"], "--max-prompt-length 0: it must be > 0"),
-    ("sft", ["--max-seq-length", "1"], "a sequence needs at least 2 tokens"),
-    ("ppo", ["--learning-rate", "0"], "--learning-rate 0.0: it must be > 0"),
-    ("ppo", ["--eval-fraction", "1.5"], "--eval-fraction 1.5: it must be between 0 and 1"),
-    ("ppo", ["--gamma", "2"], "gamma and lam lie in [0, 1]"),
-    ("ilql", ["--tau", "1"], "--tau 1.0: it must be between 0 and 1"),
-    ("ddpo", ["--train-clip-range", "-0.1"], "--train-clip-range -0.1: it must be > 0"),
-    # files and folders that are not there, or not what they should be
-    ("sft", ["--dataset-name", "missing/data.jsonl"], "no such file"),
-    ("dpo", ["--model-name", "no/such-model-folder"], "no such file or folder here, nor a hub id"),
-])
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        # zero and negative budgets: nothing to train is an error, not a run that replaces the output with an untrained model
+        ("ppo", ["--total-episodes", "0"], "--total-episodes 0: it must be > 0"),
+        ("sft", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
+        ("reward_modeling", ["--num-epochs", "-1"], "--num-epochs -1: it must be > 0"),
+        ("dpo", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
+        ("ilql", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
+        ("ddpo", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
+        # values that would silently train something else
+        ("dpo", ["--label-smoothing", "0.5"], "label smoothing (the chance a label is flipped) lies in [0, 0.5)"),
+        ("dpo", ["--max-prompt-length", "0"], "--max-prompt-length 0: it must be > 0"),
+        ("sft", ["--max-seq-length", "1"], "a sequence needs at least 2 tokens"),
+        ("ppo", ["--learning-rate", "0"], "--learning-rate 0.0: it must be > 0"),
+        ("ppo", ["--eval-fraction", "1.5"], "--eval-fraction 1.5: it must be between 0 and 1"),
+        ("ppo", ["--gamma", "2"], "gamma and lam lie in [0, 1]"),
+        ("ilql", ["--tau", "1"], "--tau 1.0: it must be between 0 and 1"),
+        ("ddpo", ["--train-clip-range", "-0.1"], "--train-clip-range -0.1: it must be > 0"),
+        # files and folders that are not there, or not what they should be
+        ("sft", ["--dataset-name", "missing/data.jsonl"], "no such file"),
+        ("dpo", ["--model-name", "no/such-model-folder"], "no such file or folder here, nor a hub id"),
+    ],
+)
 def test_bad_values_fail_before_training(tmp_path, script, flags, message):
     model = [] if script == "ddpo" else RANDOM_MODEL  # ddpo's is a pipeline: its default is already tiny
     error = run_failing([SCRIPTS[script], *model, *flags], tmp_path)

@@ -9,7 +9,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common import (
-    UsageError,
     AdaptiveKLController,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
@@ -17,6 +16,7 @@ from common import (
     LogitMask,
     RunLogger,
     RunningMoments,
+    UsageError,
     atomic_directory,
     check_columns,
     check_scores,
@@ -62,7 +62,9 @@ def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
     (tmp_path / "dense.json").write_text(json.dumps(dense))
     from_file = LogitMask.from_file(str(tmp_path / "dense.json"), vocab_size=5)
     assert torch.equal(from_file.apply(logits, previous), mask.apply(logits, previous))
-    torch.testing.assert_close(mask(torch.tensor([[0, 1], [1, 4]]), logits[:, 0]), mask.apply(logits[:, 0], torch.tensor([1, 4])))
+    torch.testing.assert_close(
+        mask(torch.tensor([[0, 1], [1, 4]]), logits[:, 0]), mask.apply(logits[:, 0], torch.tensor([1, 4]))
+    )
     for bad in ({1: []}, {1: [5]}, {7: [0]}):
         with pytest.raises(ValueError, match="at least one allowed next token"):
             LogitMask(bad, vocab_size=5)
@@ -93,8 +95,10 @@ def test_chunked_logprobs_equal_the_full_logits_in_value_and_gradient():
     hidden, weight, bias = torch.randn(37, 8), torch.randn(50, 8), torch.randn(50)
     labels, grad = torch.randint(0, 50, (37,)), torch.randn(37)
     results = []
-    for fn in (lambda h, w, b: chunked_logprobs(h, w, labels, b, chunk_size=5),  # 8 chunks, the last one short
-               lambda h, w, b: logprobs_from_logits(torch.nn.functional.linear(h, w, b), labels)):
+    for fn in (
+        lambda h, w, b: chunked_logprobs(h, w, labels, b, chunk_size=5),  # 8 chunks, the last one short
+        lambda h, w, b: logprobs_from_logits(torch.nn.functional.linear(h, w, b), labels),
+    ):
         inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         out = fn(*inputs)
         (out * grad).sum().backward()
@@ -192,7 +196,8 @@ def test_exact_div():
 
 def test_value_head_round_trip(tmp_path):
     model = AutoModelForCausalLMWithValueHead.from_pretrained(
-        "builtin:tiny-gpt2", value_head_kwargs=dict(init="normal", init_std=0.5)).eval()
+        "builtin:tiny-gpt2", value_head_kwargs=dict(init="normal", init_std=0.5)
+    ).eval()
     input_ids = torch.tensor([[10, 20, 30, 40]])
     logits, values = model(input_ids=input_ids)
     assert logits.shape == (1, 4, 50258) and values.shape == (1, 4) and values.abs().sum() > 0
@@ -318,7 +323,10 @@ def test_builtin_and_local_datasets(tmp_path):
     dialogue, mixed = load_data("builtin:chatterbot-dialogue"), load_data("builtin:chatterbot-mixed-replies")
     assert len(mixed) == 2 * len(dialogue) and mixed["prompt"][::2] == mixed["prompt"][1::2] == dialogue["prompt"]
     assert mixed["completion"][::2] == dialogue["completion"] and set(mixed["completion"][1::2]) <= set(dialogue["completion"])
-    assert mixed["completion"][1::2] != dialogue["completion"] and load_data("builtin:chatterbot-mixed-replies")[:50] == mixed[:50]
+    assert (
+        mixed["completion"][1::2] != dialogue["completion"]
+        and load_data("builtin:chatterbot-mixed-replies")[:50] == mixed[:50]
+    )
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(3)))
     local = load_data(str(path))
@@ -404,8 +412,15 @@ def test_model_card_names_base_data_metrics_and_command(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["dpo.py", "--learning-rate", "1e-5"])
     write_model_card(str(tmp_path), Args(), "dpo", {"eval/rewards/accuracies": 0.8125})
     card = (tmp_path / "README.md").read_text()
-    for text in ("library_name: transformers", "# dpo", "- base model: `gpt2`", "- dataset: `my/data`",
-                 "| eval/rewards/accuracies | 0.8125 |", "python dpo.py --learning-rate 1e-5", "| learning_rate | 1e-05 |"):
+    for text in (
+        "library_name: transformers",
+        "# dpo",
+        "- base model: `gpt2`",
+        "- dataset: `my/data`",
+        "| eval/rewards/accuracies | 0.8125 |",
+        "python dpo.py --learning-rate 1e-5",
+        "| learning_rate | 1e-05 |",
+    ):
         assert text in card, (text, card)
 
 
@@ -420,7 +435,6 @@ def test_quantised_loading_says_what_is_missing():
         quantization_kwargs("builtin:tiny-gpt2", False, True, use_peft=True)
     with pytest.raises(UsageError, match="--load-in-4bit needs a CUDA GPU and bitsandbytes"):
         quantization_kwargs("gpt2", False, True, use_peft=True)
-
 
 
 def test_sample_tables_shorten_long_cells_on_the_console_only(tmp_path, capsys):

@@ -5,19 +5,36 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, check_model_card, run_failing, run_script
 from diffusers import DDIMScheduler
 
-from conftest import ROOT, check_model_card, run_failing, run_script
 from ddpo import PerPromptStatTracker, ddim_step_with_logprob, ddpo_loss, jpeg_compressibility
 
 DDPO = os.path.join(ROOT, "ddpo.py")
-TINY = ["--sample-num-steps", "3", "--sample-batch-size", "2", "--sample-num-batches-per-epoch", "1",
-        "--train-batch-size", "2", "--eval-samples", "2"]
+TINY = [
+    "--sample-num-steps",
+    "3",
+    "--sample-batch-size",
+    "2",
+    "--sample-num-batches-per-epoch",
+    "1",
+    "--train-batch-size",
+    "2",
+    "--eval-samples",
+    "2",
+]
 
 
 def sd_scheduler(prediction_type: str, num_steps: int = 5) -> DDIMScheduler:
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1, prediction_type=prediction_type)
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type=prediction_type,
+    )
     scheduler.set_timesteps(num_steps)
     return scheduler
 
@@ -33,8 +50,9 @@ def test_ddim_step_mean_matches_diffusers_and_log_prob_is_gaussian(prediction_ty
         mean, _ = ddim_step_with_logprob(scheduler, model_output, t, sample, eta=0.0)  # prev_sample = mean + 0 * noise
         torch.testing.assert_close(mean, expected, rtol=1e-5, atol=1e-5)
         # eta = 1: the log-prob is that of N(mean, std) averaged over all but the batch dimension
-        prev, log_prob = ddim_step_with_logprob(scheduler, model_output, t, sample, eta=1.0,
-                                                generator=torch.Generator().manual_seed(1))
+        prev, log_prob = ddim_step_with_logprob(
+            scheduler, model_output, t, sample, eta=1.0, generator=torch.Generator().manual_seed(1)
+        )
         prev_t = max(t.item() - 1000 // 5, 0)
         a_t, a_prev = scheduler.alphas_cumprod[t], scheduler.alphas_cumprod[prev_t]
         std = ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
@@ -85,11 +103,25 @@ def test_jpeg_compressibility_prefers_flat_images():
 
 def test_bad_input_fails_before_sampling(tmp_path):
     assert "not divisible" in run_failing([DDPO, "--sample-batch-size", "3", "--train-batch-size", "2"], tmp_path)
-    assert "not divisible" in run_failing([DDPO, "--sample-batch-size", "4", "--sample-num-batches-per-epoch", "1",
-                                           "--train-batch-size", "4", "--train-gradient-accumulation-steps", "3"], tmp_path)
+    assert "not divisible" in run_failing(
+        [
+            DDPO,
+            "--sample-batch-size",
+            "4",
+            "--sample-num-batches-per-epoch",
+            "1",
+            "--train-batch-size",
+            "4",
+            "--train-gradient-accumulation-steps",
+            "3",
+        ],
+        tmp_path,
+    )
     assert "eta" in run_failing([DDPO, "--sample-eta", "0"], tmp_path)
-    (tmp_path / "bad_reward.py").write_text("def one(images, prompts, metadata):\n    return [1.0]\n"
-                                            "def nan(images, prompts, metadata):\n    return [float('nan')] * len(images)\n")
+    (tmp_path / "bad_reward.py").write_text(
+        "def one(images, prompts, metadata):\n    return [1.0]\n"
+        "def nan(images, prompts, metadata):\n    return [float('nan')] * len(images)\n"
+    )
     error = run_failing([DDPO, "--reward-fn", f"{tmp_path}/bad_reward.py:one"], tmp_path)
     assert "returned 1 scores for 2 samples" in error
     assert "NaN" in run_failing([DDPO, "--reward-fn", f"{tmp_path}/bad_reward.py:nan"], tmp_path)
@@ -100,8 +132,20 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
     from diffusers import StableDiffusionPipeline
 
     run_script([DDPO, *TINY, "--num-epochs", "2", "--save-freq", "1", "--output-dir", "straight"], tmp_path)
-    out = run_script([DDPO, *TINY, "--num-epochs", "2", "--resume-from", str(tmp_path / "straight_checkpoints" / "epoch_1"),
-                      "--output-dir", "resumed", "--async-reward-computation"], tmp_path)
+    out = run_script(
+        [
+            DDPO,
+            *TINY,
+            "--num-epochs",
+            "2",
+            "--resume-from",
+            str(tmp_path / "straight_checkpoints" / "epoch_1"),
+            "--output-dir",
+            "resumed",
+            "--async-reward-computation",
+        ],
+        tmp_path,
+    )
     assert "resumed from" in out and "ddpo: 1 epochs" in out
     assert list((tmp_path / "runs").glob("*/samples_2.png"))  # the captioned sample grid of the last epoch
     # the saved folder is the base pipeline plus the LoRA weights, loadable with plain diffusers
@@ -119,8 +163,21 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
 def test_full_fine_tuning_saves_a_pipeline(tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    out = run_script([DDPO, *TINY, "--num-epochs", "1", "--no-use-lora", "--no-per-prompt-stat-tracking",
-                      "--sample-guidance-scale", "1.0", "--train-timestep-fraction", "0.5"], tmp_path)
+    out = run_script(
+        [
+            DDPO,
+            *TINY,
+            "--num-epochs",
+            "1",
+            "--no-use-lora",
+            "--no-per-prompt-stat-tracking",
+            "--sample-guidance-scale",
+            "1.0",
+            "--train-timestep-fraction",
+            "0.5",
+        ],
+        tmp_path,
+    )
     assert "pipeline saved to outputs/ddpo" in out
     from common import load_pipeline
 

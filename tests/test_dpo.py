@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from safetensors.torch import load_file
 
 from common import load_tokenizer
-from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from dpo import dpo_loss, get_batch_logps, tokenize_pair, tokenize_pair_seq2seq
 
 DPO = os.path.join(ROOT, "dpo.py")
@@ -15,12 +15,15 @@ sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
 PC, PR, RC, RR = torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5])  # h = 1
 
 
-@pytest.mark.parametrize("loss_type, beta, smoothing, expected", [
-    ("sigmoid", 0.5, 0.0, -math.log(sig(0.5))),
-    ("sigmoid", 0.5, 0.1, -0.9 * math.log(sig(0.5)) - 0.1 * math.log(sig(-0.5))),
-    ("hinge", 0.5, 0.0, 0.5),
-    ("ipo", 0.25, 0.0, (1.0 - 2.0) ** 2),
-])
+@pytest.mark.parametrize(
+    "loss_type, beta, smoothing, expected",
+    [
+        ("sigmoid", 0.5, 0.0, -math.log(sig(0.5))),
+        ("sigmoid", 0.5, 0.1, -0.9 * math.log(sig(0.5)) - 0.1 * math.log(sig(-0.5))),
+        ("hinge", 0.5, 0.0, 0.5),
+        ("ipo", 0.25, 0.0, (1.0 - 2.0) ** 2),
+    ],
+)
 def test_dpo_loss_by_hand(loss_type, beta, smoothing, expected):
     losses, chosen_rewards, rejected_rewards = dpo_loss(PC, PR, RC, RR, beta, loss_type, smoothing)
     assert losses.item() == pytest.approx(expected)
@@ -54,7 +57,8 @@ def test_get_batch_logps_against_explicit_loop():
     counts = [sum(1 for t in range(1, 5) if labels[b, t] != -100) for b in range(2)]
     assert get_batch_logps(logits, labels).tolist() == pytest.approx(expected_sum, abs=1e-5)
     assert get_batch_logps(logits, labels, average_log_prob=True).tolist() == pytest.approx(
-        [s / c for s, c in zip(expected_sum, counts)], abs=1e-5)
+        [s / c for s, c in zip(expected_sum, counts)], abs=1e-5
+    )
 
 
 def test_get_batch_logps_encoder_decoder_is_not_shifted():
@@ -86,9 +90,29 @@ def test_encoder_decoder_dpo_learns_and_logs_the_true_seq2seq_logps(tmp_path):
 
     from common import load_data, train_eval_split
 
-    out = run_script([DPO, *RANDOM_MODEL, "--model-name", "builtin:tiny-t5", "--max-steps", "16", "--batch-size", "4", "--learning-rate",
-                      "3e-4", "--eval-steps", "1000", "--eval-fraction", "0.05", "--max-prompt-length", "32",
-                      "--max-target-length", "24"], tmp_path)  # measured: accuracy 0.775, margin 0.0 -> 1.2 in 24 steps
+    out = run_script(
+        [
+            DPO,
+            *RANDOM_MODEL,
+            "--model-name",
+            "builtin:tiny-t5",
+            "--max-steps",
+            "16",
+            "--batch-size",
+            "4",
+            "--learning-rate",
+            "3e-4",
+            "--eval-steps",
+            "1000",
+            "--eval-fraction",
+            "0.05",
+            "--max-prompt-length",
+            "32",
+            "--max-target-length",
+            "24",
+        ],
+        tmp_path,
+    )  # measured: accuracy 0.775, margin 0.0 -> 1.2 in 24 steps
     accuracy = float(out.split("eval reward accuracy ")[1].split(",")[0].split(" -> ")[1])
     first_margin, last_margin = (float(x) for x in out.split("margin ")[1].split(";")[0].split(" -> "))
     assert accuracy > 0.65 and last_margin > first_margin + 0.3, out[-600:]
@@ -145,10 +169,30 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
 def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
     runs = {}
     for name, flag in (("chunked", "--chunked-logps"), ("full", "--no-chunked-logps")):
-        run_script([DPO, *RANDOM_MODEL, flag, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "3", "--loss-type",
-                    loss_type, "--output-dir", name, "--log-dir", str(tmp_path / "runs" / name)], tmp_path)
-        runs[name] = {tag: read_scalars(str(tmp_path / "runs" / name), f"train/{tag}")
-                      for tag in ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "rewards/margins")}
+        run_script(
+            [
+                DPO,
+                *RANDOM_MODEL,
+                flag,
+                "--dataset-name",
+                pairs_file,
+                "--batch-size",
+                "4",
+                "--max-steps",
+                "3",
+                "--loss-type",
+                loss_type,
+                "--output-dir",
+                name,
+                "--log-dir",
+                str(tmp_path / "runs" / name),
+            ],
+            tmp_path,
+        )
+        runs[name] = {
+            tag: read_scalars(str(tmp_path / "runs" / name), f"train/{tag}")
+            for tag in ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "rewards/margins")
+        }
     for tag, values in runs["chunked"].items():
         assert len(values) == 3 and values == pytest.approx(runs["full"][tag], rel=1e-4, abs=1e-5), tag
     chunked, full = (load_file(tmp_path / d / "model.safetensors") for d in ("chunked", "full"))
@@ -156,32 +200,55 @@ def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
 
 
 def test_dpo_options_run(tmp_path, pairs_file):
-    for flags in (["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval", "--gradient-checkpointing"],
-                  ["--loss-type", "kto_pair", "--reference-free", "--gradient-accumulation-steps", "2"],
-                  ["--label-smoothing", "0.1", "--precompute-ref-log-probs", "--use-peft", "--lora-r", "4"]):
-        out = run_script([DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path)
+    for flags in (
+        ["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval", "--gradient-checkpointing"],
+        ["--loss-type", "kto_pair", "--reference-free", "--gradient-accumulation-steps", "2"],
+        ["--label-smoothing", "0.1", "--precompute-ref-log-probs", "--use-peft", "--lora-r", "4"],
+    ):
+        out = run_script(
+            [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path
+        )
         assert "dpo: 2 steps" in out, flags
 
 
 def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
     run_script([*common, "--save-steps", "2", "--output-dir", "straight"], tmp_path)
-    out = run_script([*common, "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"), "--output-dir", "resumed"], tmp_path)
+    out = run_script(
+        [*common, "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"), "--output-dir", "resumed"], tmp_path
+    )
     assert "resumed from" in out and "dpo: 2 steps" in out
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_dpo_learns_the_preferences(tmp_path):
-    out = run_script([DPO, *RANDOM_MODEL, "--max-steps", "24", "--batch-size", "4", "--learning-rate", "3e-4", "--eval-steps", "1000",
-                      "--eval-fraction", "0.05"], tmp_path)  # measured: accuracy 0.76, margin 3.25
+    out = run_script(
+        [
+            DPO,
+            *RANDOM_MODEL,
+            "--max-steps",
+            "24",
+            "--batch-size",
+            "4",
+            "--learning-rate",
+            "3e-4",
+            "--eval-steps",
+            "1000",
+            "--eval-fraction",
+            "0.05",
+        ],
+        tmp_path,
+    )  # measured: accuracy 0.76, margin 3.25
     accuracy = float(out.split("eval reward accuracy ")[1].split(",")[0].split(" -> ")[1])
     first_margin, last_margin = (float(x) for x in out.split("margin ")[1].split(";")[0].split(" -> "))
     assert accuracy > 0.65 and last_margin > first_margin + 0.3, out[-600:]
 
 
 def test_dpo_bad_input(tmp_path, pairs_file):
-    assert "no column ['answer']" in run_failing([DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path)
+    assert "no column ['answer']" in run_failing(
+        [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--chosen-column", "answer"], tmp_path
+    )
     assert "must be below max_length" in run_failing([DPO, *RANDOM_MODEL, "--max-prompt-length", "128"], tmp_path)
     assert "exceeds the model's context of 256" in run_failing([DPO, *RANDOM_MODEL, "--max-length", "300"], tmp_path)
     same = tmp_path / "same.jsonl"
@@ -194,14 +261,44 @@ def test_long_prompts_are_cut_for_sample_generation(tmp_path):
     must --generate-during-eval, or the position embeddings run out."""
     rows = [dict(prompt="word " * 300 + f"question {i}?", chosen=" good answer", rejected=" bad answer") for i in range(24)]
     (tmp_path / "long.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    out = run_script([DPO, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "long.jsonl"), "--batch-size", "4", "--max-steps", "1",
-                      "--eval-fraction", "0.2", "--generate-during-eval"], tmp_path)
+    out = run_script(
+        [
+            DPO,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            str(tmp_path / "long.jsonl"),
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "1",
+            "--eval-fraction",
+            "0.2",
+            "--generate-during-eval",
+        ],
+        tmp_path,
+    )
     assert "dpo: 1 steps" in out and "question" in out  # the sample table shows the prompts' ends
 
 
 def test_dpo_two_process_ddp_with_fewer_eval_pairs_than_processes(tmp_path, pairs_file):
     """40 pairs, one held out, two ranks: rank 1's eval shard is empty and scores a pair at weight 0, so both ranks
     reach the same collectives (gloo aborted on a size mismatch before)."""
-    out = run_script([*ddp_launch(), DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps",
-                      "2", "--eval-fraction", "0.025"], tmp_path, timeout=300, **DDP_ENV)
+    out = run_script(
+        [
+            *ddp_launch(),
+            DPO,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            pairs_file,
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "2",
+            "--eval-fraction",
+            "0.025",
+        ],
+        tmp_path,
+        timeout=300,
+        **DDP_ENV,
+    )
     assert out.count("dpo: 2 steps") == 1 and "39 training / 1 eval pairs" in out

@@ -4,10 +4,10 @@ import re
 
 import pytest
 import torch
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from ilql import CausalLMWithILQLHeads, advantage_logits, ilql_loss, tokenize_sample
 
 ILQL = os.path.join(ROOT, "ilql.py")
@@ -29,9 +29,13 @@ def reference_ilql_loss(logits, qs, target_qs, vs, actions, rewards, n_actions, 
             loss_v += (tau if target_q >= v else 1 - tau) * (target_q - v) ** 2
             loss_awac += -logits[b, t].log_softmax(-1)[a].item() * math.exp(beta * (target_q - v))
     total = sum(n_actions)
-    return {"losses/loss_q": loss_q / total, "losses/loss_v": loss_v / total, "losses/loss_cql": loss_cql / total,
-            "losses/loss_awac": loss_awac / total,
-            "losses/loss": (loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac) / total}
+    return {
+        "losses/loss_q": loss_q / total,
+        "losses/loss_v": loss_v / total,
+        "losses/loss_cql": loss_cql / total,
+        "losses/loss_awac": loss_awac / total,
+        "losses/loss": (loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac) / total,
+    }
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5])
@@ -44,8 +48,9 @@ def test_ilql_loss_matches_the_terms_written_out(beta):
     rewards = torch.tensor([[0.0, 0.0, 1.5], [-0.7, 9.0, 9.0]])  # padded rewards must not count
     dones = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     vs[1, 2:] = 100.0  # padded states must not count either
-    loss, stats = ilql_loss(logits, qs, target_qs, vs, actions, rewards, dones, gamma=0.9, tau=0.7, cql_scale=0.1,
-                            awac_scale=1.0, awac_beta=beta)
+    loss, stats = ilql_loss(
+        logits, qs, target_qs, vs, actions, rewards, dones, gamma=0.9, tau=0.7, cql_scale=0.1, awac_scale=1.0, awac_beta=beta
+    )
     expected = reference_ilql_loss(logits, qs, target_qs, vs, actions, rewards, [3, 1], 0.9, 0.7, 0.1, 1.0, beta)
     for key, value in expected.items():
         assert stats[key].item() == pytest.approx(value, rel=1e-5), key
@@ -54,8 +59,15 @@ def test_ilql_loss_matches_the_terms_written_out(beta):
 
 def test_expectile_asymmetry_and_two_q_minimum():
     one = lambda x: torch.tensor([[[x]]])  # noqa: E731 - one action, a vocabulary of one token
-    common = dict(actions=torch.tensor([[0]]), rewards=torch.zeros(1, 1), dones=torch.tensor([[1, 0]]), gamma=1.0,
-                  tau=0.9, cql_scale=0.0, awac_scale=0.0)
+    common = dict(
+        actions=torch.tensor([[0]]),
+        rewards=torch.zeros(1, 1),
+        dones=torch.tensor([[1, 0]]),
+        gamma=1.0,
+        tau=0.9,
+        cql_scale=0.0,
+        awac_scale=0.0,
+    )
     # target Qs 1 and 3: the minimum, 1, is what V regresses on
     target = lambda x: torch.tensor([[x]])  # noqa: E731
     _, below = ilql_loss(one(0.0), [one(0.0)], [target(1.0), target(3.0)], torch.tensor([[0.0, 5.0]]), **common)
@@ -118,8 +130,19 @@ def test_tokenize_sample_positions_and_truncation():
 
 def test_smoke_resume_and_saved_model(tmp_path):
     run_script([ILQL, *TINY, "--max-steps", "4", "--save-steps", "2", "--output-dir", "straight"], tmp_path)
-    out = run_script([ILQL, *TINY, "--max-steps", "4", "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"),
-                      "--output-dir", "resumed"], tmp_path)
+    out = run_script(
+        [
+            ILQL,
+            *TINY,
+            "--max-steps",
+            "4",
+            "--resume-from",
+            str(tmp_path / "straight_checkpoints" / "step_2"),
+            "--output-dir",
+            "resumed",
+        ],
+        tmp_path,
+    )
     assert "resumed from" in out and re.search(r"ilql: 2 steps .* eval reward beta=0 ", out)
     check_model_card(tmp_path / "resumed", "ilql")
     straight = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "straight"))
@@ -131,15 +154,61 @@ def test_smoke_resume_and_saved_model(tmp_path):
 def test_text_reward_data_peft_and_bad_input(tmp_path):
     data = tmp_path / "texts.jsonl"
     data.write_text("".join(f'{{"text": "I really like sample {i}", "score": {i % 3}}}\n' for i in range(40)))
-    out = run_script([ILQL, *TINY, "--max-steps", "2", "--dataset-name", str(data), "--prompt-column", "None",
-                      "--response-column", "text", "--reward-column", "score", "--use-peft", "--lora-r", "4"], tmp_path)
+    out = run_script(
+        [
+            ILQL,
+            *TINY,
+            "--max-steps",
+            "2",
+            "--dataset-name",
+            str(data),
+            "--prompt-column",
+            "None",
+            "--response-column",
+            "text",
+            "--reward-column",
+            "score",
+            "--use-peft",
+            "--lora-r",
+            "4",
+        ],
+        tmp_path,
+    )
     assert "ilql: 2 steps" in out
-    assert "no column ['reward']" in run_failing([ILQL, *RANDOM_MODEL, "--dataset-name", str(data), "--prompt-column", "None",
-                                                  "--response-column", "text", "--reward-column", "reward"], tmp_path)
-    assert "exceeds the model's context of 256" in run_failing([ILQL, *RANDOM_MODEL, "--max-length", "250"], tmp_path)  # + 12 new
+    assert "no column ['reward']" in run_failing(
+        [
+            ILQL,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            str(data),
+            "--prompt-column",
+            "None",
+            "--response-column",
+            "text",
+            "--reward-column",
+            "reward",
+        ],
+        tmp_path,
+    )
+    assert "exceeds the model's context of 256" in run_failing(
+        [ILQL, *RANDOM_MODEL, "--max-length", "250"], tmp_path
+    )  # + 12 new
     data.write_text("".join(f'{{"text": "x {i}", "score": NaN}}\n' for i in range(40)))
-    assert "NaN" in run_failing([ILQL, *RANDOM_MODEL, "--dataset-name", str(data), "--prompt-column", "None", "--response-column",
-                                 "text", "--reward-column", "score"], tmp_path)
+    assert "NaN" in run_failing(
+        [
+            ILQL,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            str(data),
+            "--prompt-column",
+            "None",
+            "--response-column",
+            "text",
+            "--reward-column",
+            "score",
+        ],
+        tmp_path,
+    )
 
 
 def test_long_eval_prompts_keep_their_last_max_length_tokens(tmp_path):
@@ -162,8 +231,7 @@ def test_logit_mask_restricts_generation(tmp_path, positive_mask_file):
 def test_two_process_ddp_with_fewer_eval_prompts_than_processes(tmp_path):
     """One held-out prompt for two ranks: rank 1 answers it at weight 0, so both reach every collective (it used to
     wait forever in the gather)."""
-    out = run_script([*ddp_launch(), ILQL, *TINY, "--max-steps", "2", "--eval-samples", "1"], tmp_path, timeout=300,
-                     **DDP_ENV)
+    out = run_script([*ddp_launch(), ILQL, *TINY, "--max-steps", "2", "--eval-samples", "1"], tmp_path, timeout=300, **DDP_ENV)
     assert "1 eval prompts per process" in out and "ilql: 2 steps" in out
 
 
@@ -178,9 +246,32 @@ def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
     with open(tmp_path / "yesno.jsonl", "w") as f:
         for i in range(320):
             yes = rng.random() < 0.5
-            f.write(json.dumps({"prompt": f"Question {i}: do you agree?", "completion": " yes" if yes else " no",
-                                "reward": float(yes)}) + "\n")
-    out = run_script([ILQL, *RANDOM_MODEL, "--dataset-name", "yesno.jsonl", "--reward-column", "reward", "--eval-fraction", "0.2",
-                      "--num-epochs", "4", "--batch-size", "16", "--max-new-tokens", "4", "--eval-steps", "1000"], tmp_path)
+            f.write(
+                json.dumps(
+                    {"prompt": f"Question {i}: do you agree?", "completion": " yes" if yes else " no", "reward": float(yes)}
+                )
+                + "\n"
+            )
+    out = run_script(
+        [
+            ILQL,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            "yesno.jsonl",
+            "--reward-column",
+            "reward",
+            "--eval-fraction",
+            "0.2",
+            "--num-epochs",
+            "4",
+            "--batch-size",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--eval-steps",
+            "1000",
+        ],
+        tmp_path,
+    )
     behaviour, steered = map(float, re.search(r"beta=0 \S+ -> (-?[\d.]+), beta=4 \S+ -> (-?[\d.]+)", out).groups())
     assert steered > behaviour + 0.15, out[-3000:]

@@ -9,16 +9,18 @@ import os
 import nbformat
 import numpy as np
 import pytest
+from conftest import ROOT
 from nbclient import NotebookClient
 from PIL import Image
-
-from conftest import ROOT
 
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # Small budgets: each notebook's own defaults take a few minutes; these keep the suite short
 BUDGETS = {
-    "sft": {"MAX_STEPS": 4, "EVAL_STEPS": 4,
-            "FLAGS": ["--eval-fraction", "0.01", "--num-sample-generations", "0", "--max-seq-length", "32"]},
+    "sft": {
+        "MAX_STEPS": 4,
+        "EVAL_STEPS": 4,
+        "FLAGS": ["--eval-fraction", "0.01", "--num-sample-generations", "0", "--max-seq-length", "32"],
+    },
     "reward_modeling": {"NUM_EPOCHS": 1, "MAX_STEPS": 6, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32"]},
     "ppo": {"TOTAL_EPISODES": 16, "FLAGS": ["--eval-samples", "8"]},
     "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
@@ -46,8 +48,13 @@ def test_notebook_runs_and_renders_its_plots(name, tmp_path):
         assert f"{key} = " in notebook.cells[index].source, f"{key} is not a parameter of {name}.ipynb"
     notebook.cells.insert(index + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in overrides.items())))
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
-    pngs = [out["data"]["image/png"] for c in notebook.cells if c.cell_type == "code"
-            for out in c.outputs if "image/png" in out.get("data", {})]
+    pngs = [
+        out["data"]["image/png"]
+        for c in notebook.cells
+        if c.cell_type == "code"
+        for out in c.outputs
+        if "image/png" in out.get("data", {})
+    ]
     assert pngs, f"{name}.ipynb drew no plot"
     for png in pngs:
         image = np.asarray(Image.open(io.BytesIO(base64.b64decode(png))).convert("L"), dtype=float)

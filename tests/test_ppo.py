@@ -4,11 +4,11 @@ import statistics
 
 import pytest
 import torch
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import AutoModelForCausalLMWithValueHead, LogitMask, logprobs_from_logits
-from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from ppo import compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -30,11 +30,14 @@ def test_compute_rewards_by_hand():
     close(rewards, [[-0.05, 0.1, 1.0], [-0.1, 2.0, 0.0]])
 
 
-@pytest.mark.parametrize("penalty, expected", [
-    ("abs", [[0.5, 1.0, 0.0], [1.0, 0.0, 0.0]]),
-    ("mse", [[0.125, 0.5, 0.0], [0.5, 0.0, 0.0]]),
-    ("k3", [[math.exp(-0.5) - 0.5, math.exp(1) - 2, 0.0], [math.exp(-1), 0.0, 0.0]]),
-])
+@pytest.mark.parametrize(
+    "penalty, expected",
+    [
+        ("abs", [[0.5, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+        ("mse", [[0.125, 0.5, 0.0], [0.5, 0.0, 0.0]]),
+        ("k3", [[math.exp(-0.5) - 0.5, math.exp(1) - 2, 0.0], [math.exp(-1), 0.0, 0.0]]),
+    ],
+)
 def test_compute_rewards_kl_penalties(penalty, expected):
     rewards, _, kls = compute_rewards(torch.zeros(2), LOGPROBS, REF_LOGPROBS, MASKS, 1.0, penalty)
     close(kls, expected)
@@ -74,10 +77,18 @@ def test_compute_advantages_whiten_rewards_keeps_mean():
 
 
 def ppo_inputs(logprobs):
-    return dict(old_logprobs=torch.tensor([[-1.0, -1.0, 5.0]]), values=torch.tensor([[0.0, 0.0, 9.0]]),
-                logprobs=logprobs, vpreds=torch.tensor([[0.5, -0.1, -9.0]]), mask=torch.tensor([[1.0, 1.0, 0.0]]),
-                advantages=torch.tensor([[1.0, -1.0, 100.0]]), returns=torch.tensor([[1.0, 1.0, 50.0]]),
-                cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+    return dict(
+        old_logprobs=torch.tensor([[-1.0, -1.0, 5.0]]),
+        values=torch.tensor([[0.0, 0.0, 9.0]]),
+        logprobs=logprobs,
+        vpreds=torch.tensor([[0.5, -0.1, -9.0]]),
+        mask=torch.tensor([[1.0, 1.0, 0.0]]),
+        advantages=torch.tensor([[1.0, -1.0, 100.0]]),
+        returns=torch.tensor([[1.0, 1.0, 50.0]]),
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+    )
 
 
 def test_ppo_loss_by_hand():
@@ -116,9 +127,12 @@ def test_left_padding_gives_the_same_logprobs():
     with torch.no_grad():
         logits, values = forward(model, queries, query_mask, responses, torch.ones_like(responses), 1.0)
         for i, q in enumerate([short, long]):
-            alone_logits, alone_values = forward(model, q, torch.ones_like(q), responses[i:i + 1], torch.ones(1, 3), 1.0)
-            assert torch.allclose(logprobs_from_logits(logits[i:i + 1], responses[i:i + 1]),
-                                  logprobs_from_logits(alone_logits, responses[i:i + 1]), atol=1e-5)
+            alone_logits, alone_values = forward(model, q, torch.ones_like(q), responses[i : i + 1], torch.ones(1, 3), 1.0)
+            assert torch.allclose(
+                logprobs_from_logits(logits[i : i + 1], responses[i : i + 1]),
+                logprobs_from_logits(alone_logits, responses[i : i + 1]),
+                atol=1e-5,
+            )
         # temperature divides the logits used for logprobs
         hot, _ = forward(model, queries, query_mask, responses, torch.ones_like(responses), 2.0)
         assert torch.allclose(hot, logits / 2.0, atol=1e-6)
@@ -136,13 +150,20 @@ def test_logit_mask_on_a_tiny_vocabulary_in_sampling_and_logprobs():
     mask = LogitMask({t: [(t + 1) % vocab, (t + 2) % vocab] for t in range(vocab)}, vocab_size=vocab)
     queries = torch.randint(0, vocab, (64, 3))
     with torch.no_grad():
-        out = model.generate(input_ids=queries, attention_mask=torch.ones_like(queries), max_new_tokens=10, do_sample=True,
-                             pad_token_id=0, logits_processor=LogitsProcessorList([mask]))
+        out = model.generate(
+            input_ids=queries,
+            attention_mask=torch.ones_like(queries),
+            max_new_tokens=10,
+            do_sample=True,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([mask]),
+        )
         steps = (out[:, 3:] - out[:, 2:-1]) % vocab  # every transition from the last query token on
         assert set(steps.unique().tolist()) == {1, 2}
         responses = out[:, 3:]
-        logits, _ = forward(model, queries, torch.ones_like(queries), responses, torch.ones_like(responses), 0.7,
-                            logit_mask=mask)
+        logits, _ = forward(
+            model, queries, torch.ones_like(queries), responses, torch.ones_like(responses), 0.7, logit_mask=mask
+        )
     probs = logits.softmax(-1)
     previous = torch.cat([queries[:, -1:], responses[:, :-1]], 1)
     allowed = torch.zeros_like(probs, dtype=torch.bool)
@@ -167,8 +188,26 @@ def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
 
 
 # the random tiny preset scored by VADER: fast runs of the machinery (the default run is tested on its own below)
-TINY = ["--model-name", "builtin:tiny-gpt2", "--reward-model", "None", "--batch-size", "8", "--mini-batch-size", "4",
-        "--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--ppo-epochs", "2", "--log-freq", "1"]
+TINY = [
+    "--model-name",
+    "builtin:tiny-gpt2",
+    "--reward-model",
+    "None",
+    "--batch-size",
+    "8",
+    "--mini-batch-size",
+    "4",
+    "--min-new-tokens",
+    "8",
+    "--max-new-tokens",
+    "8",
+    "--eval-samples",
+    "8",
+    "--ppo-epochs",
+    "2",
+    "--log-freq",
+    "1",
+]
 
 
 def test_resume_continues_where_it_stopped(tmp_path):
@@ -176,22 +215,31 @@ def test_resume_continues_where_it_stopped(tmp_path):
     run_script([PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path)
     checkpoint = tmp_path / "straight_checkpoints" / "update_2"
     assert (checkpoint / "trainer_state.json").exists()
-    out = run_script([PPO, *TINY, "--total-episodes", "32", "--resume-from", str(checkpoint),
-                      "--output-dir", "resumed"], tmp_path)
+    out = run_script(
+        [PPO, *TINY, "--total-episodes", "32", "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path
+    )
     assert "resumed from" in out and "ppo: 2 updates" in out
-    straight, resumed = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    straight, resumed = (
+        load_file(tmp_path / "straight" / "model.safetensors"),
+        load_file(tmp_path / "resumed" / "model.safetensors"),
+    )
     at_checkpoint = load_file(checkpoint / "model.safetensors")
     assert any(not torch.equal(straight[k], at_checkpoint[k]) for k in straight)  # training moved on after update 2
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
-    assert torch.equal(load_file(tmp_path / "straight" / "value_head.safetensors")["summary.weight"],
-                       load_file(tmp_path / "resumed" / "value_head.safetensors")["summary.weight"])
+    assert torch.equal(
+        load_file(tmp_path / "straight" / "value_head.safetensors")["summary.weight"],
+        load_file(tmp_path / "resumed" / "value_head.safetensors")["summary.weight"],
+    )
 
 
 def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):
     out = run_script([PPO, *TINY, "--total-episodes", "16", "--use-peft", "--lora-r", "4"], tmp_path)
     assert "reference: adapter disabled" in out
-    trainable, total = [int(x.replace(",", "")) for x in out.split("policy builtin:tiny-gpt2: ")[1].split(" parameters")[0].split(" trainable of ")]
+    trainable, total = [
+        int(x.replace(",", ""))
+        for x in out.split("policy builtin:tiny-gpt2: ")[1].split(" parameters")[0].split(" trainable of ")
+    ]
     assert trainable < total / 10  # only the adapters (and value head) train
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo")  # merged: plain transformers loads it
     assert not any("lora" in name for name, _ in model.named_parameters())
@@ -212,10 +260,34 @@ def test_seq2seq_policy_runs(tmp_path):
     assert "ppo: 1 updates" in out
 
 
-@pytest.mark.parametrize("flags", [["--kl-penalty", "full", "--whiten-rewards", "--use-score-scaling", "--use-score-norm",
-                                    "--score-clip", "1.0", "--missing-eos-penalty", "1.0", "--stop-sequences", ".",
-                                    "--early-stopping", "--max-grad-norm", "1.0", "--num-shared-layers", "1",
-                                    "--lr-anneal", "--temperature", "0.7", "--top-k", "50"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "--kl-penalty",
+            "full",
+            "--whiten-rewards",
+            "--use-score-scaling",
+            "--use-score-norm",
+            "--score-clip",
+            "1.0",
+            "--missing-eos-penalty",
+            "1.0",
+            "--stop-sequences",
+            ".",
+            "--early-stopping",
+            "--max-grad-norm",
+            "1.0",
+            "--num-shared-layers",
+            "1",
+            "--lr-anneal",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "50",
+        ]
+    ],
+)
 def test_options_run(tmp_path, flags):
     out = run_script([PPO, *TINY, "--total-episodes", "16", *flags], tmp_path)
     assert "ppo: 2 updates" in out and "1 shared blocks" in out
@@ -233,7 +305,8 @@ def test_reward_model_from_local_folder(tmp_path):
     assert "ppo: 1 updates" in out
     # a reward model with a shorter context than query + response: an error before training, not mid-run
     load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1, n_positions=24).save_pretrained(
-        tmp_path / "rm")
+        tmp_path / "rm"
+    )
     error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "exceed the reward model's context of 24" in error
 
@@ -295,8 +368,27 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
 
     from common import load_pretrained, load_tokenizer
 
-    run_script([RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--use-peft", "--lora-r", "4", "--max-steps", "3", "--batch-size", "4",
-                "--learning-rate", "1e-2", "--normalize-reward", "--output-dir", "rm"], tmp_path)
+    run_script(
+        [
+            RM,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            pairs_file,
+            "--use-peft",
+            "--lora-r",
+            "4",
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--learning-rate",
+            "1e-2",
+            "--normalize-reward",
+            "--output-dir",
+            "rm",
+        ],
+        tmp_path,
+    )
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
     base = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
     assert not torch.allclose(merged.transformer.h[0].attn.c_attn.weight, base.transformer.h[0].attn.c_attn.weight)
@@ -325,13 +417,26 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     with torch.no_grad():
         torch.testing.assert_close(merged_policy(**ids).logits, policy_logits)
 
-    out = run_script([PPO, *TINY, "--total-episodes", "8", "--use-peft", "--lora-r", "4", "--reward-adapter",
-                      str(tmp_path / "rm" / "reward_adapter")], tmp_path)
+    out = run_script(
+        [
+            PPO,
+            *TINY,
+            "--total-episodes",
+            "8",
+            "--use-peft",
+            "--lora-r",
+            "4",
+            "--reward-adapter",
+            str(tmp_path / "rm" / "reward_adapter"),
+        ],
+        tmp_path,
+    )
     assert "ppo: 1 updates" in out
     adapter = str(tmp_path / "rm" / "reward_adapter")
     assert "add --use-peft" in run_failing([PPO, *TINY, "--reward-adapter", adapter], tmp_path)
-    assert "must share the base model" in run_failing([PPO, *TINY, "--use-peft", "--model-name", "builtin:tiny-t5",
-                                                       "--reward-adapter", adapter], tmp_path)
+    assert "must share the base model" in run_failing(
+        [PPO, *TINY, "--use-peft", "--model-name", "builtin:tiny-t5", "--reward-adapter", adapter], tmp_path
+    )
 
 
 def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):

@@ -3,10 +3,10 @@ import os
 
 import pytest
 import torch
+from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForSequenceClassification
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -59,9 +59,16 @@ def test_reward_model_learns_the_preferences(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "outputs" / "reward_model")
     tokenizer = load_tokenizer(str(tmp_path / "outputs" / "reward_model"))
     with torch.no_grad():
-        good, bad = model(**tokenizer(["Hi I love this, it is wonderful and great<|endoftext|>",
-                                       "Hi I hate this, it is awful and terrible<|endoftext|>"],
-                                      padding=True, return_tensors="pt")).logits[:, 0]
+        good, bad = model(
+            **tokenizer(
+                [
+                    "Hi I love this, it is wonderful and great<|endoftext|>",
+                    "Hi I hate this, it is awful and terrible<|endoftext|>",
+                ],
+                padding=True,
+                return_tensors="pt",
+            )
+        ).logits[:, 0]
     assert good > bad
 
 
@@ -70,14 +77,32 @@ def test_reward_model_options_and_errors(tmp_path):
 
     rows = [dict(prompt=f"q{i}", chosen="great answer", rejected="bad", margin=1.0) for i in range(20)]
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    out = run_script([RM, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "pairs.jsonl"), "--margin-column", "margin", "--max-steps", "3",
-                      "--batch-size", "4", "--use-peft", "--lora-r", "4"], tmp_path)
+    out = run_script(
+        [
+            RM,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            str(tmp_path / "pairs.jsonl"),
+            "--margin-column",
+            "margin",
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--use-peft",
+            "--lora-r",
+            "4",
+        ],
+        tmp_path,
+    )
     assert "reward model: 3 steps" in out
     assert len(read_scalars(str(tmp_path / "runs"), "time/step")) == 3  # the step time is logged for benchmarks
     assert "no column ['good']" in run_failing([RM, *RANDOM_MODEL, "--chosen-column", "good"], tmp_path)
     same = [dict(prompt="q", chosen="x", rejected="x")] * 10
     (tmp_path / "same.jsonl").write_text("\n".join(json.dumps(r) for r in same))
-    assert "no preference to learn" in run_failing([RM, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "same.jsonl")], tmp_path)
+    assert "no preference to learn" in run_failing(
+        [RM, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "same.jsonl")], tmp_path
+    )
 
 
 def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
@@ -86,19 +111,41 @@ def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
     models, losses = {}, {}
     for groups in ("1", "3"):
         out_dir = tmp_path / f"groups{groups}"
-        run_script([RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "8", "--max-steps", "4", "--length-groups", groups,
-                    "--output-dir", str(out_dir), "--log-dir", str(tmp_path / f"runs{groups}")], tmp_path)
+        run_script(
+            [
+                RM,
+                *RANDOM_MODEL,
+                "--dataset-name",
+                pairs_file,
+                "--batch-size",
+                "8",
+                "--max-steps",
+                "4",
+                "--length-groups",
+                groups,
+                "--output-dir",
+                str(out_dir),
+                "--log-dir",
+                str(tmp_path / f"runs{groups}"),
+            ],
+            tmp_path,
+        )
         models[groups] = AutoModelForSequenceClassification.from_pretrained(out_dir).state_dict()
         losses[groups] = read_scalars(str(tmp_path / f"runs{groups}"), "train/loss")
     assert len(losses["1"]) == 4 and losses["1"] == pytest.approx(losses["3"], abs=1e-5)
-    assert not torch.equal(models["1"]["score.weight"], load_pretrained(
-        "builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).score.weight)  # it trained
+    assert not torch.equal(
+        models["1"]["score.weight"],
+        load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).score.weight,
+    )  # it trained
     for name, weight in models["1"].items():
         torch.testing.assert_close(models["3"][name], weight, atol=1e-4, rtol=0)  # 4 Adam steps of lr 3e-4
     assert "--length-groups 0" in run_failing([RM, *RANDOM_MODEL, "--length-groups", "0"], tmp_path)
 
 
 def test_reward_model_two_process_ddp(tmp_path, pairs_file):
-    out = run_script([*ddp_launch(), RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4"],
-                     tmp_path, **DDP_ENV)
+    out = run_script(
+        [*ddp_launch(), RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4"],
+        tmp_path,
+        **DDP_ENV,
+    )
     assert out.count(" steps in ") == 1 and "5 optimizer steps" in out  # main process only; 36 pairs / (2 x 4)

@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
+from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")
@@ -27,7 +27,7 @@ def test_completion_only_labels_mask_exactly_the_prompt():
     ids = prompt + tokenizer(" A field of science.")["input_ids"]
     labels = completion_only_labels(ids, template)
     assert labels[: len(prompt)] == [-100] * len(prompt)
-    assert labels[len(prompt):] == ids[len(prompt):] and -100 not in labels[len(prompt):]
+    assert labels[len(prompt) :] == ids[len(prompt) :] and -100 not in labels[len(prompt) :]
     assert completion_only_labels([1, 2, 3], [7, 8]) is None
 
 
@@ -55,8 +55,23 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
 def test_chunked_loss_is_the_models_own_loss(tmp_path):
     losses = {}
     for flag in ("--chunked-loss", "--no-chunked-loss"):  # same seed, same dropout draws: the same training run
-        run_script([SFT, flag, "--max-steps", "3", "--eval-steps", "2", "--max-seq-length", "32", "--num-sample-generations",
-                    "0", "--log-dir", str(tmp_path / flag)], tmp_path)
+        run_script(
+            [
+                SFT,
+                flag,
+                "--max-steps",
+                "3",
+                "--eval-steps",
+                "2",
+                "--max-seq-length",
+                "32",
+                "--num-sample-generations",
+                "0",
+                "--log-dir",
+                str(tmp_path / flag),
+            ],
+            tmp_path,
+        )
         losses[flag] = [read_scalars(str(tmp_path / flag), tag) for tag in ("train/loss", "eval/loss")]
     assert len(losses["--chunked-loss"][0]) == 3 and len(losses["--chunked-loss"][1]) == 3
     for chunked, full in zip(losses["--chunked-loss"], losses["--no-chunked-loss"]):
@@ -64,9 +79,27 @@ def test_chunked_loss_is_the_models_own_loss(tmp_path):
 
 
 def test_sft_options_run(tmp_path):
-    run_script([SFT, "--max-steps", "3", "--packing", "--max-seq-length", "32", "--use-peft", "--lora-r", "4",
-                "--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2",
-                "--num-sample-generations", "0"], tmp_path)
+    run_script(
+        [
+            SFT,
+            "--max-steps",
+            "3",
+            "--packing",
+            "--max-seq-length",
+            "32",
+            "--use-peft",
+            "--lora-r",
+            "4",
+            "--neftune-noise-alpha",
+            "5",
+            "--gradient-checkpointing",
+            "--save-steps",
+            "2",
+            "--num-sample-generations",
+            "0",
+        ],
+        tmp_path,
+    )
     assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "adapter_model.safetensors").exists()  # LoRA: the adapter
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())
@@ -75,7 +108,9 @@ def test_sft_options_run(tmp_path):
 
 def test_sft_bad_input_is_a_clear_error(tmp_path):
     assert "no column ['body']" in run_failing([SFT, "--text-column", "body"], tmp_path)
-    assert "needs a CUDA GPU and bitsandbytes" in run_failing([SFT, "--model-name", "gpt2", "--load-in-8bit", "--use-peft"], tmp_path)
+    assert "needs a CUDA GPU and bitsandbytes" in run_failing(
+        [SFT, "--model-name", "gpt2", "--load-in-8bit", "--use-peft"], tmp_path
+    )
     assert "exceeds the model's context of 256" in run_failing([SFT, "--max-seq-length", "1000"], tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     assert "is empty" in run_failing([SFT, "--dataset-name", str(tmp_path / "empty.jsonl")], tmp_path)
@@ -86,9 +121,28 @@ def test_long_prompts_are_cut_for_sample_generation(tmp_path):
     max_seq_length and are dropped from training, and the sample generations at the end keep their last tokens."""
     rows = [dict(prompt=("word " * 300 if i % 2 else "") + f"question {i}?", completion=" fine thanks") for i in range(40)]
     (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    out = run_script([SFT, "--dataset-name", str(tmp_path / "mixed.jsonl"), "--prompt-column", "prompt",
-                      "--completion-column", "completion", "--max-steps", "1", "--batch-size", "4",
-                      "--max-seq-length", "256", "--eval-fraction", "0.2", "--num-sample-generations", "8"], tmp_path)
+    out = run_script(
+        [
+            SFT,
+            "--dataset-name",
+            str(tmp_path / "mixed.jsonl"),
+            "--prompt-column",
+            "prompt",
+            "--completion-column",
+            "completion",
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--max-seq-length",
+            "256",
+            "--eval-fraction",
+            "0.2",
+            "--num-sample-generations",
+            "8",
+        ],
+        tmp_path,
+    )
     assert "training examples dropped" in out and "sft: 1 steps" in out
 
 
@@ -100,11 +154,23 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
     tokenizer.save_pretrained(model_dir)
-    rows = [{"messages": [{"role": "user", "content": f"How are you, {i}?"}, {"role": "assistant", "content": "Fine."}]}
-            for i in range(40)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"How are you, {i}?"}, {"role": "assistant", "content": "Fine."}]}
+        for i in range(40)
+    ]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    flags = ["--dataset-name", str(tmp_path / "chat.jsonl"), "--text-column", "messages", "--max-steps", "2",
-             "--batch-size", "4", "--eval-fraction", "0.1"]
+    flags = [
+        "--dataset-name",
+        str(tmp_path / "chat.jsonl"),
+        "--text-column",
+        "messages",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-fraction",
+        "0.1",
+    ]
     out = run_script([SFT, "--model-name", str(model_dir), *flags, "--response-template", "<|assistant|>"], tmp_path)
     assert "sft: 2 steps" in out and "dropped" not in out and "<|user|> How are you" in out  # the sample prompts
     assert "has no chat template" in run_failing([SFT, *flags], tmp_path)  # the built-in tokenizer has none
@@ -113,8 +179,22 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
 def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
     """The warmup lasts as many optimizer steps with 2 processes as with 1 (it was half as long): the peak of a linear
     schedule with --warmup-ratio 0.5 over 8 steps is at step 4 either way, and both schedules are the same."""
-    flags = ["--max-steps", "8", "--batch-size", "4", "--max-seq-length", "32", "--warmup-ratio", "0.5", "--lr-scheduler-type",
-             "linear", "--eval-steps", "100", "--num-sample-generations", "0"]
+    flags = [
+        "--max-steps",
+        "8",
+        "--batch-size",
+        "4",
+        "--max-seq-length",
+        "32",
+        "--warmup-ratio",
+        "0.5",
+        "--lr-scheduler-type",
+        "linear",
+        "--eval-steps",
+        "100",
+        "--num-sample-generations",
+        "0",
+    ]
     out = run_script([*ddp_launch(), SFT, *flags, "--log-dir", str(tmp_path / "two")], tmp_path, timeout=300, **DDP_ENV)
     assert "sft: 8 steps" in out and "of 8 examples" in out  # 2 ranks x 4
     run_script([SFT, *flags, "--log-dir", str(tmp_path / "one")], tmp_path)
