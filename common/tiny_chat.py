@@ -4,8 +4,12 @@ builtin:tiny-chat     GPT-2 (4 layers x 128, tied embeddings) trained as a langu
                       dialogue, each exchange written "utterance reply<eos>": a policy that already answers in English.
 builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, trained on the built-in VADER preference
                       pairs as reward_modeling.py trains one ("prompt response<eos>", Bradley-Terry loss).
+builtin:tiny-arith    grpo.py's default policy: tiny-chat after a short SFT pass (3 epochs, 2,000 problems) on
+                      reasoning-gym's chain_sum (two one-digit terms), "question answer<eos>" with the loss on the answer:
+                      a warm start that answers about a quarter of the problems right, so that rewards differ within a
+                      group and group-relative RL has something to learn from.
 
-Both are built deterministically from a fixed seed (same weights on the same machine and thread count), written
+All are built deterministically from a fixed seed (same weights on the same machine and thread count), written
 atomically into the cache (~/.cache/rlhf-builtin, or $XDG_CACHE_HOME), guarded by a file lock so that concurrent
 processes build once, and load with plain `from_pretrained(folder)`.
 """
@@ -23,7 +27,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 # Bump a version when its recipe changes: the cache then builds the new one beside the old
-FOLDERS = {"builtin:tiny-chat": "tiny-chat-v1", "builtin:tiny-chat-rm": "tiny-chat-rm-v1"}
+FOLDERS = {"builtin:tiny-chat": "tiny-chat-v1", "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
+           "builtin:tiny-arith": "tiny-arith-v1"}
+ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
 
 
@@ -52,7 +58,9 @@ def pretrained_folder(name: str) -> str:
                 tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
                 try:
                     start = time.time()
-                    (build_tiny_chat if name == "builtin:tiny-chat" else build_tiny_chat_rm)(tmp)
+                    builders = {"builtin:tiny-chat": build_tiny_chat, "builtin:tiny-chat-rm": build_tiny_chat_rm,
+                                "builtin:tiny-arith": build_tiny_arith}
+                    builders[name](tmp)
                     os.chmod(tmp, 0o755)
                     shutil.rmtree(folder, ignore_errors=True)
                     os.rename(tmp, folder)
@@ -88,7 +96,7 @@ def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_si
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=steps // 20, num_training_steps=steps)
     print(f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
-          f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 2 minutes on 2 CPU cores)",
+          f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 3 minutes on 2 CPU cores)",
           flush=True)
     model.train()
     progress = tqdm(total=steps, desc="builtin:tiny-chat", leave=False)
@@ -151,4 +159,50 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     model.config.id2label, model.config.label2id = {0: "reward"}, {"reward": 0}
     model.eval().save_pretrained(folder)
     tokenizer.truncation_side = "right"
+    tokenizer.save_pretrained(folder)
+
+
+def build_tiny_arith(folder: str, problems: int = 2000, epochs: int = 3, batch_size: int = 32, lr: float = 1e-3,
+                     seed: int = 0) -> None:
+    """Train builtin:tiny-arith into `folder`: builtin:tiny-chat fine-tuned on `problems` reasoning-gym problems of
+    ARITH_TASK (generated with seed 10_000 + seed: not grpo.py's training or evaluation draws), each
+    "question answer<eos>" with the loss on " answer<eos>" only, AdamW with a linear decay."""
+    import reasoning_gym
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    from common.core import pad_right
+    from common.presets import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer()
+    generator = _seeded(seed)
+    model = AutoModelForCausalLM.from_pretrained(pretrained_folder("builtin:tiny-chat"))
+    task, config = ARITH_TASK
+    rows = reasoning_gym.create_dataset(task, size=problems, seed=10_000 + seed, **config)
+    examples = []
+    for row in rows:
+        prompt, answer = tokenizer(row["question"])["input_ids"], tokenizer(" " + row["answer"])["input_ids"]
+        examples.append((prompt + answer + [tokenizer.eos_token_id], [-100] * len(prompt) + answer + [tokenizer.eos_token_id]))
+    steps = epochs * (len(examples) // batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
+    print(f"builtin:tiny-arith: fine-tuning builtin:tiny-chat on {len(examples):,} reasoning-gym {task} problems "
+          f"({steps} steps, once; about a minute on 2 CPU cores)", flush=True)
+    model.train()
+    progress = tqdm(total=steps, desc="builtin:tiny-arith", leave=False)
+    for _ in range(epochs):
+        for indices in torch.randperm(len(examples), generator=generator).split(batch_size)[: steps // epochs]:
+            ids, labels = zip(*(examples[i] for i in indices))
+            input_ids = pad_right(list(ids), tokenizer.pad_token_id)
+            loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+                         labels=pad_right(list(labels), -100)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+    progress.close()
+    model.config.name_or_path = "builtin:tiny-arith"
+    model.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
