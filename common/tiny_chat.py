@@ -16,6 +16,7 @@ processes build once, and load with plain `from_pretrained(folder)`.
 
 import contextlib
 import fcntl
+import itertools
 import os
 import random
 import shutil
@@ -76,6 +77,26 @@ def _seeded(seed: int):
     return torch.Generator().manual_seed(seed)
 
 
+def _fit(name: str, model, batches, loss_of, optimizer, scheduler, steps: int, folder: str, tokenizer) -> None:
+    """The builders' loop: `steps` optimizer steps on loss_of(batch) for the batches in turn (gradients clipped at 1),
+    with a progress bar; then the model, in eval mode and named `name`, and `tokenizer` are saved into `folder`."""
+    model.train()
+    progress = tqdm(total=steps, desc=name, leave=False)
+    for batch in itertools.islice(batches, steps):
+        loss = loss_of(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+    progress.close()
+    model.config.name_or_path = name
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_size: int = 16, lr: float = 2e-3,
                     seed: int = 0, max_steps: int | None = None) -> None:
     """Train builtin:tiny-chat into `folder`: the dialogue, each "utterance reply<eos>", packed into blocks of
@@ -98,24 +119,11 @@ def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_si
     print(f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
           f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 3 minutes on 2 CPU cores)",
           flush=True)
-    model.train()
-    progress = tqdm(total=steps, desc="builtin:tiny-chat", leave=False)
-    for _ in range(epochs):
-        for batch in blocks[torch.randperm(len(blocks), generator=generator)].split(batch_size)[: len(blocks) // batch_size]:
-            if progress.n == steps:
-                break
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.2f}")
-    progress.close()
-    model.config.name_or_path = "builtin:tiny-chat"
-    model.eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    per_epoch = len(blocks) // batch_size
+    batches = (b for _ in range(epochs) for b in blocks[torch.randperm(len(blocks), generator=generator)].split(batch_size)[
+        :per_epoch])  # a reshuffle per epoch, drawn when the epoch starts
+    _fit("builtin:tiny-chat", model, batches, lambda batch: model(input_ids=batch, labels=batch).loss, optimizer,
+         scheduler, steps, folder, tokenizer)
 
 
 def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: float = 3e-4, max_length: int = 128,
@@ -139,27 +147,16 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)
     print(f"builtin:tiny-chat-rm: training a reward model from builtin:tiny-chat on {len(rows):,} VADER-ranked pairs "
           f"({steps} steps, once; about 30 seconds on 2 CPU cores)", flush=True)
-    model.train()
-    progress = tqdm(total=steps, desc="builtin:tiny-chat-rm", leave=False)
-    for _ in range(epochs):
-        for indices in torch.randperm(len(rows), generator=generator).split(batch_size)[: steps // epochs]:
-            batch = tokenizer([texts["chosen"][i] for i in indices] + [texts["rejected"][i] for i in indices],
-                              padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-            chosen, rejected = model(**batch).logits[:, 0].chunk(2)
-            loss = -F.logsigmoid(chosen - rejected).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
-    progress.close()
-    model.config.name_or_path = "builtin:tiny-chat-rm"
+    def pair_loss(indices) -> torch.Tensor:  # Bradley-Terry: -log sigmoid(r_chosen - r_rejected)
+        batch = tokenizer([texts["chosen"][i] for i in indices] + [texts["rejected"][i] for i in indices],
+                          padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        chosen, rejected = model(**batch).logits[:, 0].chunk(2)
+        return -F.logsigmoid(chosen - rejected).mean()
+
+    batches = (i for _ in range(epochs) for i in torch.randperm(len(rows), generator=generator).split(batch_size)[
+        : steps // epochs])
     model.config.id2label, model.config.label2id = {0: "reward"}, {"reward": 0}
-    model.eval().save_pretrained(folder)
-    tokenizer.truncation_side = "right"
-    tokenizer.save_pretrained(folder)
+    _fit("builtin:tiny-chat-rm", model, batches, pair_loss, optimizer, scheduler, steps, folder, builtin_tokenizer())
 
 
 def build_tiny_arith(folder: str, problems: int = 2000, epochs: int = 3, batch_size: int = 32, lr: float = 1e-3,
@@ -187,22 +184,12 @@ def build_tiny_arith(folder: str, problems: int = 2000, epochs: int = 3, batch_s
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
     print(f"builtin:tiny-arith: fine-tuning builtin:tiny-chat on {len(examples):,} reasoning-gym {task} problems "
           f"({steps} steps, once; about a minute on 2 CPU cores)", flush=True)
-    model.train()
-    progress = tqdm(total=steps, desc="builtin:tiny-arith", leave=False)
-    for _ in range(epochs):
-        for indices in torch.randperm(len(examples), generator=generator).split(batch_size)[: steps // epochs]:
-            ids, labels = zip(*(examples[i] for i in indices))
-            input_ids = pad_right(list(ids), tokenizer.pad_token_id)
-            loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                         labels=pad_right(list(labels), -100)).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
-    progress.close()
-    model.config.name_or_path = "builtin:tiny-arith"
-    model.eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    def answer_loss(indices) -> torch.Tensor:  # next-token loss on " answer<eos>" only
+        ids, labels = zip(*(examples[i] for i in indices))
+        input_ids = pad_right(list(ids), tokenizer.pad_token_id)
+        return model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+                     labels=pad_right(list(labels), -100)).loss
+
+    batches = (i for _ in range(epochs) for i in torch.randperm(len(examples), generator=generator).split(batch_size)[
+        : steps // epochs])
+    _fit("builtin:tiny-arith", model, batches, answer_loss, optimizer, scheduler, steps, folder, tokenizer)
