@@ -14,7 +14,6 @@ Usage:
 
 import contextlib
 import gc
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from common import (
     context_length,
     create_reference_model,
     lm_token_logprobs,
+    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
@@ -46,6 +46,7 @@ from common import (
     peft_model_of,
     quantization_kwargs,
     reference_context,
+    save_checkpoint,
     start_run,
     train_eval_split,
     weight_decay_groups,
@@ -414,9 +415,7 @@ if __name__ == "__main__":
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step = 0
     if args.resume_from:
-        accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
-        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
-            start_step = json.load(f)["step"]
+        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     def pair_metrics(batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
@@ -472,15 +471,6 @@ if __name__ == "__main__":
         model.train()
         return results
 
-    def save_checkpoint(path: str, step: int) -> None:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            with atomic_directory(path) as tmp:
-                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"step": step}, f)
-        accelerator.wait_for_everyone()
-
     # ---- train ----
     first_eval, start_time = evaluate(start_step), time.time()
     model.train()
@@ -507,7 +497,8 @@ if __name__ == "__main__":
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}"), step + 1)
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
+            save_checkpoint(accelerator, folder, {"step": step + 1})
     last_eval = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) ----

@@ -13,7 +13,6 @@ Usage:
 """
 
 import copy
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from common import (
     exact_div,
     is_random_builtin,
     kl_estimate,
+    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
@@ -60,6 +60,7 @@ from common import (
     quantization_kwargs,
     reference_context,
     reward_model_text,
+    save_checkpoint,
     start_run,
     train_eval_split,
     write_model_card,
@@ -604,25 +605,15 @@ if __name__ == "__main__":
     running = RunningMoments()
     start_update, best_reward = 0, float("-inf")
     if args.resume_from:
-        accelerator.load_state(os.path.join(args.resume_from, "accelerate_state"))
-        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
-            state = json.load(f)
+        state = load_checkpoint(accelerator, args.resume_from)
         start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
-    def save_checkpoint(path: str, update: int) -> None:
-        """Model + value head, optimizer, scheduler, RNG (accelerate), KL controller and step; written atomically."""
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            with atomic_directory(path) as tmp:
-                unwrapped.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump(dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__,
-                                   best_reward=best_reward), f)
-        accelerator.wait_for_everyone()
+    def checkpoint(path: str, update: int) -> None:
+        """Model + value head (from_pretrained format), optimizer, scheduler, RNG, KL controller and step, atomically."""
+        state = dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
+        save_checkpoint(accelerator, path, state, lambda tmp: (unwrapped.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
     def save_model(path: str, metrics: dict[str, float], final: bool) -> None:
         """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically
@@ -828,7 +819,7 @@ if __name__ == "__main__":
             evaluate(update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = args.checkpoint_dir or f"{args.output_dir}_checkpoints"
-            save_checkpoint(os.path.join(folder, f"update_{update + 1}"), update + 1)
+            checkpoint(os.path.join(folder, f"update_{update + 1}"), update + 1)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
     last_eval = evaluate(args.num_updates)

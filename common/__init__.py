@@ -46,4 +46,4 @@ from common.presets import (
     reward_model_text,
     train_eval_split,
 )
-from common.run import RunLogger, atomic_directory, cli, start_run, write_model_card
+from common.run import RunLogger, atomic_directory, cli, load_checkpoint, save_checkpoint, start_run, write_model_card

@@ -3,6 +3,7 @@
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -149,6 +150,32 @@ def atomic_directory(path: str):
         os.rename(path, old)
     os.rename(new, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(accelerator: Accelerator, path: str, state: dict, write_extra=None) -> None:
+    """A resumable checkpoint, written atomically by the main process (every rank calls it): `write_extra(folder)`
+    first if given (e.g. the model in from_pretrained format), accelerate's state (model, optimizer, scheduler, RNG) in
+    accelerate_state/, and the loop's own `state` (its step, controllers) in trainer_state.json."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(path) as tmp:
+            if write_extra is not None:
+                write_extra(tmp)
+            accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
+    """Restore accelerate's state from a folder `save_checkpoint` wrote; return the loop's state saved with it."""
+    recover_directory(path)  # a save killed between its renames
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise UsageError(f"--resume-from {path}: not a checkpoint folder (no trainer_state.json); pass one of the "
+                         "folders the --save-* flags write, e.g. {output_dir}_checkpoints/step_N.")
+    accelerator.load_state(os.path.join(path, "accelerate_state"))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
 
 
 def recover_directory(path: str) -> None:

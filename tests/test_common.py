@@ -458,3 +458,13 @@ def test_context_length_of_absolute_relative_and_no_positions():
     assert context_length(GPT2Config(n_positions=24)) == 24 and context_length(BertConfig()) == 512
     assert context_length(T5Config()) is None and context_length(None) is None  # relative positions; no model
     assert context_length(load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM, n_positions=32).config) == 32
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_is_a_clear_error(tmp_path):
+    from accelerate import Accelerator
+
+    from common.run import load_checkpoint
+
+    (tmp_path / "model").mkdir()
+    with pytest.raises(UsageError, match="not a checkpoint folder"):
+        load_checkpoint(Accelerator(), str(tmp_path / "model"))
