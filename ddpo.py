@@ -198,11 +198,15 @@ def resolve_function(spec: str, builtins: dict, what: str):
         raise UsageError(f"Unknown {what} {spec!r}: choose one of {sorted(builtins)} or give 'module:function'.")
     module_name, function_name = spec.rsplit(":", 1)
     if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise UsageError(f"{what} {spec!r}: no such file {module_name!r}.")
         module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(module_name)
+    if not callable(getattr(module, function_name, None)):
+        raise UsageError(f"{what} {spec!r}: {module_name} has no function {function_name!r}.")
     return getattr(module, function_name)
 
 

@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import tempfile
+from functools import partial
 
 import torch
 from datasets import Dataset, load_dataset
@@ -303,7 +304,8 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     if not is_builtin(name):
-        return StableDiffusionPipeline.from_pretrained(name, safety_checker=None, requires_safety_checker=False, **kwargs)
+        load = partial(StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs)
+        return located(load, name, "pipeline")
     if name != "builtin:tiny-sd":
         raise UsageError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
     alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>

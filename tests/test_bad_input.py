@@ -51,6 +51,8 @@ def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
         # files and folders that are not there, or not what they should be
         ("sft", ["--dataset-name", "missing/data.jsonl"], "no such file"),
         ("dpo", ["--model-name", "no/such-model-folder"], "no such file or folder here, nor a hub id"),
+        ("ddpo", ["--pretrained-model", "no/such-pipeline"], "pipeline 'no/such-pipeline': no such file or folder here"),
+        ("ddpo", ["--prompt-fn", "missing.py:prompts"], "no such file 'missing.py'"),
     ],
 )
 def test_bad_values_fail_before_training(tmp_path, script, flags, message):
