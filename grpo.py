@@ -427,15 +427,18 @@ if __name__ == "__main__":
         mask = torch.arange(completions.shape[1], device=device)[None] <= last[:, None]
         return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended
 
-    def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask):
-        """log pi(completion token) [N, T] and the policy's entropy [N, T], logits / temperature as in sampling."""
+    def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, entropy: bool = False):
+        """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's
+        entropy [N, T] (for the logs; None otherwise)."""
         input_ids = torch.cat([prompts, completions], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
         T = completions.shape[1]
         logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      logits_to_keep=T + 1).logits[:, :-1] / args.temperature
-        return logprobs_from_logits(logits, completions), entropy_from_logits(logits.detach())
+        with torch.no_grad():
+            entropies = entropy_from_logits(logits) if entropy else None
+        return logprobs_from_logits(logits, completions), entropies
 
     def score(rows: list[dict], completions_text: list[str], ended: list[bool]) -> torch.Tensor:
         """Rewards [N, F] of each completion by each reward function (NaN where a function returned None)."""
@@ -451,8 +454,8 @@ if __name__ == "__main__":
         (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
         torch.manual_seed(args.seed + accelerator.process_index)
         unwrapped.eval()
-        rows = eval_rows[accelerator.process_index:: world] or eval_rows[:1]
-        weight = 1.0 if eval_rows[accelerator.process_index:: world] else 0.0  # a rank without prompts counts 0
+        share = eval_rows[accelerator.process_index:: world]
+        rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
         totals = torch.zeros(3, device=device)
         table = {"prompt": [], "completion": [], "answer": [], "score": []}
         for i in range(0, len(rows), 64):
@@ -504,23 +507,27 @@ if __name__ == "__main__":
         if args.drop_zero_std_groups:  # DAPO's dynamic sampling: equal rewards in a group carry no gradient
             loss_mask = loss_mask * (~is_std_zero[local])[:, None].float()
 
-        # 4. old (and reference) log-probs: the policy that sampled, before any update of this batch
+        # 4. old (and reference) log-probs: the policy that sampled, before any update of this batch. With one pass
+        #    and one optimizer step per generation batch (the default) no mini-batch sees an updated policy, so the old
+        #    log-probs are the training forward's own, detached (TRL skips this pass too)
+        step_size = args.mini_batch_size * args.gradient_accumulation_steps
+        on_policy = args.num_iterations == 1 and step_size == len(rows)
         with torch.no_grad():
             old_logprobs, ref_logprobs = [], []
-            for j in range(0, len(rows), args.mini_batch_size):
+            for j in range(0, len(rows), args.mini_batch_size) if not on_policy or args.beta > 0 else ():
                 mb = slice(j, j + args.mini_batch_size)
                 inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
-                old_logprobs.append(per_token_logprobs(unwrapped, *inputs)[0])
+                if not on_policy:
+                    old_logprobs.append(per_token_logprobs(unwrapped, *inputs)[0])
                 if args.beta > 0:
                     with reference_context(unwrapped, ref_model), accelerator.autocast():
                         ref_logprobs.append(per_token_logprobs(ref_model or unwrapped, *inputs)[0])
-            old_logprobs = torch.cat(old_logprobs)
-            ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else old_logprobs
+            old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
+            ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches
         model.train()
         stats_list, entropies = [], []
-        step_size = args.mini_batch_size * args.gradient_accumulation_steps
         for _ in range(args.num_iterations):
             permutation = torch.randperm(len(rows), device=device)
             for s in range(0, len(rows), step_size):
@@ -528,8 +535,11 @@ if __name__ == "__main__":
                 # dapo: the completion tokens of this optimizer step over every process, per process
                 num_items = accelerator.reduce(loss_mask[step_indices].sum(), "sum") / world
                 for mb in step_indices.split(args.mini_batch_size):
-                    logprobs, entropy = per_token_logprobs(model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
-                    loss, stats = grpo_loss(logprobs, old_logprobs[mb], ref_logprobs[mb], advantages[mb], loss_mask[mb],
+                    logprobs, entropy = per_token_logprobs(model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb],
+                                                           entropy=True)
+                    old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
+                    ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
+                    loss, stats = grpo_loss(logprobs, old, ref, advantages[mb], loss_mask[mb],
                                             args.beta, args.epsilon, args.epsilon_high or args.epsilon, args.loss_type,
                                             args.max_completion_length, args.importance_sampling_level, num_items)
                     # grpo / bnpo / dr_grpo average each mini-batch: the step's gradient is their mean
