@@ -54,20 +54,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
-PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "ddpo": "0.8.6"}
+PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "ddpo": "0.8.6", "grpo": "current",
+        "rloo": "current"}
 # our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
 # needs a peft model passed in, so --use-peft is ours only; TRL's reward step is always one padded pass)
 MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
                    "sft": [(["--gradient-checkpointing"], True)], "rm": [(["--length-groups", "1"], False)],
                    "dpo": [(["--precompute-ref-log-probs"], True), (["--gradient-checkpointing"], True)]}
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]  # dense bf16, by GPU name
-TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None}  # ours / TRL per step, at most
+TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None, "grpo": 0.7,
+          "rloo": 0.7}  # ours / TRL per step, at most
 
 
 @dataclass
 class Args:
-    algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo", "ddpo"])
-    """which comparisons to run: sft, rm, dpo, ppo, ddpo"""
+    algos: list[str] = field(default_factory=lambda: ["sft", "rm", "dpo", "ppo", "ddpo", "grpo", "rloo"])
+    """which comparisons to run: sft, rm, dpo, ppo, ddpo, grpo, rloo"""
     rounds: int = 3
     """A/B rounds per comparison: one run of each side per round, in alternating order (A B B A ...)"""
     warmup: int = 2
@@ -195,6 +197,14 @@ def setup(spec: dict, tmp: str) -> dict:
     for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):
         files[name] = os.path.join(tmp, f"{name}.jsonl")
         (preference_pairs() if name == "vader-preferences" else load_data(f"builtin:{name}")).to_json(files[name])
+    if spec["algo"] in ONLINE:  # reasoning-gym's one-digit sums as a plain prompt / answer file, for both sides
+        import reasoning_gym
+
+        files["arith"] = os.path.join(tmp, "arith.jsonl")
+        with open(files["arith"], "w") as f:
+            for entry in reasoning_gym.create_dataset("chain_sum", size=512, seed=0, min_terms=2, max_terms=2,
+                                                      max_digits=1):
+                f.write(json.dumps(dict(prompt=entry["question"], answer=entry["answer"])) + "\n")
     env = dict(model=model_dir, files=files, tokenizer=tokenizer)
     if spec["algo"] == "ddpo":
         from common import load_pipeline
@@ -350,6 +360,42 @@ DDPO_SETTINGS = dict(sample_num_steps=10, sample_eta=1.0, sample_guidance_scale=
                      per_prompt_stat_tracking_min_count=16)
 
 
+# Critic-free online RL: one optimizer step per generation batch of 128 completions (GRPO: 16 prompts x 8, RLOO:
+# 64 x 2), 16 new tokens, micro-batches of 32, exact-match reward, no vLLM; TRL's defaults otherwise (GRPO: dapo loss,
+# beta 0; RLOO: beta 0.05, so both sides run a reference model)
+ONLINE = {"grpo": dict(prompts=16, num_generations=8, beta=0.0), "rloo": dict(prompts=64, num_generations=2, beta=0.05)}
+
+
+def online_ours(spec, env, tmp, tag, flags=()):
+    log_dir, setting = os.path.join(tmp, "runs", tag), ONLINE[spec["algo"]]
+    run_ours(f"{spec['algo']}.py", ["--model-name", env["model"], "--dataset-name", env["files"]["arith"],
+                                    "--total-prompts", (spec["warmup"] + spec["steps"]) * setting["prompts"],
+                                    "--batch-size", setting["prompts"], "--num-generations", setting["num_generations"],
+                                    "--beta", setting["beta"], "--mini-batch-size", 32, "--gradient-accumulation-steps", 4,
+                                    "--max-completion-length", 16, "--eval-samples", 16, "--log-freq", 10**6,
+                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    return dict(step=scalars(log_dir, "time/step"))
+
+
+def online_trl(spec, env, tmp, tag, flags=()):
+    import trl
+    from datasets import load_dataset
+
+    def exact_match(prompts, completions, answer, **columns):
+        return [float(c.strip().split("\n")[0].strip() == a) for c, a in zip(completions, answer)]
+
+    setting, name = ONLINE[spec["algo"]], spec["algo"].upper()
+    timer = step_timer()
+    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp), per_device_train_batch_size=32,
+                                           gradient_accumulation_steps=4, num_generations=setting["num_generations"],
+                                           beta=setting["beta"], max_completion_length=16, learning_rate=1e-4)
+    getattr(trl, f"{name}Trainer")(model=env["model"], reward_funcs=exact_match, args=config, callbacks=[timer],
+                                   processing_class=env["tokenizer"],
+                                   train_dataset=load_dataset("json", data_files=env["files"]["arith"], split="train"),
+                                   ).train()
+    return dict(step=timer.times)
+
+
 def ddpo_ours(spec, env, tmp, tag, flags=()):
     log_dir = os.path.join(tmp, "runs", tag)
     settings = [x for k, v in DDPO_SETTINGS.items() if not isinstance(v, bool) for x in ("--" + k.replace("_", "-"), v)]
@@ -378,7 +424,8 @@ def ddpo_trl(spec, env, tmp, tag, flags=()):
 
 
 RUNS = {"sft": (trainer_ours, trainer_trl), "rm": (trainer_ours, trainer_trl), "dpo": (trainer_ours, trainer_trl),
-        "ppo": (ppo_ours, ppo_trl), "ddpo": (ddpo_ours, ddpo_trl)}
+        "ppo": (ppo_ours, ppo_trl), "ddpo": (ddpo_ours, ddpo_trl), "grpo": (online_ours, online_trl),
+        "rloo": (online_ours, online_trl)}
 
 
 def worker(spec: dict) -> dict:
@@ -462,6 +509,11 @@ def mean_tokens(algo: str) -> float:
                                for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
     if algo == "ddpo":  # images, not tokens
         return math.nan
+    if algo in ONLINE:  # a completion: its prompt and 16 new tokens
+        import reasoning_gym
+
+        rows = reasoning_gym.create_dataset("chain_sum", size=512, seed=0, min_terms=2, max_terms=2, max_digits=1)
+        return statistics.mean(len(tok(e["question"])["input_ids"]) for e in rows) + 16
     return statistics.mean(min(48, len(tok(p)["input_ids"])) for p in load_data("builtin:chatterbot-prompts")["prompt"]) + 16
 
 
@@ -507,7 +559,7 @@ def main(args: Args) -> None:
     args.bf16 = cuda if args.bf16 is None else args.bf16
     peak = peak_tflops(args)
     base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16)
-    samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16}
+    samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16, "grpo": 128, "rloo": 128}  # grpo / rloo: completions
     rows, extras = [], []
     for algo in args.algos:
         configs = [dict(batch_size=b) for b in args.ppo_batch_sizes] if algo == "ppo" else [dict(batch_size=samples[algo])]
@@ -579,7 +631,10 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
         f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images. TRL's "
         f"SFT / reward / DPO trainers run with gradient_checkpointing=False (TRL 1.x turns it on by default; ours only "
-        f"with --gradient-checkpointing, measured for memory below), so both sides do the same work.", "",
+        f"with --gradient-checkpointing, measured for memory below), so both sides do the same work. GRPO / RLOO: one "
+        f"optimizer step per generation batch of 128 completions (GRPO 16 prompts x 8, dapo loss, beta 0; RLOO 64 x 2, "
+        f"beta 0.05 with a reference model), 16 new tokens, micro-batches of 32, an exact-match reward, no vLLM; a "
+        f"sample is a completion.", "",
         "| algorithm | batch | ours s/step | TRL s/step | ours/TRL | ours samples/s | TRL samples/s | ours tokens/s "
         "| TRL tokens/s | ours peak MB | TRL peak MB | target |",
         "|-|-|-|-|-|-|-|-|-|-|-|-|",

@@ -155,7 +155,7 @@ def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     0.047; with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
     (tmp_path / "rewards.py").write_text("def seven(prompts, completions, **columns):\n"
                                          "    return [float(c.strip() == '7') for c in completions]\n")
-    out = run_script([GRPO, "--reward-funcs", "rewards.py:seven", "--total-prompts", "160", "--batch-size", "8",
+    out = run_script([GRPO, "--reward-funcs", "rewards.py:seven", "--total-prompts", "320", "--batch-size", "8",
                       "--mini-batch-size", "32", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-4",
                       "--eval-samples", "64", "--eval-freq", "0", "--log-freq", "1000"], tmp_path)
     first, last = (float(x) for x in out.split("eval reward ")[1].split(";")[0].split(" -> "))

@@ -1,0 +1,547 @@
+"""RLOO: REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"), with verifiable rewards,
+in TRL 1.x RLOOTrainer semantics.
+
+No critic: each prompt is answered `num_generations` (k) times, every completion is scored by plain Python reward
+functions, and a completion's baseline is the mean reward of the other k - 1 completions of its prompt: an unbiased
+REINFORCE baseline that needs no value model. The KL penalty to a reference model enters the reward (beta times the
+summed log-ratio of the completion), not the loss, and the whole completion is one action: the policy ratio and
+PPO's clip act on the sequence's log-probability.
+
+Usage:
+    python rloo.py                                   # offline: builtin:tiny-arith on reasoning-gym's chain_sum problems
+    python rloo.py --num-generations 4 --normalize-advantages
+    accelerate launch rloo.py --model-name Qwen/Qwen2.5-0.5B-Instruct --dataset-name reasoning-gym:countdown \\
+        --reward-funcs verifier format --max-completion-length 256
+"""
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from common import (
+    UsageError,
+    atomic_directory,
+    check_args,
+    check_columns,
+    cli,
+    context_length,
+    create_reference_model,
+    entropy_from_logits,
+    exact_div,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    logprobs_from_logits,
+    peft_model_of,
+    reference_context,
+    start_run,
+    train_eval_split,
+    weight_decay_groups,
+    write_model_card,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each rank adds its index)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    track: bool = False
+    """if toggled, the run is tracked with Weights and Biases (synced from TensorBoard)"""
+    wandb_project_name: str = "rlhf"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of the wandb project"""
+    log_dir: str = "runs"
+    """TensorBoard logs go to {log_dir}/{run_name}"""
+
+    # Model and data
+    model_name: str = "builtin:tiny-arith"
+    """the policy: a hub id, a local folder, or builtin:tiny-arith (builtin:tiny-chat after a short SFT pass on the
+    default task's answers, built on first use: a warm start that already answers some problems right)"""
+    dataset_name: str = "reasoning-gym:chain_sum"
+    """reasoning-gym:<task> (seeded train and held-out problems, scored by the task's own verifier), or a hub id /
+    local json/jsonl/csv/parquet file with a prompt column and an answer column"""
+    task_config: str = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+    """reasoning-gym only: the task's options as JSON (the default: sums and differences of two one-digit numbers)"""
+    train_size: int = 2000
+    """reasoning-gym only: problems generated for training (seed: --seed)"""
+    eval_size: int = 200
+    """reasoning-gym only: held-out problems (another seed: seed + 1)"""
+    dataset_split: str = "train"
+    """the split to load from a hub dataset"""
+    prompt_column: str = "prompt"
+    """the prompt column (reasoning-gym: the question)"""
+    answer_column: str = "answer"
+    """the reference answer column; every column reaches the reward functions by name"""
+    eval_fraction: float = 0.05
+    """hub / local data: fraction held out for evaluation"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last ones"""
+
+    # Rewards
+    reward_funcs: list[str] = field(default_factory=lambda: ["verifier"])
+    """reward functions, summed with --reward-weights: verifier (reasoning-gym's score_answer, else an exact match
+    with the answer column), format (1 if the completion is one line that ends with EOS), or "module:function" /
+    "file.py:function", a callable (prompts, completions, **columns) -> list[float | None]"""
+    reward_weights: list[float] | None = None
+    """one weight per reward function (None: all 1)"""
+
+    # RLOO (defaults: TRL 1.x RLOOConfig, except the learning rate and sizes, set for the tiny default)
+    total_prompts: int = 30720
+    """prompts answered over the run, across all processes (each num_generations times)"""
+    batch_size: int = 64
+    """prompts per update on each process (the default: 64 x 2 = 128 completions, grpo.py's 16 x 8)"""
+    num_generations: int = 2
+    """k: completions per prompt; each one's baseline is the mean reward of the other k - 1"""
+    mini_batch_size: int = 32
+    """completions per forward/backward pass"""
+    gradient_accumulation_steps: int = 4
+    """mini-batches per optimizer step (the default: one step per generation batch of 64 x 2 completions)"""
+    num_iterations: int = 1
+    """mu: passes of the clipped objective over each generation batch"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (TRL: 1e-6 for billion-parameter models; the small default policy needs more)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (biases and norm weights are not decayed)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    beta: float = 0.05
+    """KL coefficient: each reward loses beta * sum over the completion of (log pi_old - log pi_ref), the first-order
+    estimate of the Ahmadian et al. paper (0: no reference model)"""
+    epsilon: float = 0.2
+    """clip range of the sequence ratio below 1 (and above 1 unless --epsilon-high)"""
+    epsilon_high: float | None = None
+    """clip range above 1; None: epsilon"""
+    normalize_advantages: bool = False
+    """normalise the advantages over the whole generation batch to mean 0 and std 1"""
+    reward_clip_range: tuple[float, float] | None = None
+    """clip the summed reward (before the KL penalty) to (min, max); None: no clipping"""
+    mask_truncated_completions: bool = False
+    """completions cut by max_completion_length (no EOS) take no part in the loss"""
+
+    # Generation
+    max_completion_length: int = 8
+    """new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs use it too)"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+
+    # LoRA
+    use_peft: bool = False
+    """train LoRA adapters (merged at the end); with beta > 0 the reference is the adapter-disabled policy"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+
+    # Logging, evaluation, saving
+    log_freq: int = 10
+    """print a table of sample completions every this many updates"""
+    eval_freq: int = 80
+    """evaluate on the held-out problems every this many updates (and at the start and the end)"""
+    eval_samples: int = 200
+    """held-out prompts per evaluation, one completion each, sampled as in training with a fixed seed"""
+    output_dir: str = "outputs/rloo"
+    """where the final model and tokenizer go (plain from_pretrained format)"""
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False) -> torch.Tensor:
+    """Leave-one-out advantages (Kool et al. 2019; Ahmadian et al. 2024, eq. 6; TRL 1.x), rewards [N] with N = groups x k
+    in group order: A_i = r_i - mean of the other scorable rewards of its group, = k/(k-1) (r_i - mean(group)) when all
+    are scorable. NaN rewards (unscorable) are left out of every baseline and get advantage 0, as does a completion
+    with no scorable sibling. With `normalize`, (A - mean(A)) / (std(A) + 1e-4) over the whole batch."""
+    grouped = rewards.view(-1, num_generations)
+    scorable = (~grouped.isnan()).sum(1, keepdim=True)
+    baselines = (grouped.nansum(1, keepdim=True) - grouped) / (scorable - 1)  # the others' mean: 0/0 = NaN if alone
+    advantages = (grouped - baselines).reshape(-1)
+    if normalize:
+        advantages = (advantages - advantages.nanmean()) / (nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the non-NaN values (NaN with fewer than two)."""
+    keep = ~values.isnan()
+    count = keep.sum(dim) if dim is not None else keep.sum()
+    mean = values.nanmean(dim, keepdim=dim is not None)
+    squares = torch.where(keep, (values - mean) ** 2, 0.0)
+    return (squares.sum(dim) if dim is not None else squares.sum()).div(count - 1).sqrt()
+
+
+def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
+              epsilon_high: float):
+    """PPO's clipped objective with the whole completion as one action (TRL 1.x `RLOOTrainer._compute_loss`).
+
+    logps, old_logps, advantages: [B], a sequence log-prob being the masked sum of its tokens' log-probs. Loss
+    mean over sequences of -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old_logp).
+    Returns (loss, stats: the fraction of sequences clipped below, above, and in either region)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages).mean()  # Schulman et al. 2017, eq. 7, per sequence
+    with torch.no_grad():
+        low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
+        high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+        stats = {"clip_ratio/low_mean": low.mean(), "clip_ratio/high_mean": high.mean(),
+                 "clip_ratio/region_mean": torch.maximum(low, high).mean()}
+    return loss, stats
+
+
+def extract_answer(completion: str) -> str:
+    """The answer in a completion: its first line, stripped."""
+    return completion.strip().split("\n")[0].strip()
+
+
+def verifier(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float | None]:
+    """1 for a completion whose answer (`extract_answer`) the task accepts: reasoning-gym's own `score_answer` for a
+    reasoning-gym task (in [0, 1]; a `rg_entry` column carries the problem), else an exact match with the answer."""
+    if "rg_entry" in columns:
+        import reasoning_gym
+
+        scores = []
+        for completion, entry in zip(completions, columns["rg_entry"]):
+            entry = json.loads(entry)
+            score = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+            scores.append(float(score(extract_answer(completion), entry)))
+        return scores
+    return [float(extract_answer(c) == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def format_reward(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float | None]:
+    """1 for a completion that is one non-empty line and ends with EOS (a clean, parseable answer), else 0."""
+    return [float(e and bool(c.strip()) and "\n" not in c.strip()) for c, e in zip(completions, ended)]
+
+
+REWARD_FUNCS = {"verifier": verifier, "format": format_reward}
+
+
+def resolve_reward(spec: str):
+    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"."""
+    if spec in REWARD_FUNCS:
+        return REWARD_FUNCS[spec]
+    if ":" not in spec:
+        raise UsageError(f"Unknown reward function {spec!r}: choose {sorted(REWARD_FUNCS)} or give 'module:function'.")
+    module_name, name = spec.rsplit(":", 1)
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise UsageError(f"--reward-funcs {spec}: no such file {module_name!r}.")
+        module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        raise UsageError(f"--reward-funcs {spec}: {module_name} has no function {name!r}.")
+    return getattr(module, name)
+
+
+def check_rewards(values, n: int, name: str) -> list[float]:
+    """One number (or None) per completion, as floats with NaN for None; a one-line error otherwise."""
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        raise UsageError(f"reward function {name} returned {type(values).__name__} of length "
+                         f"{len(values) if hasattr(values, '__len__') else '?'} for {n} completions: return a list with "
+                         "one float (or None) each.")
+    bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
+    if bad:
+        raise UsageError(f"reward function {name} returned {bad[0]!r}: every reward must be a finite number or None.")
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[dict]:
+    """Seeded problems of a reasoning-gym task: prompt, answer, and the whole entry (for its verifier) as JSON."""
+    import reasoning_gym
+
+    try:
+        problems = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
+    except (KeyError, ValueError, TypeError) as error:
+        raise UsageError(f"reasoning-gym:{task} with {config}: {error} (reasoning_gym.factory.DATASETS lists the "
+                         "tasks; --task-config takes the task's options as JSON).") from None
+    return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
+
+
+if __name__ == "__main__":
+    args = cli(Args)
+    check_args(args, positive=("total_prompts", "batch_size", "mini_batch_size", "gradient_accumulation_steps",
+                               "num_iterations", "learning_rate", "max_grad_norm", "epsilon", "epsilon_high",
+                               "max_completion_length", "temperature", "max_prompt_length", "eval_samples", "log_freq",
+                               "train_size", "eval_size"),
+               non_negative=("beta", "weight_decay", "top_k", "eval_freq"), fractions=("eval_fraction",))
+    if args.num_generations < 2:
+        raise UsageError(f"--num-generations {args.num_generations}: a leave-one-out baseline needs at least 2 "
+                         "completions per prompt.")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
+    if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
+        raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
+    accelerator = Accelerator()
+    device, world = accelerator.device, accelerator.num_processes
+    per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
+    exact_div(per_process, args.mini_batch_size * args.gradient_accumulation_steps,
+              "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
+    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
+    reward_funcs = [resolve_reward(spec) for spec in args.reward_funcs]
+    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), device=device)
+    if len(weights) != len(reward_funcs):
+        raise UsageError(f"{len(weights)} --reward-weights for {len(reward_funcs)} --reward-funcs: give one weight each.")
+    run_name, logger = start_run(args, accelerator)
+
+    # ---- data: prompts, reference answers and every other column (for the reward functions) ----
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    if args.dataset_name.startswith("reasoning-gym:"):
+        task = args.dataset_name.split(":", 1)[1]
+        try:
+            config = json.loads(args.task_config)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--task-config {args.task_config!r} is not JSON ({error.msg}).") from None
+        train_rows = reasoning_gym_rows(task, config, args.train_size, args.seed)
+        eval_rows = reasoning_gym_rows(task, config, args.eval_size, args.seed + 1)
+    else:
+        dataset = load_data(args.dataset_name, args.dataset_split)
+        check_columns(dataset, [args.prompt_column, args.answer_column], "--prompt-column / --answer-column")
+        dataset = dataset.rename_columns({args.prompt_column: "prompt", args.answer_column: "answer"})
+        train_data, eval_data = train_eval_split(dataset, args.eval_fraction, args.seed)
+        train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
+    eval_rows = eval_rows[: args.eval_samples]
+    overlap = len({r["prompt"] for r in eval_rows} & {r["prompt"] for r in train_rows}) / len(eval_rows)
+    for rows in (train_rows, eval_rows):
+        for row in rows:
+            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"][-args.max_prompt_length:]
+    batches_per_epoch = len(train_rows) // (args.batch_size * world)
+    if batches_per_epoch == 0:
+        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
+    # every reward function on two real rows before any generation: a wrong length or a non-number fails now
+    probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
+    for spec, func in zip(args.reward_funcs, reward_funcs):
+        check_rewards(func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items()
+                                                                                   if k != "prompt"}), 2, spec)
+    accelerator.print(f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
+                      f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
+                      f"{args.num_generations} completions")
+
+    # ---- models ----
+    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    context = context_length(model.config)
+    if context and args.max_prompt_length + args.max_completion_length > context:
+        raise UsageError(f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
+                         f"({args.max_completion_length}) exceeds the model's context of {context} tokens.")
+    for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.use_peft:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
+    # the KL penalty needs a reference (beta 0: none at all); with LoRA the reference is the adapter-disabled policy
+    ref_model = create_reference_model(model) if args.beta > 0 else None
+    if ref_model is not None:
+        ref_model = ref_model.to(device)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
+    scheduler = get_scheduler("constant", optimizer, num_training_steps=num_updates * steps_per_update * world)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
+
+    def pad_left(rows: list[dict]):
+        batch = tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
+        return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+    @torch.no_grad()
+    def generate(prompts, prompt_mask):
+        """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
+        with accelerator.autocast():
+            out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True,
+                                     max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                                     top_p=args.top_p, top_k=args.top_k, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)
+        completions = out[:, prompts.shape[1]:]
+        is_eos = completions == tokenizer.eos_token_id
+        ended = is_eos.any(1)
+        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
+        mask = torch.arange(completions.shape[1], device=device)[None] <= last[:, None]
+        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended
+
+    def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, entropy: bool = False):
+        """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's
+        entropy [N, T] (for the logs; None otherwise)."""
+        input_ids = torch.cat([prompts, completions], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
+        T = completions.shape[1]
+        logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=T + 1).logits[:, :-1] / args.temperature
+        with torch.no_grad():
+            entropies = entropy_from_logits(logits) if entropy else None
+        return logprobs_from_logits(logits, completions), entropies
+
+    def score(rows: list[dict], completions_text: list[str], ended: list[bool]) -> torch.Tensor:
+        """Rewards [N, F] of each completion by each reward function (NaN where a function returned None)."""
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+        prompts_text = [r["prompt"] for r in rows]
+        return torch.tensor([check_rewards(f(prompts_text, completions_text, ended=ended, **columns), len(rows), spec)
+                             for spec, f in zip(args.reward_funcs, reward_funcs)], device=device).T
+
+    @torch.no_grad()
+    @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
+    def evaluate(update: int) -> dict[str, float]:
+        """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
+        (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
+        torch.manual_seed(args.seed + accelerator.process_index)
+        unwrapped.eval()
+        share = eval_rows[accelerator.process_index:: world]
+        rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
+        totals = torch.zeros(3, device=device)
+        table = {"prompt": [], "completion": [], "answer": [], "score": []}
+        for i in range(0, len(rows), 64):
+            chunk = rows[i: i + 64]
+            completions, mask, ended = generate(*pad_left(chunk))
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            scores = score(chunk, texts, ended.tolist())[:, 0]
+            totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
+            table = {"prompt": table["prompt"] + [r["prompt"] for r in chunk], "completion": table["completion"] + texts,
+                     "answer": table["answer"] + [r["answer"] for r in chunk], "score": table["score"] + scores.tolist()}
+        totals = accelerator.reduce(totals, "sum")
+        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item()}
+        logger.log(metrics, update)
+        logger.samples("eval samples", table, update)
+        return metrics
+
+    first_eval, start_time = evaluate(0), time.time()
+    history = []
+    progress = tqdm(range(num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
+    for update in progress:
+        update_start = time.time()
+        # ================================ the algorithm ================================
+        # 1. generate: k completions of each of this rank's prompts, the k of a prompt side by side (group order)
+        epoch, i = divmod(update, batches_per_epoch)
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * world + accelerator.process_index) * args.batch_size
+        rows = [train_rows[j] for j in order[start: start + args.batch_size].tolist() for _ in range(args.num_generations)]
+        prompts, prompt_mask = pad_left(rows)
+        unwrapped.eval()
+        completions, mask, ended = generate(prompts, prompt_mask)  # [N, T], N = batch_size * k
+        completions_text = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        generate_time = time.time() - update_start
+
+        if args.mask_truncated_completions:  # a cut completion's tokens take no part in the loss (nor in its KL)
+            mask = mask * ended[:, None].float()
+
+        # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
+        #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
+        #    policy: the old log-probs are then the training forward's own, detached, and this pass is skipped
+        step_size = args.mini_batch_size * args.gradient_accumulation_steps
+        on_policy = args.num_iterations == 1 and step_size == len(rows)
+        old_logps = ref_logps = None
+        if not on_policy or args.beta > 0:
+            with torch.no_grad():
+                old_logps, ref_logps = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
+                for mb in torch.arange(len(rows), device=device).split(args.mini_batch_size):
+                    inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
+                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * mask[mb]).sum(1)
+                    if args.beta > 0:
+                        with reference_context(unwrapped, ref_model), accelerator.autocast():
+                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * mask[mb]).sum(1)
+
+        # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
+        #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
+        rewards_per_func = score(rows, completions_text, ended.tolist())  # [N, F]
+        scores = (rewards_per_func * weights).nansum(1)
+        scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
+        if args.reward_clip_range is not None:
+            scores = scores.clamp(*args.reward_clip_range)
+        kl = old_logps - ref_logps if args.beta > 0 else torch.zeros_like(scores)  # [N], first-order, per sequence
+        rewards = scores - args.beta * kl
+
+        # 4. leave-one-out advantages over every process's groups: A_i = r_i - mean of the other k - 1 rewards
+        all_rewards = accelerator.gather(rewards)  # [world * N]: --normalize-advantages uses the whole batch
+        all_advantages = rloo_advantages(all_rewards, args.num_generations, args.normalize_advantages)
+        local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
+        advantages = all_advantages[local]
+
+        # 5. optimise: num_iterations passes of the clipped sequence-level objective over shuffled mini-batches
+        model.train()
+        stats_list, entropies = [], []
+        for _ in range(args.num_iterations):
+            permutation = torch.randperm(len(rows), device=device)
+            for s in range(0, len(rows), step_size):
+                for mb in permutation[s: s + step_size].split(args.mini_batch_size):
+                    logprobs, entropy = per_token_logprobs(model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb],
+                                                           entropy=True)
+                    logps = (logprobs * mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
+                    old = logps.detach() if old_logps is None else old_logps[mb]
+                    loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
+                    accelerator.backward(loss / args.gradient_accumulation_steps)  # the step's gradient: their mean
+                    stats_list.append(stats)
+                    entropies.append((entropy * mask[mb]).sum() / mask[mb].sum().clamp(min=1))
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+
+        # ================================ bookkeeping ================================
+        all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
+        lengths = accelerator.gather(mask.sum(1))
+        is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
+        metrics = {f"rewards/{spec}/mean": v.nanmean().item() for spec, v in zip(args.reward_funcs, all_rewards_per_func.T)}
+        metrics |= {f"rewards/{spec}/std": nanstd(v).item() for spec, v in zip(args.reward_funcs, all_rewards_per_func.T)}
+        step_stats = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]).mean(0), "mean")
+        metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
+        metrics |= {"reward": all_scores.nanmean().item(), "reward_std": nanstd(all_scores).item(),
+                    "frac_reward_zero_std": is_std_zero.float().mean().item(),
+                    "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),  # per token, as TRL logs it
+                    "rewards/kl_penalized": all_rewards.nanmean().item(),
+                    "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+                    "completions/max_length": lengths.max().item(),
+                    "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
+                    "entropy": accelerator.reduce(torch.stack(entropies).mean(), "mean").item(),
+                    "charts/learning_rate": scheduler.get_last_lr()[0], "time/generate": generate_time,
+                    "time/step": time.time() - update_start}
+        logger.log(metrics, update + 1)
+        history.append((metrics["reward"], metrics["kl"]))
+        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")
+        if (update + 1) % args.log_freq == 0:
+            logger.samples("samples", {"prompt": [r["prompt"] for r in rows], "completion": completions_text,
+                                       "reward": scores.tolist(), "advantage": advantages.tolist()}, update + 1)
+        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
+            evaluate(update + 1)
+
+    # ---- final evaluation and save (plain from_pretrained format; LoRA merged) ----
+    last_eval = evaluate(num_updates)
+    # DDP averages the gradients, so every rank must hold the same weights: checked, not assumed
+    checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in unwrapped.parameters()]).sum()[None])
+    if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
+        raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
+    policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            policy.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "rloo", last_eval)
+    window = max(1, len(history) // 10)
+    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
+    accelerator.print(
+        f"rloo: {num_updates} updates, {num_updates * args.batch_size * world} prompts x {args.num_generations} in "
+        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f} (KL per token {last[1]:.3f}); "
+        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f}; "
+        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else ""))
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
