@@ -467,7 +467,10 @@ if __name__ == "__main__":
             table = {"prompt": table["prompt"] + [r["prompt"] for r in chunk], "completion": table["completion"] + texts,
                      "answer": table["answer"] + [r["answer"] for r in chunk], "score": table["score"] + scores.tolist()}
         totals = accelerator.reduce(totals, "sum")
-        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item()}
+        answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
+        top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
+        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item(),
+                   "eval/top_answer_share": top_share.item()}
         logger.log(metrics, update)
         logger.samples("eval samples", table, update)
         return metrics
@@ -569,7 +572,7 @@ if __name__ == "__main__":
                     "charts/learning_rate": scheduler.get_last_lr()[0], "time/generate": generate_time,
                     "time/step": time.time() - update_start}
         logger.log(metrics, update + 1)
-        history.append(metrics["reward"])
+        history.append((metrics["reward"], metrics.get("kl", math.nan)))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")
         if (update + 1) % args.log_freq == 0:
             logger.samples("samples", {"prompt": [r["prompt"] for r in rows], "completion": completions_text,
@@ -591,11 +594,18 @@ if __name__ == "__main__":
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "grpo", last_eval)
     window = max(1, len(history) // 10)
+    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
+    kl_text = f" (KL per token {last[1]:.3f})" if args.beta > 0 else ""
     accelerator.print(
         f"grpo: {num_updates} updates, {num_updates * args.batch_size * world} prompts x {args.num_generations} in "
-        f"{time.time() - start_time:.0f}s; train reward {np.mean(history[:window]):.3f} -> {np.mean(history[-window:]):.3f}; "
-        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f}; "
+        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
+        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
+        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
         f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else ""))
+    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
+    if last_top > max(0.3, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
+        accelerator.print(f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
+                          "start): the policy collapsed onto a few answers; lower --learning-rate")
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

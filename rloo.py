@@ -418,7 +418,10 @@ if __name__ == "__main__":
             table = {"prompt": table["prompt"] + [r["prompt"] for r in chunk], "completion": table["completion"] + texts,
                      "answer": table["answer"] + [r["answer"] for r in chunk], "score": table["score"] + scores.tolist()}
         totals = accelerator.reduce(totals, "sum")
-        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item()}
+        answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
+        top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
+        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item(),
+                   "eval/top_answer_share": top_share.item()}
         logger.log(metrics, update)
         logger.samples("eval samples", table, update)
         return metrics
@@ -540,8 +543,13 @@ if __name__ == "__main__":
     accelerator.print(
         f"rloo: {num_updates} updates, {num_updates * args.batch_size * world} prompts x {args.num_generations} in "
         f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f} (KL per token {last[1]:.3f}); "
-        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f}; "
+        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
+        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
         f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else ""))
+    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
+    if last_top > max(0.3, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
+        accelerator.print(f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
+                          "start): the policy collapsed onto a few answers; lower --learning-rate")
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

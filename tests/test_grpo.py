@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -151,12 +152,12 @@ def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
 
 def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question):
-    measured, the held-out reward rises 0.156 -> 0.578 in 20 updates. With the advantage sign flipped it falls to
-    0.047; with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
+    measured, the held-out reward rises 0.156 -> 0.625 in 40 updates. With the advantage sign flipped it falls to
+    0.016; with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
     (tmp_path / "rewards.py").write_text("def seven(prompts, completions, **columns):\n"
                                          "    return [float(c.strip() == '7') for c in completions]\n")
     out = run_script([GRPO, "--reward-funcs", "rewards.py:seven", "--total-prompts", "320", "--batch-size", "8",
                       "--mini-batch-size", "32", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-4",
                       "--eval-samples", "64", "--eval-freq", "0", "--log-freq", "1000"], tmp_path)
-    first, last = (float(x) for x in out.split("eval reward ")[1].split(";")[0].split(" -> "))
+    first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]
