@@ -435,7 +435,9 @@ if __name__ == "__main__":
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
         T = completions.shape[1]
         logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=T + 1).logits[:, :-1] / args.temperature
+                     logits_to_keep=T + 1).logits[:, :-1]
+        if args.temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
+            logits = logits / args.temperature
         with torch.no_grad():
             entropies = entropy_from_logits(logits) if entropy else None
         return logprobs_from_logits(logits, completions), entropies
