@@ -39,12 +39,10 @@ from common import (
     cli,
     context_length,
     create_reference_model,
-    entropy_from_logits,
     exact_div,
     load_data,
     load_pretrained,
     load_tokenizer,
-    logprobs_from_logits,
     peft_model_of,
     reference_context,
     start_run,
@@ -438,9 +436,10 @@ if __name__ == "__main__":
                      logits_to_keep=T + 1).logits[:, :-1]
         if args.temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
             logits = logits / args.temperature
+        logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
         with torch.no_grad():
-            entropies = entropy_from_logits(logits) if entropy else None
-        return logprobs_from_logits(logits, completions), entropies
+            entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
+        return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
 
     def score(rows: list[dict], completions_text: list[str], ended: list[bool]) -> torch.Tensor:
         """Rewards [N, F] of each completion by each reward function (NaN where a function returned None)."""
