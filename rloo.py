@@ -548,7 +548,7 @@ if __name__ == "__main__":
         f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
         f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else ""))
     first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
-    if last_top > max(0.3, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
+    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
         accelerator.print(f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
                           "start): the policy collapsed onto a few answers; lower --learning-rate")
     logger.close()
