@@ -29,7 +29,15 @@ import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    get_scheduler,
+)
 
 from common import (
     UsageError,
@@ -154,6 +162,10 @@ class Args:
     """nucleus sampling (1.0: off)"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    inverse_cdf_sampling: bool = True
+    """draw each token by inverse CDF (`InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
+    torch.multinomial draws one exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at GPT-2's 50k
+    vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
 
     # LoRA
     use_peft: bool = False
@@ -250,6 +262,27 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, epsi
         if kl is not None:
             stats["kl"] = share(kl)
     return loss, stats
+
+
+class InverseCDFSampler(LogitsProcessor):
+    """The last logits processor of a greedy `generate`: draws the next token from softmax(scores) by inverse CDF
+    (one uniform per row against the cumulative probabilities) and leaves only it, so the greedy pick is a sample."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
+        u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # the first token whose CDF > u
+        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
+
+
+def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool) -> dict:
+    """`generate` arguments that sample at this temperature / top-k / top-p (HF's warpers in HF's order)."""
+    if not inverse_cdf:
+        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    return dict(do_sample=False, logits_processor=LogitsProcessorList([*warpers, InverseCDFSampler()]))
 
 
 def extract_answer(completion: str) -> str:
@@ -410,13 +443,14 @@ if __name__ == "__main__":
         batch = tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
         return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
+    sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
+
     @torch.no_grad()
     def generate(prompts, prompt_mask):
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
         with accelerator.autocast():
-            out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, do_sample=True,
-                                     max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                                     top_p=args.top_p, top_k=args.top_k, pad_token_id=tokenizer.pad_token_id,
+            out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, **sampling,
+                                     max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
                                      eos_token_id=tokenizer.eos_token_id)
         completions = out[:, prompts.shape[1]:]
         is_eos = completions == tokenizer.eos_token_id

@@ -94,7 +94,7 @@ def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
 
 def test_rloo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question): the
-    held-out reward rises 0.156 -> 0.578 in 40 updates (measured). With the advantage sign flipped it falls to 0.000;
+    held-out reward rises 0.078 -> 0.578 in 40 updates (measured). With the advantage sign flipped it falls to 0.000;
     with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
     (tmp_path / "rewards.py").write_text("def seven(prompts, completions, **columns):\n"
                                          "    return [float(c.strip() == '7') for c in completions]\n")
