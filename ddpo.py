@@ -470,15 +470,15 @@ if __name__ == "__main__":
 
         # ---- sample ----
         unet.eval()
-        epoch_start, batches, rewards = time.time(), [], []
+        epoch_start, batches, pending = time.time(), [], []  # pending: reward futures (or results without a pool)
         for _ in range(args.sample_num_batches_per_epoch):
             prompts, metadata = zip(*(prompt_fn() for _ in range(args.sample_batch_size)))
-            batch = sample(unet, list(prompts), generator=None)
-            batch.update(prompts=list(prompts))
-            batches.append(batch)
-            reward_inputs = (batch["images"], list(prompts), list(metadata))
-            rewards.append(executor.submit(call_reward_fn, *reward_inputs) if executor else call_reward_fn(*reward_inputs))
-        rewards = torch.cat([(r.result() if executor else r)[0] for r in rewards]).to(device)  # [samples_per_epoch]
+            sampled = sample(unet, list(prompts), generator=None)
+            sampled.update(prompts=list(prompts))
+            batches.append(sampled)
+            reward_inputs = (sampled["images"], list(prompts), list(metadata))
+            pending.append(executor.submit(call_reward_fn, *reward_inputs) if executor else call_reward_fn(*reward_inputs))
+        rewards = torch.cat([(r.result() if executor else r)[0] for r in pending]).to(device)  # [samples_per_epoch]
         samples = {k: torch.cat([b[k] for b in batches]) for k in ("prompt_embeds", "latents", "log_probs", "timesteps")}
         prompts = sum((b["prompts"] for b in batches), [])
         sample_time = time.time() - epoch_start
@@ -486,10 +486,10 @@ if __name__ == "__main__":
         # ---- advantages: over all processes, per prompt ----
         all_rewards = accelerator.gather(rewards).cpu().numpy()
         if args.per_prompt_stat_tracking:
-            advantages = stat_tracker.update(gather_object(prompts), all_rewards)
+            all_advantages = stat_tracker.update(gather_object(prompts), all_rewards)
         else:
-            advantages = (all_rewards - all_rewards.mean()) / (all_rewards.std() + 1e-8)
-        samples["advantages"] = torch.as_tensor(advantages, dtype=torch.float32).reshape(
+            all_advantages = (all_rewards - all_rewards.mean()) / (all_rewards.std() + 1e-8)
+        samples["advantages"] = torch.as_tensor(all_advantages, dtype=torch.float32).reshape(
             accelerator.num_processes, -1)[accelerator.process_index].to(device)
         epoch_rewards.append(all_rewards.mean())
 
