@@ -29,15 +29,7 @@ import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
-from transformers import (
-    AutoModelForCausalLM,
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    get_scheduler,
-)
+from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
     UsageError,
@@ -53,6 +45,7 @@ from common import (
     load_tokenizer,
     peft_model_of,
     reference_context,
+    sampling_kwargs,
     start_run,
     train_eval_split,
     weight_decay_groups,
@@ -163,7 +156,7 @@ class Args:
     top_k: int = 0
     """top-k sampling (0: off)"""
     inverse_cdf_sampling: bool = True
-    """draw each token by inverse CDF (`InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
+    """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
     torch.multinomial draws one exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at GPT-2's 50k
     vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
 
@@ -262,27 +255,6 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, epsi
         if kl is not None:
             stats["kl"] = share(kl)
     return loss, stats
-
-
-class InverseCDFSampler(LogitsProcessor):
-    """The last logits processor of a greedy `generate`: draws the next token from softmax(scores) by inverse CDF
-    (one uniform per row against the cumulative probabilities) and leaves only it, so the greedy pick is a sample."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
-        u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # the first token whose CDF > u
-        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
-
-
-def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool) -> dict:
-    """`generate` arguments that sample at this temperature / top-k / top-p (HF's warpers in HF's order)."""
-    if not inverse_cdf:
-        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
-    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
-    warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
-    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
-    return dict(do_sample=False, logits_processor=LogitsProcessorList([*warpers, InverseCDFSampler()]))
 
 
 def extract_answer(completion: str) -> str:

@@ -5,6 +5,7 @@ from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
     FixedKLController,
+    InverseCDFSampler,
     LogitMask,
     RunningMoments,
     UsageError,
@@ -22,6 +23,7 @@ from common.core import (
     masked_var,
     masked_whiten,
     pad_right,
+    sampling_kwargs,
     weight_decay_groups,
 )
 from common.models import (

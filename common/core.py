@@ -1,4 +1,4 @@
-"""Log-prob, masking and KL utilities (with trlX's logit mask), and the KL controllers.
+"""Log-prob, masking and KL utilities (with trlX's logit mask and an inverse-CDF sampler), and the KL controllers.
 
 Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-preferences).
 All masks are float or bool tensors of the same shape as the values they mask.
@@ -8,6 +8,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
 class UsageError(ValueError):
@@ -131,6 +132,29 @@ class LogitMask:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return self.apply(scores, input_ids[:, -1])
+
+
+class InverseCDFSampler(LogitsProcessor):
+    """The last logits processor of a greedy `generate`: draws the next token from softmax(scores) by inverse CDF
+    (one uniform per row against the cumulative probabilities) and leaves only it, so the greedy pick is a sample."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
+        u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # the first token whose CDF > u
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
+def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True) -> dict:
+    """`generate` arguments that sample at this temperature / top-k / top-p. With `inverse_cdf`: a greedy `generate`
+    over HF's warpers (in HF's order) and `InverseCDFSampler`, the distribution of `do_sample=True`, whose
+    torch.multinomial draws an exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at a 50k vocabulary)."""
+    if not inverse_cdf:
+        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    return dict(do_sample=False, logits_processor=LogitsProcessorList([*warpers, InverseCDFSampler()]))
 
 
 def pad_right(rows: list[list], value) -> torch.Tensor:

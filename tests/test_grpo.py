@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
 
-from grpo import InverseCDFSampler, check_rewards, group_advantages, grpo_loss, nanstd, sampling_kwargs, verifier
+from grpo import check_rewards, group_advantages, grpo_loss, nanstd, verifier
 
 GRPO = os.path.join(ROOT, "grpo.py")
 
@@ -98,33 +98,6 @@ def test_grpo_loss_gradient_follows_the_advantage_and_ignores_padding():
     assert logprobs.grad[1, 2] == 0  # the padded token
     # clipped, so no gradient: ratio e^0.2 > 1.2 with A > 0, and e^-0.5 < 0.8 with A < 0
     assert logprobs.grad[0, 0] == 0 and logprobs.grad[1, 0] == 0
-
-
-def test_inverse_cdf_sampling_draws_from_the_warped_policy():
-    """The sampler's frequencies over 40,000 draws match softmax(scores) (standard error of each under 0.0025) and it
-    never draws a masked token; through `generate`, the first new token of 4,000 copies of one prompt follows the
-    policy after HF's temperature, top-k and top-p warpers, in that order."""
-    from transformers import AutoModelForCausalLM
-
-    from common import load_pretrained
-
-    torch.manual_seed(0)
-    scores = torch.tensor([[1.0, 0.0, -math.inf, 2.0, -1.0]]).repeat(40_000, 1)
-    drawn = InverseCDFSampler()(None, scores.clone()).argmax(-1)
-    assert torch.allclose(torch.bincount(drawn, minlength=5) / len(drawn), scores[0].softmax(-1), atol=0.01)
-    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
-    prompt = torch.tensor([[464, 3290, 318]])
-    with torch.no_grad():
-        probs = (model(prompt).logits[0, -1] / 0.7).softmax(-1)
-        top = probs.topk(20)
-        top_probs = top.values / top.values.sum()  # top-p acts on the top-k renormalised
-        keep = top_probs.cumsum(0) - top_probs < 0.6  # and keeps the tokens before their mass passes 0.6
-        expected = torch.zeros_like(probs).index_put_((top.indices[keep],), top_probs[keep])
-        tokens = model.generate(prompt.repeat(4000, 1), max_new_tokens=1, pad_token_id=0,
-                                **sampling_kwargs(0.7, 20, 0.6, inverse_cdf=True))[:, -1]
-    frequencies = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
-    assert set(tokens.tolist()) <= set(top.indices[keep].tolist()) and 1 < keep.sum() < 20
-    assert torch.allclose(frequencies, expected / expected.sum(), atol=0.03), (frequencies[top.indices], top_probs)
 
 
 def test_verifier_and_reward_checks():
