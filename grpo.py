@@ -29,7 +29,7 @@ import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, get_scheduler
 
 from common import (
     UsageError,
@@ -40,11 +40,13 @@ from common import (
     context_length,
     create_reference_model,
     exact_div,
+    is_random_builtin,
     load_data,
     load_pretrained,
     load_tokenizer,
     peft_model_of,
     reference_context,
+    reward_model_text,
     sampling_kwargs,
     start_run,
     train_eval_split,
@@ -99,8 +101,12 @@ class Args:
     """reward functions, summed with --reward-weights: verifier (reasoning-gym's score_answer, else an exact match
     with the answer column), format (1 if the completion is one line that ends with EOS), or "module:function" /
     "file.py:function", a callable (prompts, completions, **columns) -> list[float | None]"""
+    reward_model: str | None = None
+    """a reward model as one more reward function (TRL: a model in reward_funcs), logged as reward_model: a trained
+    one-logit sequence classifier (a hub id, a folder written by reward_modeling.py, builtin:tiny-chat-rm) scored on
+    "prompt completion<eos>" as reward_modeling.py trains it; its weight is the last of --reward-weights"""
     reward_weights: list[float] | None = None
-    """one weight per reward function (None: all 1)"""
+    """one weight per reward function, then one for --reward-model (None: all 1)"""
 
     # GRPO (defaults: TRL 1.x GRPOConfig, except the learning rate and sizes, set for the tiny default)
     total_prompts: int = 7680
@@ -305,6 +311,27 @@ def resolve_reward(spec: str):
     return getattr(module, name)
 
 
+def reward_model_function(name: str, device: torch.device):
+    """A trained one-logit sequence classifier as a reward function: its logit on "prompt completion<eos>" (the EOS only
+    after a completion that ended), the text reward_modeling.py trains on (common.reward_model_text)."""
+    if is_random_builtin(name):
+        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
+                         "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
+    model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
+    if info["missing_keys"] or model.config.num_labels != 1:
+        raise UsageError(f"--reward-model {name} is not a trained one-logit sequence classifier (a folder written by "
+                         "reward_modeling.py is one).")
+    model, tokenizer = model.to(device).eval(), load_tokenizer(name, padding_side="right")
+
+    @torch.no_grad()
+    def reward_model(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float]:
+        texts = [reward_model_text(p, c, tokenizer.eos_token, e) for p, c, e in zip(prompts, completions, ended)]
+        batches = (tokenizer(texts[i: i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64))
+        return [x for batch in batches for x in model(**batch).logits[:, 0].float().tolist()]
+
+    return reward_model
+
+
 def check_rewards(values, n: int, name: str) -> list[float]:
     """One number (or None) per completion, as floats with NaN for None; a one-line error otherwise."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
@@ -348,10 +375,12 @@ if __name__ == "__main__":
     exact_div(per_process, args.mini_batch_size * args.gradient_accumulation_steps,
               "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
-    reward_funcs = [resolve_reward(spec) for spec in args.reward_funcs]
-    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), device=device)
-    if len(weights) != len(reward_funcs):
-        raise UsageError(f"{len(weights)} --reward-weights for {len(reward_funcs)} --reward-funcs: give one weight each.")
+    reward_funcs = [(spec, resolve_reward(spec)) for spec in args.reward_funcs]  # (name, function); the model below
+    sources = len(reward_funcs) + (args.reward_model is not None)
+    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)
+    if len(weights) != sources:
+        raise UsageError(f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
+                         "give one weight each.")
     run_name, logger = start_run(args, accelerator)
 
     # ---- data: prompts, reference answers and every other column (for the reward functions) ----
@@ -379,8 +408,10 @@ if __name__ == "__main__":
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     # every reward function on two real rows before any generation: a wrong length or a non-number fails now
+    if args.reward_model is not None:
+        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, device)))
     probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
-    for spec, func in zip(args.reward_funcs, reward_funcs):
+    for spec, func in reward_funcs:
         check_rewards(func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items()
                                                                                    if k != "prompt"}), 2, spec)
     accelerator.print(f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
@@ -452,7 +483,7 @@ if __name__ == "__main__":
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
         prompts_text = [r["prompt"] for r in rows]
         return torch.tensor([check_rewards(f(prompts_text, completions_text, ended=ended, **columns), len(rows), spec)
-                             for spec, f in zip(args.reward_funcs, reward_funcs)], device=device).T
+                             for spec, f in reward_funcs], device=device).T
 
     @torch.no_grad()
     @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
@@ -566,8 +597,8 @@ if __name__ == "__main__":
         # ================================ bookkeeping ================================
         all_rewards_per_func = accelerator.gather(rewards_per_func)
         lengths = accelerator.gather(mask.sum(1))
-        metrics = {f"rewards/{spec}/mean": v.nanmean().item() for spec, v in zip(args.reward_funcs, all_rewards_per_func.T)}
-        metrics |= {f"rewards/{spec}/std": nanstd(v).item() for spec, v in zip(args.reward_funcs, all_rewards_per_func.T)}
+        metrics = {f"rewards/{spec}/{stat}": value for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
+                   for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))}
         step_stats = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]).mean(0), "mean")
         metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
         metrics |= {"reward": all_rewards.nanmean().item(), "reward_std": nanstd(all_rewards).item(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
 
-from grpo import check_rewards, group_advantages, grpo_loss, nanstd, verifier
+from grpo import check_rewards, group_advantages, grpo_loss, nanstd, reward_model_function, verifier
 
 GRPO = os.path.join(ROOT, "grpo.py")
 
@@ -140,6 +140,31 @@ def test_options_run(tmp_path, flags):
     assert "grpo: 2 updates" in out
     for tag in ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio"):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
+
+
+def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
+    """--reward-model: the classifier's logit on "prompt completion<eos>" (no EOS after a truncated completion), the
+    same number as the model on that text alone; a causal LM is refused; a run logs it as rewards/reward_model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from common import UsageError, load_pretrained, load_tokenizer
+
+    classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).eval()
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    classifier.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    scores = reward_model_function(str(tmp_path / "rm"), torch.device("cpu"))(["What is 2 + 3?", "Hi"], [" 5", " there you"],
+                                                                             ended=[True, False])
+    with torch.no_grad():
+        expected = [classifier(**tokenizer(text, return_tensors="pt")).logits[0, 0].item()
+                    for text in ("What is 2 + 3? 5" + tokenizer.eos_token, "Hi there you")]
+    assert scores == pytest.approx(expected, abs=1e-5) and scores[0] != scores[1]
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    with pytest.raises(UsageError, match="not a trained one-logit sequence classifier"):
+        reward_model_function(str(tmp_path / "lm"), torch.device("cpu"))
+    run_script([GRPO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
+    assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
 
 
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):

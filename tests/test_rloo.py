@@ -86,6 +86,20 @@ def test_options_run(tmp_path, flags):
     assert (kl[-1] == 0) == ("--beta" in flags)  # the KL is measured against a reference unless beta is 0
 
 
+def test_reward_model_is_one_more_reward_function(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from common import load_pretrained, load_tokenizer
+
+    load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).save_pretrained(tmp_path / "rm")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
+    run_script([RLOO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
+    assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
+    assert "2 --reward-weights for 3 rewards" in run_failing([RLOO, "--reward-funcs", "verifier", "format",
+                                                              "--reward-model", str(tmp_path / "rm"),
+                                                              "--reward-weights", "1", "1"], tmp_path)
+
+
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
     out = run_script([*ddp_launch(), RLOO, *TINY, "--total-prompts", "16", "--normalize-advantages"], tmp_path,
                      timeout=300, **DDP_ENV)
