@@ -358,9 +358,9 @@ if __name__ == "__main__":
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
-    # every reward function on two real rows before any generation: a wrong length or a non-number fails now
     if args.reward_model is not None:
         reward_funcs.append(("reward_model", reward_model_function(args.reward_model, device)))
+    # every reward function on two real rows before any generation: a wrong length or a non-number fails now
     probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
     for spec, func in reward_funcs:
         check_rewards(func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items()
