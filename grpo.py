@@ -29,7 +29,7 @@ import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, get_scheduler
+from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
     UsageError,
@@ -40,9 +40,9 @@ from common import (
     context_length,
     create_reference_model,
     exact_div,
-    is_random_builtin,
     load_data,
     load_pretrained,
+    load_reward_model,
     load_tokenizer,
     peft_model_of,
     reference_context,
@@ -103,8 +103,10 @@ class Args:
     "file.py:function", a callable (prompts, completions, **columns) -> list[float | None]"""
     reward_model: str | None = None
     """a reward model as one more reward function (TRL: a model in reward_funcs), logged as reward_model: a trained
-    one-logit sequence classifier (a hub id, a folder written by reward_modeling.py, builtin:tiny-chat-rm) scored on
+    sequence classifier (a hub id, a folder written by reward_modeling.py, builtin:tiny-chat-rm) scored on
     "prompt completion<eos>" as reward_modeling.py trains it; its weight is the last of --reward-weights"""
+    reward_label: str | None = None
+    """which logit of --reward-model is the reward: a label name or an index; None: a single-logit head"""
     reward_weights: list[float] | None = None
     """one weight per reward function, then one for --reward-model (None: all 1)"""
 
@@ -311,23 +313,17 @@ def resolve_reward(spec: str):
     return getattr(module, name)
 
 
-def reward_model_function(name: str, device: torch.device):
-    """A trained one-logit sequence classifier as a reward function: its logit on "prompt completion<eos>" (the EOS only
-    after a completion that ended), the text reward_modeling.py trains on (common.reward_model_text)."""
-    if is_random_builtin(name):
-        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
-                         "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
-    model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
-    if info["missing_keys"] or model.config.num_labels != 1:
-        raise UsageError(f"--reward-model {name} is not a trained one-logit sequence classifier (a folder written by "
-                         "reward_modeling.py is one).")
-    model, tokenizer = model.to(device).eval(), load_tokenizer(name, padding_side="right")
+def reward_model_function(name: str, label: str | None, device: torch.device):
+    """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on
+    "prompt completion<eos>" (the EOS only after a completion that ended), the text reward_modeling.py trains on."""
+    model, index = load_reward_model(name, label)
+    model, tokenizer = model.to(device), load_tokenizer(name, padding_side="right")
 
     @torch.no_grad()
     def reward_model(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float]:
         texts = [reward_model_text(p, c, tokenizer.eos_token, e) for p, c, e in zip(prompts, completions, ended)]
         batches = (tokenizer(texts[i: i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64))
-        return [x for batch in batches for x in model(**batch).logits[:, 0].float().tolist()]
+        return [x for batch in batches for x in model(**batch).logits[:, index].float().tolist()]
 
     return reward_model
 
@@ -408,7 +404,7 @@ if __name__ == "__main__":
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     if args.reward_model is not None:
-        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, device)))
+        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, args.reward_label, device)))
     # every reward function on two real rows before any generation: a wrong length or a non-number fails now
     probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
     for spec, func in reward_funcs:

@@ -24,7 +24,7 @@ import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification, LogitsProcessorList, get_scheduler
+from transformers import LogitsProcessorList, get_scheduler
 
 from common import (
     INVALID_LOGPROB,
@@ -45,12 +45,11 @@ from common import (
     create_reference_model,
     entropy_from_logits,
     exact_div,
-    is_random_builtin,
     kl_estimate,
     load_checkpoint,
     load_config,
     load_data,
-    load_pretrained,
+    load_reward_model,
     load_tokenizer,
     logprobs_from_logits,
     masked_mean,
@@ -263,31 +262,6 @@ def reward_fn(queries: list[str], responses: list[str]) -> list[float]:
 
     analyzer = reward_fn.analyzer = getattr(reward_fn, "analyzer", None) or SentimentIntensityAnalyzer()
     return [analyzer.polarity_scores(r)["compound"] for r in responses]
-
-
-def load_reward_model(name: str, label: str | None = None) -> tuple[torch.nn.Module, int]:
-    """A trained sequence classifier and the index of the logit that is the reward (`label`: a name or an index; None:
-    the single logit of a one-label head). A folder whose classification head would be freshly initialised (a causal
-    LM such as outputs/sft, a random built-in) is an error: PPO against a random head learns nothing real."""
-    if is_random_builtin(name):
-        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
-                         "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
-    model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
-    if info["missing_keys"]:
-        raise UsageError(f"--reward-model {name} has no trained classification head (its checkpoint lacks "
-                         f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
-                         "reward_modeling.py.")
-    labels = model.config.id2label if model.config.num_labels > 1 else {}
-    if label is None:
-        if model.config.num_labels != 1:
-            raise UsageError(f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
-                             "pass --reward-label with the one to maximise (a name or an index).")
-        return model.eval(), 0
-    index = model.config.label2id.get(label, int(label) if label.isdigit() else None)
-    if index is None or not 0 <= index < model.config.num_labels:
-        raise UsageError(f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
-                         "pass one of their names or indices.")
-    return model.eval(), index
 
 
 def metric_fn(queries: list[str], responses: list[str]) -> dict[str, list[float]]:

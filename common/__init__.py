@@ -31,6 +31,7 @@ from common.models import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     create_reference_model,
+    load_reward_model,
     peft_model_of,
     reference_context,
 )

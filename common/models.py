@@ -1,4 +1,4 @@
-"""Value-head models and reference-model creation (TRL 0.8 `trl/models` semantics, shared layers fixed)."""
+"""Value-head models, reference-model creation (TRL 0.8 `trl/models` semantics, shared layers fixed), reward models."""
 
 import contextlib
 import copy
@@ -9,10 +9,10 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
 from common.core import UsageError
-from common.presets import load_pretrained
+from common.presets import is_random_builtin, load_pretrained
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_NORMALIZATION_FILE = "reward_normalization.json"
@@ -202,3 +202,28 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     for param in ref_model.parameters():
         param.requires_grad_(False)
     return ref_model.eval()
+
+
+def load_reward_model(name: str, label: str | None = None) -> tuple[torch.nn.Module, int]:
+    """A trained sequence classifier and the index of the logit that is the reward (`label`: a name or an index; None:
+    the single logit of a one-label head). A folder whose classification head would be freshly initialised (a causal
+    LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
+    if is_random_builtin(name):
+        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
+                         "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
+    model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
+    if info["missing_keys"]:
+        raise UsageError(f"--reward-model {name} has no trained classification head (its checkpoint lacks "
+                         f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
+                         "reward_modeling.py.")
+    labels = model.config.id2label if model.config.num_labels > 1 else {}
+    if label is None:
+        if model.config.num_labels != 1:
+            raise UsageError(f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
+                             "pass --reward-label with the one to maximise (a name or an index).")
+        return model.eval(), 0
+    index = model.config.label2id.get(label, int(label) if label.isdigit() else None)
+    if index is None or not 0 <= index < model.config.num_labels:
+        raise UsageError(f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
+                         "pass one of their names or indices.")
+    return model.eval(), index

@@ -153,16 +153,16 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     classifier.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    scores = reward_model_function(str(tmp_path / "rm"), torch.device("cpu"))(["What is 2 + 3?", "Hi"], [" 5", " there you"],
-                                                                             ended=[True, False])
+    score = reward_model_function(str(tmp_path / "rm"), None, torch.device("cpu"))
+    scores = score(["What is 2 + 3?", "Hi"], [" 5", " there you"], ended=[True, False])
     with torch.no_grad():
         expected = [classifier(**tokenizer(text, return_tensors="pt")).logits[0, 0].item()
                     for text in ("What is 2 + 3? 5" + tokenizer.eos_token, "Hi there you")]
     assert scores == pytest.approx(expected, abs=1e-5) and scores[0] != scores[1]
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
     tokenizer.save_pretrained(tmp_path / "lm")
-    with pytest.raises(UsageError, match="not a trained one-logit sequence classifier"):
-        reward_model_function(str(tmp_path / "lm"), torch.device("cpu"))
+    with pytest.raises(UsageError, match="no trained classification head"):
+        reward_model_function(str(tmp_path / "lm"), None, torch.device("cpu"))
     run_script([GRPO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
 

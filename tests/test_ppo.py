@@ -317,8 +317,7 @@ def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     before training, and so it does for a folder whose classification head would be random."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from common import load_pretrained, load_tokenizer
-    from ppo import load_reward_model
+    from common import load_pretrained, load_reward_model, load_tokenizer
 
     labels = dict(id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
     classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=2, **labels)
