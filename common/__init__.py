@@ -1,5 +1,6 @@
 """Shared helpers of the algorithm scripts: log-prob/masking/KL utilities, KL controllers, value-head and
-reference models, the offline built-in presets and run setup. Everything algorithm-specific stays in the scripts."""
+reference models, loading by name (hub id, local path or one of the offline built-in presets), run setup.
+Everything algorithm-specific stays in the scripts."""
 
 from common.core import (
     INVALID_LOGPROB,
@@ -26,20 +27,10 @@ from common.core import (
     sampling_kwargs,
     weight_decay_groups,
 )
-from common.models import (
-    REWARD_NORMALIZATION_FILE,
-    AutoModelForCausalLMWithValueHead,
-    AutoModelForSeq2SeqLMWithValueHead,
-    create_reference_model,
-    load_reward_model,
-    peft_model_of,
-    reference_context,
-)
-from common.presets import (
+from common.loading import (
     check_columns,
     context_length,
     is_conversation,
-    is_random_builtin,
     load_config,
     load_data,
     load_pipeline,
@@ -48,5 +39,14 @@ from common.presets import (
     quantization_kwargs,
     reward_model_text,
     train_eval_split,
+)
+from common.models import (
+    REWARD_NORMALIZATION_FILE,
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    create_reference_model,
+    load_reward_model,
+    peft_model_of,
+    reference_context,
 )
 from common.run import RunLogger, atomic_directory, cli, load_checkpoint, save_checkpoint, start_run, write_model_card

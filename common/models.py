@@ -12,7 +12,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
 from common.core import UsageError
-from common.presets import is_random_builtin, load_pretrained
+from common.loading import load_pretrained
+from common.presets import is_random_builtin
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_NORMALIZATION_FILE = "reward_normalization.json"

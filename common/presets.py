@@ -1,7 +1,8 @@
 """Offline built-in presets: tiny randomly initialised models with GPT-2's real tokenizer, and real text data.
 
-Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here; every other name goes through
-the normal `from_pretrained` / `load_dataset` path untouched.
+Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here, through the loaders of
+common/loading.py; every other name goes through the normal `from_pretrained` / `load_dataset` path untouched.
+A fork that never runs offline can delete this module, common/tiny_chat.py and the `is_builtin` branches there.
 
 Pretrained models (trained here on first use, then cached; see common/tiny_chat.py): builtin:tiny-chat (a 4-layer
 GPT-2 trained on the built-in dialogue, the default policy) and builtin:tiny-chat-rm (a reward model trained from it
@@ -21,23 +22,20 @@ an offline RL dataset of mixed quality).
 """
 
 import glob
-import json
 import os
 import random
 import shutil
 import tempfile
-from functools import partial
 
 import torch
-from datasets import Dataset, load_dataset
-from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
+from datasets import Dataset
+from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
 from common.core import UsageError
 from common.tiny_chat import FOLDERS, cache_root, pretrained_folder
 
 PAD_TOKEN = "<|pad|>"
 OUTPUT_INIT_STD = 0.5
-DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def is_builtin(name: str) -> bool:
@@ -89,40 +87,9 @@ def builtin_config(name: str, **kwargs):
                      "or builtin:tiny-t5.")
 
 
-def located(load, name: str, what: str):
-    """`load(name)`; a local path that does not exist, a folder without `config.json`, or a hub id that cannot be reached
-    from here is a one-line error naming which of them it is."""
-    if what == "model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise UsageError(f"no config.json in the folder {name!r}: it holds no saved model (save_pretrained writes one)")
-    try:
-        return load(name)
-    except (OSError, ConnectionError) as error:  # transformers and datasets raise these for a missing repo or file
-        if os.path.exists(name):
-            raise
-        raise UsageError(f"{what} {name!r}: no such file or folder here, nor a hub id that can be reached from here "
-                         f"({type(error).__name__}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})") from error
-
-
-def load_config(name: str):
-    """The config of a built-in preset, hub id or local folder."""
-    return builtin_config(name) if is_random_builtin(name) else located(AutoConfig.from_pretrained, resolve(name), "model")
-
-
-def context_length(config) -> int | None:
-    """The most positions a model reads (max_position_embeddings, GPT-2's n_positions), or None where positions are
-    relative (T5) or absent (ALiBi)."""
-    return getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
-
-
-def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
-    """`auto_class.from_pretrained(name)`, or for a random built-in name a tiny model initialised with `seed`."""
-    if not is_random_builtin(name):
-        loaded = located(lambda n: auto_class.from_pretrained(n, **kwargs), resolve(name), "model")  # (model, info) with
-        # output_loading_info=True
-        if is_builtin(name):  # peft records it as the adapter's base model
-            model = loaded[0] if isinstance(loaded, tuple) else loaded
-            model.config.name_or_path = model.name_or_path = name
-        return loaded
+def random_model(name: str, auto_class, seed: int = 0, **kwargs):
+    """A tiny model of a random built-in preset through `auto_class` (kwargs: config overrides, and dtype as for
+    from_pretrained), its weights initialised with `seed`."""
     config = builtin_config(name, **{k: v for k, v in kwargs.items() if k not in ("dtype", "device_map")})
     with torch.random.fork_rng():  # a seeded init that leaves the caller's RNG stream untouched
         torch.manual_seed(seed)
@@ -134,50 +101,6 @@ def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
     model.config.name_or_path = model.name_or_path = name  # peft records it as the adapter's base model
     model.eval()  # like from_pretrained
     return model.to(kwargs["dtype"]) if "dtype" in kwargs else model
-
-
-def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_peft: bool) -> dict:
-    """from_pretrained kwargs for --load-in-8bit / --load-in-4bit (bitsandbytes), after checking they can work.
-
-    Quantised weights cannot be trained directly: LoRA adapters train on top (peft's prepare_model_for_kbit_training).
-    """
-    if not (load_in_8bit or load_in_4bit):
-        return {}
-    flag = "--load-in-8bit" if load_in_8bit else "--load-in-4bit"
-    if load_in_8bit and load_in_4bit:
-        raise UsageError("Pass one of --load-in-8bit and --load-in-4bit, not both.")
-    if not use_peft:
-        raise UsageError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
-    if is_builtin(name):
-        raise UsageError(f"{flag} quantises large pretrained weights: {name} is a tiny built-in preset; pass a hub model.")
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
-        raise UsageError(f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
-                           f"{'no CUDA GPU' if not torch.cuda.is_available() else 'no bitsandbytes'}. Drop the flag "
-                           "to train in full precision.")
-    from accelerate import PartialState
-    from transformers import BitsAndBytesConfig
-
-    config = BitsAndBytesConfig(load_in_8bit=True) if load_in_8bit else BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    return dict(quantization_config=config, device_map={"": PartialState().local_process_index})
-
-
-def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenizerBase:
-    """The tokenizer of a model name; a clear error when it has no pad token (add one, do not reuse EOS)."""
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")
-    if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
-        raise UsageError(f"no tokenizer files in the folder {name!r}: save the tokenizer beside the model "
-                         "(tokenizer.save_pretrained(folder))")
-    tokenizer = builtin_tokenizer() if is_builtin(name) else located(AutoTokenizer.from_pretrained, name, "tokenizer")
-    if tokenizer.pad_token is None:
-        raise UsageError(
-            f"The tokenizer of {name!r} has no pad token. Add a distinct one (tokenizer.add_special_tokens("
-            "{'pad_token': '<|pad|>'}) and resize the model's embeddings), then save and pass that folder."
-        )
-    tokenizer.padding_side = padding_side
-    return tokenizer
 
 
 def chatterbot_pairs() -> list[tuple[str, str]]:
@@ -212,8 +135,8 @@ def vader_preferences(seed: int = 0, min_gap: float = 0.1) -> list[dict]:
     return rows
 
 
-def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
-    """A built-in dataset, a local json/jsonl/csv/parquet/txt file, or a hub id / local dataset folder."""
+def builtin_dataset(name: str, seed: int = 0) -> Dataset:
+    """One of the built-in datasets (see the module docstring); `seed` draws the random replies."""
     if name == "builtin:chatterbot-prompts":
         return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs()})})
     if name == "builtin:chatterbot-dialogue":
@@ -226,75 +149,12 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
         rng, pairs = random.Random(seed), chatterbot_pairs()
         rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
         return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
-    if is_builtin(name):
-        raise UsageError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
-                         "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies.")
-    extension = os.path.splitext(name)[1].lower()
-    if extension in DATA_FILE_TYPES and not os.path.exists(name):
-        raise UsageError(f"the dataset file {name!r}: no such file (from {os.getcwd()})")
-    if os.path.isfile(name):
-        if os.path.getsize(name) == 0:
-            raise UsageError(f"The dataset file {name!r} is empty.")
-        if extension not in DATA_FILE_TYPES:
-            raise UsageError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
-        try:
-            return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
-        except Exception:  # a corrupt line: name it rather than the parser's internals
-            if extension in (".json", ".jsonl"):
-                with open(name) as f:
-                    for number, line in enumerate(f, 1):
-                        try:
-                            line.strip() and json.loads(line)
-                        except json.JSONDecodeError as bad:
-                            text = line.strip()[:80]
-                            raise UsageError(f"{name}, line {number}: not valid JSON ({bad.msg}): {text!r}") from None
-            raise
-    return located(lambda n: load_dataset(n, split=split), name, "dataset")
+    raise UsageError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
+                     "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies.")
 
 
-def reward_model_text(prompt: str | None, response: str, eos_token: str | None, ended: bool = True) -> str:
-    """The text a reward model reads: "prompt response<eos>", as reward_modeling.py trains it and ppo.py scores it
-    (EOS only after a response that ended and for a tokenizer that has one; without a prompt, the response alone)."""
-    return (f"{prompt} " if prompt else "") + response.strip() + (eos_token or "" if ended else "")
-
-
-def is_conversation(value) -> bool:
-    """A list of chat messages, [{"role": ..., "content": ...}, ...] (TRL's conversational format)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                           for m in value)
-
-
-def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments",
-                  numeric: tuple[str, ...] = ()) -> None:
-    """A clear error naming the missing columns and the ones the dataset has, a column of chat messages, or a value of
-    the wrong kind (text columns hold strings; the `numeric` ones numbers) with its column and row."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise UsageError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
-                         f"rename them or point {flag_hint} at the right ones.")
-    if len(dataset) == 0:
-        raise UsageError("The dataset is empty.")
-    chat = [c for c in columns if is_conversation(dataset[0][c])]
-    if chat:
-        raise UsageError(f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
-                         "script reads text: render each conversation into a string first, e.g. with "
-                         "tokenizer.apply_chat_template(messages, tokenize=False).")
-    for column in columns:
-        kind = (int, float) if column in numeric else str
-        for row, value in enumerate(dataset[column]):
-            if not isinstance(value, kind) or isinstance(value, bool):
-                wanted = "a number" if column in numeric else "text"
-                raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
-
-
-def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """A seeded shuffle split; `eval_fraction` of the rows (at least one) are held out."""
-    splits = dataset.train_test_split(test_size=max(1, int(len(dataset) * eval_fraction)), seed=seed)
-    return splits["train"], splits["test"]
-
-
-def load_pipeline(name: str, seed: int = 0, **kwargs):
-    """`StableDiffusionPipeline.from_pretrained(name)`, or for builtin:tiny-sd a tiny random one built from configs.
+def tiny_sd_pipeline(name: str, seed: int = 0):
+    """builtin:tiny-sd, a tiny random Stable Diffusion pipeline built from configs, initialised with `seed`.
 
     builtin:tiny-sd: 32x32 images (16x16x4 latents), a (32, 64)-channel UNet and VAE, a 2-layer CLIP text encoder
     with a character-level tokenizer (every byte a token, no merges), SD's DDIM noise schedule.
@@ -303,9 +163,6 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    if not is_builtin(name):
-        load = partial(StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs)
-        return located(load, name, "pipeline")
     if name != "builtin:tiny-sd":
         raise UsageError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
     alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>

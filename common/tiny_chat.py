@@ -133,7 +133,8 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     each text "prompt response<eos>" (the format reward_modeling.py trains and ppo.py scores)."""
     from transformers import AutoModelForSequenceClassification, get_scheduler
 
-    from common.presets import builtin_tokenizer, reward_model_text, vader_preferences
+    from common.loading import reward_model_text
+    from common.presets import builtin_tokenizer, vader_preferences
 
     tokenizer = builtin_tokenizer()
     tokenizer.truncation_side = "left"  # a long pair keeps the end of its response, as reward_modeling.py does
