@@ -24,7 +24,7 @@ import tyro
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
-from transformers import LogitsProcessorList, get_scheduler
+from transformers import get_scheduler
 
 from common import (
     INVALID_LOGPROB,
@@ -59,6 +59,7 @@ from common import (
     quantization_kwargs,
     reference_context,
     reward_model_text,
+    sampling_kwargs,
     save_checkpoint,
     start_run,
     train_eval_split,
@@ -128,6 +129,10 @@ class Args:
     """top-k sampling (0: off)"""
     top_p: float = 1.0
     """nucleus sampling (1.0: off)"""
+    inverse_cdf_sampling: bool = True
+    """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
+    torch.multinomial draws one exponential variate per vocabulary entry (on CPU, most of a rollout at GPT-2's 50k
+    vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
     stop_sequences: list[str] = field(default_factory=list)
     """responses are truncated after the first of these strings (trlX `stop_sequences`), as after an EOS"""
     missing_eos_penalty: float | None = None
@@ -522,6 +527,10 @@ if __name__ == "__main__":
 
     stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
 
+    # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
+    sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling,
+                               [logit_mask] if logit_mask is not None else [])
+
     @torch.no_grad()
     def generate(policy, queries, query_mask, max_new_tokens: int):
         """Sample responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or
@@ -531,9 +540,8 @@ if __name__ == "__main__":
             with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
                 out = policy.generate(
                     input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
-                    max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                    logits_processor=LogitsProcessorList([logit_mask] if logit_mask is not None else []))
+                    max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id, **sampling)
             outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)

@@ -145,16 +145,18 @@ class InverseCDFSampler(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
-def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True) -> dict:
-    """`generate` arguments that sample at this temperature / top-k / top-p. With `inverse_cdf`: a greedy `generate`
-    over HF's warpers (in HF's order) and `InverseCDFSampler`, the distribution of `do_sample=True`, whose
-    torch.multinomial draws an exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at a 50k vocabulary)."""
+def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True, processors=()) -> dict:
+    """`generate` arguments that sample at this temperature / top-k / top-p, after `processors` (e.g. a `LogitMask`). With
+    `inverse_cdf`: a greedy `generate` over `processors`, HF's warpers (in HF's order) and `InverseCDFSampler`, the
+    distribution of `do_sample=True`, whose torch.multinomial draws an exponential variate per vocabulary entry (on CPU,
+    3/4 of a rollout at a 50k vocabulary)."""
     if not inverse_cdf:
-        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                    logits_processor=LogitsProcessorList(processors))  # HF runs them before its warpers
     warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
     warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
-    return dict(do_sample=False, logits_processor=LogitsProcessorList([*warpers, InverseCDFSampler()]))
+    return dict(do_sample=False, logits_processor=LogitsProcessorList([*processors, *warpers, InverseCDFSampler()]))
 
 
 def pad_right(rows: list[list], value) -> torch.Tensor:

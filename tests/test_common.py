@@ -51,7 +51,7 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
 def test_inverse_cdf_sampling_draws_from_the_warped_policy():
     """The sampler's frequencies over 40,000 draws match softmax(scores) (standard error of each under 0.0025) and it
     never draws a masked token; through `generate`, the first new token of 4,000 copies of one prompt follows the
-    policy after HF's temperature, top-k and top-p warpers, in that order."""
+    policy after HF's temperature, top-k and top-p warpers, in that order, and `processors` run before them."""
     torch.manual_seed(0)
     scores = torch.tensor([[1.0, 0.0, -math.inf, 2.0, -1.0]]).repeat(40_000, 1)
     drawn = InverseCDFSampler()(None, scores.clone()).argmax(-1)
@@ -69,6 +69,15 @@ def test_inverse_cdf_sampling_draws_from_the_warped_policy():
     frequencies = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
     assert set(tokens.tolist()) <= set(top.indices[keep].tolist()) and 1 < keep.sum() < 20
     assert torch.allclose(frequencies, expected / expected.sum(), atol=0.03), (frequencies[top.indices], top_probs)
+    # processors run before the warpers and the draw, on both samplers: a logit mask that allows only the 30th and
+    # 40th most likely tokens after the prompt's last one (both outside the top 20) samples those (after the warpers
+    # it would leave nothing of the policy: every remaining logit the same lowest value)
+    allowed = probs.argsort(descending=True)[[29, 39]].tolist()
+    for inverse_cdf in (True, False):
+        kwargs = sampling_kwargs(0.7, 20, 0.6, inverse_cdf, [LogitMask({318: allowed}, len(probs))])
+        with torch.no_grad():
+            tokens = model.generate(prompt.repeat(200, 1), max_new_tokens=1, pad_token_id=0, **kwargs)[:, -1]
+        assert set(tokens.tolist()) <= set(allowed), (inverse_cdf, tokens.unique())
 
 
 def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
