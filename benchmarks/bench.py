@@ -91,6 +91,9 @@ class Args:
     peak_tflops: float | None = None
     """the device's peak dense bf16 TFLOP/s, for MFU (default: looked up for H100 / H200 / A100; otherwise only the
     achieved TFLOP/s is reported)"""
+    inverse_cdf_sampling: bool = True
+    """our side samples by inverse CDF, the scripts' default (`common.InverseCDFSampler`); --no-inverse-cdf-sampling
+    gives ppo.py, grpo.py, rloo.py and the rollout measurement HF's sampler, the one TRL uses"""
     memory: bool = True
     """also measure peak memory (one fresh process per implementation and variant)"""
     write: str | None = None
@@ -255,13 +258,17 @@ def trainer_trl(spec, env, tmp, tag, flags=()):
     return dict(step=timer.times)
 
 
+def sampler_flag(spec) -> list[str]:
+    return [] if spec["inverse_cdf"] else ["--no-inverse-cdf-sampling"]
+
+
 def ppo_ours(spec, env, tmp, tag, flags=()):
     log_dir, batch = os.path.join(tmp, "runs", tag), spec["batch_size"]
     run_ours("ppo.py", ["--model-name", env["model"], "--dataset-name", env["files"]["chatterbot-prompts"],
                         "--batch-size", batch, "--mini-batch-size", batch // 2, "--ppo-epochs", 4,
                         "--total-episodes", batch * (spec["warmup"] + spec["steps"]), "--min-new-tokens", 16,
                         "--max-new-tokens", 16, "--eval-freq", 0, "--eval-samples", 8, "--log-freq", 10**6,
-                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *sampler_flag(spec), *flags], tmp)
     phases = {k: scalars(log_dir, f"time/{k}") for k in ("rollout", "score", "forward", "optimise")}
     return dict(step=[sum(v) for v in zip(*phases.values())], generation=phases["rollout"],
                 forward_backward=[f + o for f, o in zip(phases["forward"], phases["optimise"])])
@@ -318,7 +325,7 @@ def rollouts(spec, env, tmp) -> dict:
     from trl import AutoModelForCausalLMWithValueHead as TrlValueHead
     from trl import PPOConfig, PPOTrainer
 
-    from common import AutoModelForCausalLMWithValueHead, load_tokenizer
+    from common import AutoModelForCausalLMWithValueHead, load_tokenizer, sampling_kwargs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)
@@ -336,8 +343,9 @@ def rollouts(spec, env, tmp) -> dict:
         for r in range(spec["rollout_rounds"] + 1):
             queries = [q.to(device) for q in ppo_queries(env, batch, r)]
             padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
-            calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16, do_sample=True,
-                                                         top_k=0, top_p=1.0, pad_token_id=ours_tok.pad_token_id,
+            calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16,
+                                                         **sampling_kwargs(1.0, 0, 1.0, spec["inverse_cdf"]),
+                                                         pad_token_id=ours_tok.pad_token_id,
                                                          eos_token_id=ours_tok.eos_token_id),
                      "trl": lambda: trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16,
                                                      max_new_tokens=16, top_k=0, top_p=1.0, do_sample=True,
@@ -373,7 +381,8 @@ def online_ours(spec, env, tmp, tag, flags=()):
                                     "--batch-size", setting["prompts"], "--num-generations", setting["num_generations"],
                                     "--beta", setting["beta"], "--mini-batch-size", 32, "--gradient-accumulation-steps", 4,
                                     "--max-completion-length", 16, "--eval-samples", 16, "--log-freq", 10**6,
-                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *sampler_flag(spec),
+                                    *flags], tmp)
     return dict(step=scalars(log_dir, "time/step"))
 
 
@@ -558,7 +567,8 @@ def main(args: Args) -> None:
     args.model = args.model if args.model != "auto" else "gpt2-124m" if cuda else "tiny"
     args.bf16 = cuda if args.bf16 is None else args.bf16
     peak = peak_tflops(args)
-    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16)
+    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16,
+                inverse_cdf=args.inverse_cdf_sampling)
     samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16, "grpo": 128, "rloo": 128}  # grpo / rloo: completions
     rows, extras = [], []
     for algo in args.algos:
