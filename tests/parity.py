@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 import tyro
@@ -40,7 +41,7 @@ RUNS = {
 
 @dataclass
 class Args:
-    folder: tyro.conf.Positional[str]
+    folder: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="FOLDER")]
     """where the reference runs' weights are: written with --record, compared against otherwise"""
     record: bool = False
     """run the scripts and keep their weights in `folder` (on the code before your change)"""
@@ -78,7 +79,7 @@ def differences(reference: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = tyro.cli(Args, description=__doc__)
     unknown = [s for s in args.scripts if s not in RUNS]
     if unknown:
         sys.exit(f"error: unknown scripts {unknown}: choose from {list(RUNS)}")
