@@ -157,8 +157,8 @@ class Args:
     """optimisation epochs over each batch of rollouts"""
     learning_rate: float = 1e-4
     """Adam learning rate. TRL's default 1.41e-5 suits GPT-2-sized models (use it there); on the small default policy it
-    raises the held-out reward steadily but slowly (-0.75 -> -0.35 in the default 60 updates), 1e-4 faster (-0.75 ->
-    0.87) with the KL near its target"""
+    raises the held-out reward slowly (seed 1: -0.70 -> 0.07 in the default 60 updates, KL 1.4), 1e-4 faster (seeds 1-3:
+    -0.70 -> 0.17, -0.67 -> 1.13, -0.95 -> 0.96) with the KL near its target"""
     lr_anneal: bool = False
     """if toggled, the learning rate decays linearly to 0 over the run"""
     adam_eps: float = 1e-5
