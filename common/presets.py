@@ -2,7 +2,8 @@
 
 Any `--model-name` / `--dataset-name` that starts with "builtin:" comes from here, through the loaders of
 common/loading.py; every other name goes through the normal `from_pretrained` / `load_dataset` path untouched.
-A fork that never runs offline can delete this module, common/tiny_chat.py and the `is_builtin` branches there.
+A fork that never runs offline can delete this module and common/tiny_chat.py, with the branches on built-in names
+in common/loading.py and common/models.py.
 
 Pretrained models (trained here on first use, then cached; see common/tiny_chat.py): builtin:tiny-chat (a 4-layer
 GPT-2 trained on the built-in dialogue, the default policy) and builtin:tiny-chat-rm (a reward model trained from it
