@@ -285,12 +285,13 @@ def test_seq2seq_policy_runs(tmp_path):
             "0.7",
             "--top-k",
             "50",
-        ]
+        ],
+        ["--no-inverse-cdf-sampling", "--temperature", "0.7", "--top-p", "0.9", "--generation-batch-size", "4"],
     ],
 )
 def test_options_run(tmp_path, flags):
     out = run_script([PPO, *TINY, "--total-episodes", "16", *flags], tmp_path)
-    assert "ppo: 2 updates" in out and "1 shared blocks" in out
+    assert "ppo: 2 updates" in out and ("1 shared blocks" in out) == ("--num-shared-layers" in flags)
 
 
 def test_reward_model_from_local_folder(tmp_path):
