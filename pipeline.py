@@ -87,11 +87,19 @@ def vader(responses: list[str]) -> list[float]:
     return [analyzer.polarity_scores(r)["compound"] for r in responses]
 
 
+def distinct_bigrams(texts: list[str]) -> float:
+    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): a policy that answers every
+    prompt with the same phrase scores low, even when each answer is varied within itself."""
+    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
+    return len(set(bigrams)) / max(1, len(bigrams))
+
+
 @torch.no_grad()
 def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str], samples_per_prompt: int,
              max_new_tokens: int, seed: int) -> tuple[dict[str, float], list[str]]:
     """Sample responses to `prompts` and report the reward model's score (what PPO maximised), VADER (the true
-    reward), and the KL to the SFT policy, sum over response tokens of log pi(y) - log pi_sft(y) on the samples."""
+    reward), the KL to the SFT policy (sum over response tokens of log pi(y) - log pi_sft(y) on the samples) and the
+    diversity of the responses (distinct-2)."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     sft = AutoModelForCausalLM.from_pretrained(sft_dir).eval()
@@ -121,7 +129,7 @@ def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str],
                            for i in range(0, len(scored), 64)])
     metrics = {"reward model": rm_scores.mean().item(), "VADER": sum(vader(texts)) / len(texts),
                "KL to SFT": (logprobs["policy"] - logprobs["sft"]).mean().item(),
-               "response tokens": response_mask.sum(1).float().mean().item()}
+               "distinct-2": distinct_bigrams(texts), "response tokens": response_mask.sum(1).float().mean().item()}
     return metrics, texts
 
 

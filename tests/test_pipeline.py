@@ -7,6 +7,15 @@ from conftest import ROOT, run_script
 PIPELINE = os.path.join(ROOT, "pipeline.py")
 
 
+def test_distinct_bigrams_by_hand():
+    from pipeline import distinct_bigrams
+
+    # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; the same phrase everywhere: 1 of 3
+    assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75
+    assert abs(distinct_bigrams(["fine thanks"] * 3) - 1 / 3) < 1e-12
+    assert distinct_bigrams(["", "one"]) == 0.0
+
+
 def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
     # a `python` first on PATH that is not this interpreter (as when a venv's python is called without activating it):
     # the stages must still run under sys.executable
@@ -42,6 +51,7 @@ def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
     ]
     # the SFT policy evaluated against itself: its KL to SFT is exactly zero; the trained ones moved
     assert abs(results["policies"]["sft"]["KL to SFT"]) < 1e-4
+    assert all(0 < policy["distinct-2"] <= 1 for policy in results["policies"].values())
     assert all(abs(results["policies"][name]["KL to SFT"]) > 1e-4 for name in ("ppo", "dpo"))
     # PPO was trained against the reward model of the previous stage, starting from the SFT model
     assert "--reward-model pipe/reward_model" in out and "ppo.py --model-name pipe/sft" in out
