@@ -283,16 +283,29 @@ def top_token_share(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     return tokens.unique(return_counts=True)[1].max() / len(tokens) if len(tokens) else torch.tensor(0.0)
 
 
-def health_check(final_kl: float, target: float, top_share: float, distinct_words: float) -> tuple[str, str | None]:
-    """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target
-    or responses collapsed into one token (over 30% of response tokens) mean reward hacking, not learning."""
+def distinct_bigrams(texts: list[str]) -> float:
+    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): low when many responses
+    repeat one phrase, even where each response is varied within itself."""
+    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
+    return len(set(bigrams)) / max(1, len(bigrams))
+
+
+def health_check(final_kl: float, target: float, top_share: float, distinct_words: float, distinct_2: float,
+                 start_distinct_2: float) -> tuple[str, str | None]:
+    """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
+    responses collapsed into one token (over 30% of response tokens), or responses that repeat each other (distinct-2
+    below half its value at the start) mean reward hacking, not learning."""
     line = (f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
-            f"{distinct_words:.2f} distinct words per word, the most frequent token {top_share:.0%} of response tokens")
+            f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
+            f"start), the most frequent token {top_share:.0%} of response tokens")
     advice = "a reward gained this way is reward hacking, not learning: lower --learning-rate or raise --init-kl-coef"
     if final_kl > 3 * target:
         return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
     if top_share > 0.3:
         return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
+    if distinct_2 < 0.5 * start_distinct_2:
+        return line, (f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
+                      f"the start); {advice}")
     return line, None
 
 
@@ -632,7 +645,8 @@ if __name__ == "__main__":
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
         metrics = {"eval/reward_mean": scores.mean(), "eval/reward_std": scores.std(),
-                   "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id)}
+                   "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
+                   "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text))}
         extra = metric_fn(queries_text, responses_text)
         metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
         metrics = reduce_mean(metrics)
@@ -819,7 +833,8 @@ if __name__ == "__main__":
         + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else ""))
     # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
     health, warning = health_check(final_kl, args.target, last_eval["eval/top_token_share"],
-                                   last_eval["eval/distinct_words"])
+                                   last_eval["eval/distinct_words"], last_eval["eval/distinct_2"],
+                                   first_eval["eval/distinct_2"])
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
