@@ -33,6 +33,7 @@ from common import (
     context_length,
     is_conversation,
     lm_token_logprobs,
+    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
@@ -40,6 +41,7 @@ from common import (
     pad_right,
     peft_model_of,
     quantization_kwargs,
+    save_checkpoint,
     start_run,
     train_eval_split,
     weight_decay_groups,
@@ -120,7 +122,10 @@ class Args:
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     save_steps: int = 0
-    """write a checkpoint every this many optimizer steps (0: only the final model)"""
+    """write a resumable checkpoint every this many optimizer steps (0: only the final model); it holds the model in
+    from_pretrained format (with LoRA: the adapter) and accelerate's state"""
+    resume_from: str | None = None
+    """a checkpoint folder to resume from"""
     output_dir: str = "outputs/sft"
     """where the final model and tokenizer go (plain from_pretrained format)"""
     num_sample_generations: int = 4
@@ -239,15 +244,27 @@ if __name__ == "__main__":
                          "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
                          "to learn), a smaller one with --packing, or a larger --eval-fraction.")
 
+    examples_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(train_examples) // examples_per_step
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0:
+        raise UsageError(f"{len(train_examples)} training examples make no optimizer step of {examples_per_step} x "
+                         f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps.")
+
     def collate(batch: list[dict]) -> dict:
         """Right padding; labels padded with -100."""
-        return dict(input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id),
-                    attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0),
-                    labels=pad_right([e["labels"] for e in batch], -100))
+        return dict(input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id).to(accelerator.device),
+                    attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(accelerator.device),
+                    labels=pad_right([e["labels"] for e in batch], -100).to(accelerator.device))
 
-    train_loader = torch.utils.data.DataLoader(train_examples, batch_size=args.batch_size, shuffle=True, collate_fn=collate,
-                                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = torch.utils.data.DataLoader(eval_examples, batch_size=args.batch_size, collate_fn=collate)
+    def batch_of(examples: list[dict], step: int) -> dict:
+        """This rank's examples for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
+        return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
 
     # ---- model and optimiser ----
     model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
@@ -262,16 +279,18 @@ if __name__ == "__main__":
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
                               num_training_steps=total_steps * ticks)
-    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, eval_loader)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
-                      f"of {args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes} examples")
+                      f"of {examples_per_step * args.gradient_accumulation_steps} examples; each epoch reshuffles and "
+                      f"leaves out {len(train_examples) % examples_per_step} examples")
+    start_step = 0
+    if args.resume_from:
+        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     head = chunkable_head(accelerator.unwrap_model(model), sharded) if args.chunked_loss else None
@@ -288,8 +307,12 @@ if __name__ == "__main__":
         """Token-weighted eval loss over all ranks, and perplexity."""
         model.eval()
         total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-        for batch in eval_loader:
-            n_tokens = (batch["labels"][:, 1:] != -100).sum()
+        shard = eval_examples[accelerator.process_index:: accelerator.num_processes]
+        weight = 1.0 if shard else 0.0  # fewer examples than ranks: an empty shard scores one example at weight 0, so
+        shard = shard or eval_examples[:1]  # that every rank reaches the same collectives
+        for i in range(0, len(shard), args.batch_size):
+            batch = collate(shard[i: i + args.batch_size])
+            n_tokens = (batch["labels"][:, 1:] != -100).sum() * weight
             total_loss += lm_loss(batch) * n_tokens
             total_tokens += n_tokens
         loss = (accelerator.reduce(total_loss, "sum") / accelerator.reduce(total_tokens, "sum")).item()
@@ -297,13 +320,19 @@ if __name__ == "__main__":
         model.train()
         return loss
 
+    def write_model(folder: str) -> None:
+        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
+        accelerator.unwrap_model(model).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
     # ---- train ----
-    first_eval_loss, step, start_time = evaluate(0), 0, time.time()
-    progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="sft")
+    first_eval_loss, start_time = evaluate(start_step), time.time()
     model.train()
-    step_start, step_tokens = time.time(), 0
-    while step < total_steps:
-        for batch in train_loader:
+    progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="sft")
+    for step in progress:
+        step_start, step_tokens = time.time(), 0
+        for micro in range(args.gradient_accumulation_steps):
+            batch = batch_of(train_examples, step * args.gradient_accumulation_steps + micro)
             step_tokens += batch["attention_mask"].sum()
             with accelerator.accumulate(model):
                 loss = lm_loss(batch)
@@ -313,30 +342,19 @@ if __name__ == "__main__":
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            progress.update(1)
-            # one collective and one device sync: mean loss and mean tokens per rank
-            train_loss, tokens = accelerator.reduce(torch.stack([loss.detach().float(), step_tokens.float()]), "mean").tolist()
-            progress.set_postfix(loss=f"{train_loss:.3f}")
-            step_time = time.time() - step_start
-            logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                        "train/epoch": step / steps_per_epoch, "time/step": step_time,
-                        "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time}, step)
-            if step % args.eval_steps == 0 and step < total_steps:
-                evaluate(step)
-            if args.save_steps and step % args.save_steps == 0:
-                accelerator.wait_for_everyone()
-                if accelerator.is_main_process:
-                    with atomic_directory(os.path.join(f"{args.output_dir}_checkpoints", f"step_{step}")) as tmp:
-                        accelerator.unwrap_model(model).save_pretrained(tmp)
-                        tokenizer.save_pretrained(tmp)
-            if step >= total_steps:
-                break
-            step_start, step_tokens = time.time(), 0  # evaluation and checkpoints are not part of the step time
-    progress.close()
-    last_eval_loss = evaluate(step)
+        # one collective and one device sync: mean loss and mean tokens per rank
+        train_loss, tokens = accelerator.reduce(torch.stack([loss.detach().float(), step_tokens.float()]), "mean").tolist()
+        progress.set_postfix(loss=f"{train_loss:.3f}")
+        step_time = time.time() - step_start
+        logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
+                    "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch, "time/step": step_time,
+                    "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time}, step + 1)
+        if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            evaluate(step + 1)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
+            save_checkpoint(accelerator, folder, {"step": step + 1}, write_model)
+    last_eval_loss = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) and sample ----
     unwrapped = accelerator.unwrap_model(model)
@@ -360,9 +378,9 @@ if __name__ == "__main__":
         with torch.no_grad():
             out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-        logger.samples("samples", {"prompt": prompts, "completion": completions}, step)
-    accelerator.print(f"sft: {step} steps in {time.time() - start_time:.0f}s; eval loss {first_eval_loss:.3f} -> "
-                      f"{last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
+        logger.samples("samples", {"prompt": prompts, "completion": completions}, total_steps)
+    accelerator.print(f"sft: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval loss "
+                      f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
                       f"model saved to {args.output_dir}")
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still

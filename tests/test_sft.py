@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
@@ -104,6 +105,23 @@ def test_sft_options_run(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())
     run_script([SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion"], tmp_path)
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
+    reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
+    rows = [dict(text=f"Question {i}? An answer of {i} words.") for i in range(20)]
+    (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    common = [SFT, "--dataset-name", str(tmp_path / "texts.jsonl"), "--eval-fraction", "0.2", "--batch-size", "4",
+              "--gradient-accumulation-steps", "2", "--max-steps", "4", "--num-sample-generations", "0"]  # 2 steps/epoch
+    run_script([*common, "--save-steps", "3", "--output-dir", "straight"], tmp_path)
+    checkpoint = tmp_path / "straight_checkpoints" / "step_3"
+    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer == 2
+    out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "sft: 1 steps" in out
+    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert "not a checkpoint folder" in run_failing([*common, "--resume-from", str(tmp_path / "straight")], tmp_path)
 
 
 def test_sft_bad_input_is_a_clear_error(tmp_path):
