@@ -33,6 +33,7 @@ from common import (
     check_columns,
     cli,
     context_length,
+    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
@@ -40,6 +41,7 @@ from common import (
     peft_model_of,
     quantization_kwargs,
     reward_model_text,
+    save_checkpoint,
     start_run,
     train_eval_split,
     weight_decay_groups,
@@ -115,6 +117,11 @@ class Args:
     will; on CPU it also avoids the slow dropout path of scaled-dot-product attention"""
     eval_steps: int = 50
     """evaluate every this many optimizer steps (and at the end)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many optimizer steps (0: only the final model); it holds the model as
+    trained so far (not yet normalised) in from_pretrained format (with LoRA: the adapter) and accelerate's state"""
+    resume_from: str | None = None
+    """a checkpoint folder to resume from"""
     normalize_reward: bool = False
     """after training, fold a gain and bias into the model so rewards on the training responses have mean 0, std 1"""
     output_dir: str = "outputs/reward_model"
@@ -169,7 +176,7 @@ if __name__ == "__main__":
     args = cli(Args)
     check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
                                "max_grad_norm", "max_length"),
-               non_negative=("weight_decay",), fractions=("eval_fraction",))
+               non_negative=("weight_decay", "save_steps"), fractions=("eval_fraction",))
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -210,6 +217,15 @@ if __name__ == "__main__":
     if identical:
         accelerator.print(f"warning: {identical} pairs have identical chosen and rejected texts (they add a constant loss)")
 
+    pairs_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(train_pairs) // pairs_per_step
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0:
+        raise UsageError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+                         f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
+
     def collate(batch: list[dict]) -> dict:
         """The 2B sequences (chosen, then rejected) sorted by length into --length-groups right-padded groups, one
         forward pass each; `order` puts the groups' rewards back in chosen-then-rejected order."""
@@ -217,13 +233,26 @@ if __name__ == "__main__":
         lengths = torch.tensor([len(s) for s in sequences])
         by_length = lengths.argsort(stable=True) if args.length_groups > 1 else torch.arange(len(sequences))
         groups = [[sequences[i] for i in g] for g in by_length.tensor_split(min(args.length_groups, len(sequences)))]
-        groups = [dict(input_ids=pad_sequence(g, batch_first=True, padding_value=tokenizer.pad_token_id),
-                       attention_mask=pad_sequence([torch.ones_like(s) for s in g], batch_first=True)) for g in groups]
-        return dict(groups=groups, order=by_length.argsort(), margin=torch.tensor([p["margin"] for p in batch]))
+        groups = [dict(input_ids=pad_sequence(g, batch_first=True, padding_value=tokenizer.pad_token_id).to(device),
+                       attention_mask=pad_sequence([torch.ones_like(s) for s in g], batch_first=True).to(device))
+                  for g in groups]
+        return dict(groups=groups, order=by_length.argsort().to(device),
+                    margin=torch.tensor([p["margin"] for p in batch], device=device))
 
-    train_loader = torch.utils.data.DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate,
-                                               generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = torch.utils.data.DataLoader(eval_pairs, batch_size=args.batch_size, collate_fn=collate)
+    def batch_of(pairs: list[dict], step: int) -> dict:
+        """This rank's pairs for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
+        epoch, i = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
+        return collate([pairs[j] for j in order[start: start + args.batch_size].tolist()])
+
+    def shard_batches(pairs: list[dict]):
+        """This rank's share of `pairs` in batches, and its weight: fewer pairs than ranks leaves a shard empty, which
+        then scores one pair at weight 0, so that every rank reaches the same collectives."""
+        shard = pairs[accelerator.process_index:: accelerator.num_processes]
+        weight = 1.0 if shard else 0.0
+        shard = shard or pairs[:1]
+        return [collate(shard[i: i + args.batch_size]) for i in range(0, len(shard), args.batch_size)], weight
 
     # ---- model and optimiser ----
     model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1, **quantization)
@@ -239,16 +268,17 @@ if __name__ == "__main__":
                                                  target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    total_steps = args.max_steps if args.max_steps > 0 else steps_per_epoch * args.num_epochs
-    pairs_per_step = args.batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
                               num_training_steps=total_steps * ticks)
-    model, optimizer, scheduler, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, eval_loader)
-    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps")
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
+                      f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
+    start_step = 0
+    if args.resume_from:
+        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     def batch_rewards(net, batch: dict) -> torch.Tensor:
         """Rewards of the batch's 2B sequences, chosen then rejected, from one forward pass per length group."""
@@ -267,9 +297,10 @@ if __name__ == "__main__":
         """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
         model.eval()
         sums, count = {}, torch.zeros((), device=device)
-        for batch in eval_loader:
+        batches, weight = shard_batches(eval_pairs)
+        for batch in batches:
             _, metrics = pair_metrics(batch)
-            n = torch.tensor(float(len(batch["margin"])), device=device)
+            n = torch.tensor(len(batch["margin"]) * weight, device=device)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v * n
             count += n
@@ -279,49 +310,58 @@ if __name__ == "__main__":
         model.train()
         return results
 
+    def write_model(folder: str) -> None:
+        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
+        accelerator.unwrap_model(model).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
     # ---- train ----
-    first_eval, step, start_time = evaluate(0), 0, time.time()
-    progress = tqdm(total=total_steps, disable=not accelerator.is_local_main_process, desc="reward model")
+    first_eval, start_time = evaluate(start_step), time.time()
     model.train()
-    step_start = time.time()
-    while step < total_steps:
-        for batch in train_loader:
+    progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="reward model")
+    for step in progress:
+        step_start = time.time()
+        for micro in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
-                loss, metrics = pair_metrics(batch)
+                loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            progress.update(1)
-            # one collective and one device sync for all the metrics
-            values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
-            metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
-            step_time = time.time() - step_start
-            logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
-                                  "time/step": step_time, "throughput/pairs_per_s": pairs_per_step / step_time}, step)
-            progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
-            if step % args.eval_steps == 0 and step < total_steps:
-                evaluate(step)
-            if step >= total_steps:
-                break
-            step_start = time.time()  # evaluation is not part of the step time
-    progress.close()
-    last_eval = evaluate(step)
+        # one collective and one device sync for all the metrics
+        values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
+        metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
+        step_time = time.time() - step_start
+        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0],
+                              "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch,
+                              "time/step": step_time,
+                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time},
+                   step + 1)
+        progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
+        if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
+            evaluate(step + 1)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
+            save_checkpoint(accelerator, folder, {"step": step + 1}, write_model)
+    last_eval = evaluate(total_steps)
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----
     unwrapped = accelerator.unwrap_model(model)
     gain, bias = 1.0, 0.0
     if args.normalize_reward:
         unwrapped.eval()
+        batches, weight = shard_batches(train_pairs)
         with torch.no_grad():
-            rewards = accelerator.gather(torch.cat([batch_rewards(unwrapped, batch) for batch in train_loader]))
-        gain, bias = 1.0 / rewards.std().item(), -rewards.mean().item() / rewards.std().item()
-        accelerator.print(f"reward normalised: mean {rewards.mean().item():.3f}, std {rewards.std().item():.3f} -> 0, 1")
+            rewards = torch.cat([batch_rewards(unwrapped, batch) for batch in batches])
+        # the mean and the (unbiased) std of every training reward, summed over ranks in two passes
+        n, total = accelerator.reduce(torch.stack([torch.tensor(float(len(rewards)), device=device), rewards.sum()]) * weight,
+                                      "sum").tolist()
+        mean = total / n
+        std = math.sqrt(accelerator.reduce((rewards - mean).square().sum() * weight, "sum").item() / (n - 1))
+        gain, bias = 1.0 / std, -mean / std
+        accelerator.print(f"reward normalised: mean {mean:.3f}, std {std:.3f} -> 0, 1")
 
     # ---- save (plain from_pretrained format; with LoRA also the adapter, for ppo.py --reward-adapter) ----
     accelerator.wait_for_everyone()
@@ -339,7 +379,7 @@ if __name__ == "__main__":
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "reward_modeling", last_eval)
-    accelerator.print(f"reward model: {step} steps in {time.time() - start_time:.0f}s; eval accuracy "
+    accelerator.print(f"reward model: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval accuracy "
                       f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, "
                       f"loss {first_eval['eval/loss']:.3f} "
                       f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")

@@ -4,9 +4,10 @@ import os
 import pytest
 import torch
 from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from common import load_pretrained, load_tokenizer
+from common import load_data, load_pretrained, load_tokenizer, reward_model_text, train_eval_split
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -142,10 +143,35 @@ def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
     assert "--length-groups 0" in run_failing([RM, *RANDOM_MODEL, "--length-groups", "0"], tmp_path)
 
 
-def test_reward_model_two_process_ddp(tmp_path, pairs_file):
+def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs_file):
+    """2 ranks x 4 pairs per step; --normalize-reward sums the training rewards of both ranks' shards, so the saved
+    model scores the whole training split at mean 0 and std 1."""
     out = run_script(
-        [*ddp_launch(), RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4"],
+        [*ddp_launch(), RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4",
+         "--normalize-reward"],
         tmp_path,
         **DDP_ENV,
     )
-    assert out.count(" steps in ") == 1 and "5 optimizer steps" in out  # main process only; 36 pairs / (2 x 4)
+    assert out.count(" steps in ") == 1 and "4 optimizer steps" in out  # main process only; 36 pairs // (2 x 4)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "outputs" / "reward_model").eval()
+    tokenizer = load_tokenizer(str(tmp_path / "outputs" / "reward_model"))
+    train, _ = train_eval_split(load_data(pairs_file), 0.1, seed=1)
+    texts = [reward_model_text(row["prompt"], row[c], tokenizer.eos_token) for row in train for c in ("chosen", "rejected")]
+    with torch.no_grad():
+        tokenizer.truncation_side = "left"  # as training cuts them, to --max-length
+        rewards = model(**tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")).logits[:, 0]
+    assert len(rewards) == 72 and abs(rewards.mean().item()) < 1e-4 and rewards.std().item() == pytest.approx(1, abs=1e-4)
+
+
+def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
+    """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
+    reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
+    common = [RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "8", "--gradient-accumulation-steps", "2",
+              "--max-steps", "4"]  # 36 training pairs: 4 micro-batches an epoch, 2 optimizer steps
+    run_script([*common, "--save-steps", "3", "--output-dir", "straight"], tmp_path)
+    checkpoint = tmp_path / "straight_checkpoints" / "step_3"
+    assert AutoModelForSequenceClassification.from_pretrained(checkpoint).num_labels == 1
+    out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "reward model: 1 steps" in out
+    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
