@@ -246,13 +246,11 @@ if __name__ == "__main__":
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
         return collate([pairs[j] for j in order[start: start + args.batch_size].tolist()])
 
-    def shard_batches(pairs: list[dict]):
-        """This rank's share of `pairs` in batches, and its weight: fewer pairs than ranks leaves a shard empty, which
-        then scores one pair at weight 0, so that every rank reaches the same collectives."""
+    def shard_of(pairs: list[dict]) -> tuple[list[dict], float]:
+        """This rank's share of `pairs` and its weight: fewer pairs than ranks leaves a shard empty, which then scores
+        one pair at weight 0, so that every rank reaches the same collectives."""
         shard = pairs[accelerator.process_index:: accelerator.num_processes]
-        weight = 1.0 if shard else 0.0
-        shard = shard or pairs[:1]
-        return [collate(shard[i: i + args.batch_size]) for i in range(0, len(shard), args.batch_size)], weight
+        return (shard, 1.0) if shard else (pairs[:1], 0.0)
 
     # ---- model and optimiser ----
     model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1, **quantization)
@@ -297,8 +295,9 @@ if __name__ == "__main__":
         """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
         model.eval()
         sums, count = {}, torch.zeros((), device=device)
-        batches, weight = shard_batches(eval_pairs)
-        for batch in batches:
+        shard, weight = shard_of(eval_pairs)
+        for i in range(0, len(shard), args.batch_size):
+            batch = collate(shard[i: i + args.batch_size])
             _, metrics = pair_metrics(batch)
             n = torch.tensor(len(batch["margin"]) * weight, device=device)
             for k, v in metrics.items():
@@ -352,9 +351,10 @@ if __name__ == "__main__":
     gain, bias = 1.0, 0.0
     if args.normalize_reward:
         unwrapped.eval()
-        batches, weight = shard_batches(train_pairs)
+        shard, weight = shard_of(train_pairs)
         with torch.no_grad():
-            rewards = torch.cat([batch_rewards(unwrapped, batch) for batch in batches])
+            rewards = torch.cat([batch_rewards(unwrapped, collate(shard[i: i + args.batch_size]))
+                                 for i in range(0, len(shard), args.batch_size)])
         # the mean and the (unbiased) std of every training reward, summed over ranks in two passes
         n, total = accelerator.reduce(torch.stack([torch.tensor(float(len(rewards)), device=device), rewards.sum()]) * weight,
                                       "sum").tolist()
