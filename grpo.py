@@ -40,6 +40,7 @@ from common import (
     context_length,
     create_reference_model,
     exact_div,
+    load_checkpoint,
     load_data,
     load_pretrained,
     load_reward_model,
@@ -48,6 +49,7 @@ from common import (
     reference_context,
     reward_model_text,
     sampling_kwargs,
+    save_checkpoint,
     start_run,
     train_eval_split,
     weight_decay_groups,
@@ -183,6 +185,11 @@ class Args:
     """evaluate on the held-out problems every this many updates (and at the start and the end)"""
     eval_samples: int = 200
     """held-out prompts per evaluation, one completion each, sampled as in training with a fixed seed"""
+    save_freq: int = 0
+    """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
+    model): the policy in from_pretrained format (with LoRA: the adapter) beside accelerate's state"""
+    resume_from: str | None = None
+    """a checkpoint folder to resume from (policy, optimizer, scheduler, RNG, update)"""
     output_dir: str = "outputs/grpo"
     """where the final model and tokenizer go (plain from_pretrained format)"""
 
@@ -358,7 +365,7 @@ if __name__ == "__main__":
                                "num_iterations", "learning_rate", "max_grad_norm", "epsilon", "epsilon_high",
                                "max_completion_length", "temperature", "max_prompt_length", "eval_samples", "log_freq",
                                "train_size", "eval_size"),
-               non_negative=("beta", "weight_decay", "top_k", "eval_freq", "overlong_buffer", "overlong_penalty"),
+               non_negative=("beta", "weight_decay", "top_k", "eval_freq", "save_freq", "overlong_buffer", "overlong_penalty"),
                fractions=("eval_fraction",))
     if args.num_generations < 2:
         raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
@@ -437,6 +444,13 @@ if __name__ == "__main__":
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
+    start_update = 0
+    if args.resume_from:  # the reference above is the initial weights; the policy's come from the checkpoint
+        start_update = load_checkpoint(accelerator, args.resume_from)["update"]
+        if start_update >= num_updates:
+            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
+                             f"has {num_updates}: raise --total-prompts to train further.")
+        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
     def pad_left(rows: list[dict]):
         batch = tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
@@ -509,9 +523,14 @@ if __name__ == "__main__":
         logger.samples("eval samples", table, update)
         return metrics
 
-    first_eval, start_time = evaluate(0), time.time()
+    def write_policy(folder: str) -> None:
+        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
+        unwrapped.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    first_eval, start_time = evaluate(start_update), time.time()
     history = []
-    progress = tqdm(range(num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
+    progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
     for update in progress:
         update_start = time.time()
         # ================================ the algorithm ================================
@@ -613,6 +632,9 @@ if __name__ == "__main__":
                                        "reward": rewards.tolist(), "advantage": advantages.tolist()}, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
             evaluate(update + 1)
+        if args.save_freq and (update + 1) % args.save_freq == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
+            save_checkpoint(accelerator, folder, {"update": update + 1}, write_policy)
 
     # ---- final evaluation and save (plain from_pretrained format; LoRA merged) ----
     last_eval = evaluate(num_updates)
@@ -631,7 +653,7 @@ if __name__ == "__main__":
     first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
     kl_text = f" (KL per token {last[1]:.3f})" if args.beta > 0 else ""
     accelerator.print(
-        f"grpo: {num_updates} updates, {num_updates * args.batch_size * world} prompts x {args.num_generations} in "
+        f"grpo: {len(history)} updates, {len(history) * args.batch_size * world} prompts x {args.num_generations} in "
         f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
         f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
         f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "

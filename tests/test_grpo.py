@@ -6,6 +6,8 @@ import re
 import pytest
 import torch
 from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from grpo import check_rewards, group_advantages, grpo_loss, nanstd, reward_model_function, verifier
 
@@ -140,6 +142,21 @@ def test_options_run(tmp_path, flags):
     assert "grpo: 2 updates" in out
     for tag in ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio"):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
+    the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
+    common = [GRPO, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2"]
+    run_script([*common, "--save-freq", "3", "--output-dir", "straight"], tmp_path)
+    checkpoint = tmp_path / "straight_checkpoints" / "update_3"
+    assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None
+    out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "grpo: 1 updates" in out
+    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert "raise --total-prompts" in run_failing([*common, "--total-prompts", "12", "--resume-from", str(checkpoint)],
+                                                  tmp_path)
 
 
 def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):

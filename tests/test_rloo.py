@@ -5,6 +5,8 @@ import re
 import pytest
 import torch
 from conftest import DDP_ENV, ROOT, ddp_launch, read_scalars, run_failing, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from rloo import rloo_advantages, rloo_loss
 
@@ -84,6 +86,21 @@ def test_options_run(tmp_path, flags):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
     kl = read_scalars(str(tmp_path / "runs"), "kl")
     assert (kl[-1] == 0) == ("--beta" in flags)  # the KL is measured against a reference unless beta is 0
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
+    the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
+    common = [RLOO, *TINY, "--total-prompts", "16", "--num-iterations", "2"]
+    run_script([*common, "--save-freq", "3", "--output-dir", "straight"], tmp_path)
+    checkpoint = tmp_path / "straight_checkpoints" / "update_3"
+    assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None
+    out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
+    assert "resumed from" in out and "rloo: 1 updates" in out
+    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert "raise --total-prompts" in run_failing([*common, "--total-prompts", "12", "--resume-from", str(checkpoint)],
+                                                  tmp_path)
 
 
 def test_reward_model_is_one_more_reward_function(tmp_path):
