@@ -602,6 +602,9 @@ if __name__ == "__main__":
     if args.resume_from:
         state = load_checkpoint(accelerator, args.resume_from)
         start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
+        if start_update >= args.num_updates:
+            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
+                             f"has {args.num_updates}: raise --total-episodes to train further.")
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 

@@ -290,6 +290,9 @@ if __name__ == "__main__":
     start_step = 0
     if args.resume_from:
         start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        if start_step >= total_steps:
+            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                             f"{total_steps}: raise --max-steps or --num-epochs to train further.")
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)

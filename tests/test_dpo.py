@@ -220,6 +220,9 @@ def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     assert "resumed from" in out and "dpo: 2 steps" in out
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert "raise --max-steps" in run_failing(
+        [*common, "--max-steps", "2", "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2")], tmp_path
+    )
 
 
 def test_dpo_learns_the_preferences(tmp_path):

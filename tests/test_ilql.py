@@ -149,6 +149,9 @@ def test_smoke_resume_and_saved_model(tmp_path):
     resumed = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "resumed"))
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+    assert "raise --max-steps" in run_failing(
+        [ILQL, *TINY, "--max-steps", "2", "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2")], tmp_path
+    )
 
 
 def test_text_reward_data_peft_and_bad_input(tmp_path):

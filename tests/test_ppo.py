@@ -231,6 +231,9 @@ def test_resume_continues_where_it_stopped(tmp_path):
         load_file(tmp_path / "straight" / "value_head.safetensors")["summary.weight"],
         load_file(tmp_path / "resumed" / "value_head.safetensors")["summary.weight"],
     )
+    assert "raise --total-episodes" in run_failing(
+        [PPO, *TINY, "--total-episodes", "16", "--resume-from", str(checkpoint)], tmp_path
+    )  # a checkpoint at the run's end leaves nothing to train
 
 
 def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):

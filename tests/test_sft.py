@@ -121,6 +121,7 @@ def test_resume_continues_where_it_stopped(tmp_path):
     assert "resumed from" in out and "sft: 1 steps" in out
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert "raise --max-steps" in run_failing([*common, "--max-steps", "3", "--resume-from", str(checkpoint)], tmp_path)
     assert "not a checkpoint folder" in run_failing([*common, "--resume-from", str(tmp_path / "straight")], tmp_path)
 
 
