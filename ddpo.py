@@ -48,6 +48,7 @@ from common import (
     cli,
     exact_div,
     load_pipeline,
+    read_checkpoint,
     start_run,
     write_model_card,
 )
@@ -436,12 +437,14 @@ if __name__ == "__main__":
     trainable_names = [n for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad]
     start_epoch = global_step = 0
     if args.resume_from:
+        state = read_checkpoint(args.resume_from)
+        start_epoch, global_step = state["epoch"], state["global_step"]
+        if start_epoch >= args.num_epochs:
+            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
+                             f"has {args.num_epochs}: raise --num-epochs to train further.")
         trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
         accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
         optimizer.load_state_dict(torch.load(os.path.join(args.resume_from, "optimizer.pt"), map_location=device))
-        with open(os.path.join(args.resume_from, "trainer_state.json")) as f:
-            state = json.load(f)
-        start_epoch, global_step = state["epoch"], state["global_step"]
         stat_tracker.load_state_dict(state["stat_tracker"])
         accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
 

@@ -49,4 +49,13 @@ from common.models import (
     peft_model_of,
     reference_context,
 )
-from common.run import RunLogger, atomic_directory, cli, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    RunLogger,
+    atomic_directory,
+    cli,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)

@@ -29,9 +29,13 @@ def _report(kind, error, traceback) -> None:
 
 
 def cli(args_class):
-    """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2."""
+    """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2.
+    A `resume_from` folder is checked here, before any model or data is loaded."""
     sys.excepthook = _report
-    return tyro.cli(args_class)
+    args = tyro.cli(args_class)
+    if getattr(args, "resume_from", None):
+        read_checkpoint(args.resume_from)
+    return args
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
@@ -167,15 +171,22 @@ def save_checkpoint(accelerator: Accelerator, path: str, state: dict, write_extr
     accelerator.wait_for_everyone()
 
 
-def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
-    """Restore accelerate's state from a folder `save_checkpoint` wrote; return the loop's state saved with it."""
-    recover_directory(path)  # a save killed between its renames
+def read_checkpoint(path: str) -> dict:
+    """The loop's state in a checkpoint folder (trainer_state.json), once a save of it that was killed between its
+    renames is finished or undone; a clear error when `path` is no checkpoint."""
+    recover_directory(path)
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise UsageError(f"--resume-from {path}: not a checkpoint folder (no trainer_state.json); pass one of the "
                          "folders the --save-* flags write, e.g. {output_dir}_checkpoints/step_N.")
-    accelerator.load_state(os.path.join(path, "accelerate_state"))
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
+
+
+def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
+    """Restore accelerate's state from a folder `save_checkpoint` wrote; return the loop's state saved with it."""
+    state = read_checkpoint(path)
+    accelerator.load_state(os.path.join(path, "accelerate_state"))
+    return state
 
 
 def recover_directory(path: str) -> None:
@@ -191,7 +202,8 @@ def recover_directory(path: str) -> None:
     leftovers = {kind: sorted((os.path.join(parent, d) for d in os.listdir(parent) if ours(d, kind)), key=os.path.getmtime)
                  for kind in ("tmp", "new", "old")}
     if not os.path.exists(path) and (leftovers["new"] or leftovers["old"]):
-        os.rename((leftovers["new"] or leftovers["old"]).pop(), path)
+        with contextlib.suppress(FileNotFoundError):  # every rank recovers: another may have renamed it first
+            os.rename((leftovers["new"] or leftovers["old"]).pop(), path)
     for folder in sum(leftovers.values(), []):
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -502,3 +502,25 @@ def test_resume_from_a_folder_that_is_no_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(UsageError, match="not a checkpoint folder"):
         load_checkpoint(Accelerator(), str(tmp_path / "model"))
+
+
+def test_cli_checks_resume_from_before_anything_is_loaded(tmp_path, monkeypatch):
+    """Every script parses its flags with `cli`, which rejects a --resume-from that is no checkpoint at once."""
+    import dataclasses
+    import sys
+
+    from common.run import cli
+
+    @dataclasses.dataclass
+    class Args:
+        resume_from: str | None = None
+        """a checkpoint folder"""
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # cli installs its own
+    monkeypatch.setattr(sys, "argv", ["script.py", "--resume-from", str(tmp_path / "no-checkpoint")])
+    with pytest.raises(UsageError, match="not a checkpoint folder"):
+        cli(Args)
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / "trainer_state.json").write_text('{"step": 2}')
+    monkeypatch.setattr(sys, "argv", ["script.py", "--resume-from", str(tmp_path / "step_2")])
+    assert cli(Args).resume_from == str(tmp_path / "step_2")

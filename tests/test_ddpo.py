@@ -158,6 +158,8 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
     for n in lora[0]:  # resuming at epoch 1 reproduces the straight run exactly
         torch.testing.assert_close(lora[0][n], lora[1][n], msg=n)
     assert any(p.abs().sum() > 0 for n, p in lora[0].items() if "lora_B" in n)  # LoRA B starts at 0: it was trained
+    checkpoint = str(tmp_path / "straight_checkpoints" / "epoch_1")
+    assert "raise --num-epochs" in run_failing([DDPO, *TINY, "--num-epochs", "1", "--resume-from", checkpoint], tmp_path)
 
 
 def test_full_fine_tuning_saves_a_pipeline(tmp_path):
