@@ -294,16 +294,18 @@ def health_check(final_kl: float, target: float, top_share: float, distinct_word
                  start_distinct_2: float) -> tuple[str, str | None]:
     """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
     responses collapsed into one token (over 30% of response tokens), or responses that repeat each other (distinct-2
-    below half its value at the start) mean reward hacking, not learning."""
+    below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model likes) mean
+    reward hacking, not learning."""
     line = (f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
             f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
             f"start), the most frequent token {top_share:.0%} of response tokens")
-    advice = "a reward gained this way is reward hacking, not learning: lower --learning-rate or raise --init-kl-coef"
+    advice = ("a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise "
+              "--init-kl-coef")
     if final_kl > 3 * target:
         return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
     if top_share > 0.3:
         return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
-    if distinct_2 < 0.5 * start_distinct_2:
+    if distinct_2 < 0.7 * start_distinct_2:
         return line, (f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
                       f"the start); {advice}")
     return line, None
