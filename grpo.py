@@ -444,9 +444,10 @@ if __name__ == "__main__":
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
-    start_update = 0
+    start_update, resumed = 0, {}
     if args.resume_from:  # the reference above is the initial weights; the policy's come from the checkpoint
-        start_update = load_checkpoint(accelerator, args.resume_from)["update"]
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_update = resumed["update"]
         if start_update >= num_updates:
             raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
                              f"has {num_updates}: raise --total-prompts to train further.")
@@ -528,8 +529,8 @@ if __name__ == "__main__":
         unwrapped.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    first_eval, start_time = evaluate(start_update), time.time()
-    history = []
+    first_eval, start_time = evaluate(start_update), time.time()  # after a resume: logged at the resumed update,
+    first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # and the run's start kept
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
     for update in progress:
         update_start = time.time()
@@ -634,7 +635,8 @@ if __name__ == "__main__":
             evaluate(update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            save_checkpoint(accelerator, folder, {"update": update + 1}, write_policy)
+            save_checkpoint(accelerator, folder, {"update": update + 1, "first_eval": first_eval, "history": history},
+                            write_policy)
 
     # ---- final evaluation and save (plain from_pretrained format; LoRA merged) ----
     last_eval = evaluate(num_updates)
@@ -649,11 +651,11 @@ if __name__ == "__main__":
             policy.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "grpo", last_eval)
-    window = max(1, len(history) // 10)
+    window, done = max(1, len(history) // 10), num_updates - start_update  # updates this process ran
     first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
     kl_text = f" (KL per token {last[1]:.3f})" if args.beta > 0 else ""
     accelerator.print(
-        f"grpo: {len(history)} updates, {len(history) * args.batch_size * world} prompts x {args.num_generations} in "
+        f"grpo: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
         f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
         f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
         f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "

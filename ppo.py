@@ -600,7 +600,7 @@ if __name__ == "__main__":
     kl_ctl = (AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl
               else FixedKLController(args.init_kl_coef))
     running = RunningMoments()
-    start_update, best_reward = 0, float("-inf")
+    start_update, best_reward, state = 0, float("-inf"), {}
     if args.resume_from:
         state = load_checkpoint(accelerator, args.resume_from)
         start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
@@ -611,8 +611,10 @@ if __name__ == "__main__":
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
     def checkpoint(path: str, update: int) -> None:
-        """Model + value head (from_pretrained format), optimizer, scheduler, RNG, KL controller and step, atomically."""
-        state = dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
+        """Model + value head (from_pretrained format), optimizer, scheduler, RNG, KL controller, step, and the run's
+        first evaluation and reward / KL histories (the summary and the health line compare with the run's start)."""
+        state = dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward,
+                     first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
         save_checkpoint(accelerator, path, state, lambda tmp: (unwrapped.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
     def save_model(path: str, metrics: dict[str, float], final: bool) -> None:
@@ -690,8 +692,10 @@ if __name__ == "__main__":
             save_model(f"{args.output_dir}_best", {"best/reward_mean": batch_reward, "best/update": update}, final=False)
         return batch_reward
 
-    first_eval = evaluate(start_update)
-    reward_history, kl_history, start_time = [], [], time.time()
+    first_eval = evaluate(start_update)  # after a resume: logged at the resumed update, and the run's start kept
+    first_eval = state.get("first_eval", first_eval)
+    reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
+    start_time = time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
         # ================================ the algorithm: phases 1-6 ================================

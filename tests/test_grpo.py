@@ -148,11 +148,13 @@ def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
     the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
     common = [GRPO, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2"]
-    run_script([*common, "--save-freq", "3", "--output-dir", "straight"], tmp_path)
+    straight_out = run_script([*common, "--save-freq", "3", "--output-dir", "straight"], tmp_path)
     checkpoint = tmp_path / "straight_checkpoints" / "update_3"
     assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None
     out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
     assert "resumed from" in out and "grpo: 1 updates" in out
+    summary = re.compile(r"train reward .*? of them\)")  # from the run's start (its first evaluation and history)
+    assert summary.search(out).group(0) == summary.search(straight_out).group(0)
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert "raise --total-prompts" in run_failing([*common, "--total-prompts", "12", "--resume-from", str(checkpoint)],

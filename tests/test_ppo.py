@@ -1,5 +1,6 @@
 import math
 import os
+import re
 import statistics
 
 import pytest
@@ -212,13 +213,18 @@ TINY = [
 
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 2 updates, checkpoint, resume for 2 more (same weights, bit for bit)."""
-    run_script([PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path)
+    straight_out = run_script(
+        [PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path
+    )
     checkpoint = tmp_path / "straight_checkpoints" / "update_2"
     assert (checkpoint / "trainer_state.json").exists()
     out = run_script(
         [PPO, *TINY, "--total-episodes", "32", "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path
     )
     assert "resumed from" in out and "ppo: 2 updates" in out
+    # the summary and the health line compare with the run's start (first evaluation and histories checkpointed)
+    summary = re.compile(r"train reward .*?; model saved|health: .*")
+    assert summary.findall(out) == summary.findall(straight_out) and len(summary.findall(out)) == 2
     straight, resumed = (
         load_file(tmp_path / "straight" / "model.safetensors"),
         load_file(tmp_path / "resumed" / "model.safetensors"),
