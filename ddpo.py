@@ -435,17 +435,17 @@ if __name__ == "__main__":
     unet, optimizer = accelerator.prepare(unet, optimizer)
     stat_tracker = PerPromptStatTracker(args.per_prompt_stat_tracking_buffer_size, args.per_prompt_stat_tracking_min_count)
     trainable_names = [n for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad]
-    start_epoch = global_step = 0
+    start_epoch, global_step, resumed = 0, 0, {}
     if args.resume_from:
-        state = read_checkpoint(args.resume_from)
-        start_epoch, global_step = state["epoch"], state["global_step"]
+        resumed = read_checkpoint(args.resume_from)
+        start_epoch, global_step = resumed["epoch"], resumed["global_step"]
         if start_epoch >= args.num_epochs:
             raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
                              f"has {args.num_epochs}: raise --num-epochs to train further.")
         trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
         accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
         optimizer.load_state_dict(torch.load(os.path.join(args.resume_from, "optimizer.pt"), map_location=device))
-        stat_tracker.load_state_dict(state["stat_tracker"])
+        stat_tracker.load_state_dict(resumed["stat_tracker"])
         accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
 
     def save_checkpoint(epoch: int) -> None:
@@ -458,14 +458,18 @@ if __name__ == "__main__":
                 save_file(weights, os.path.join(tmp, "trainable.safetensors"))
                 torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"epoch": epoch, "global_step": global_step, "stat_tracker": stat_tracker.state_dict()}, f)
+                    json.dump({"epoch": epoch, "global_step": global_step, "stat_tracker": stat_tracker.state_dict(),
+                               "first_eval": first_eval}, f)
             checkpoints = sorted((d for d in os.listdir(folder) if d.startswith("epoch_")), key=lambda d: int(d[6:]))
             for old in checkpoints[: -args.num_checkpoint_limit]:
                 shutil.rmtree(os.path.join(folder, old))
         accelerator.wait_for_everyone()
 
     executor = futures.ThreadPoolExecutor(max_workers=args.max_workers) if args.async_reward_computation else None
-    first_eval = evaluate() if args.eval_samples else float("nan")
+    if "first_eval" in resumed:  # the run's start, kept in its checkpoints
+        first_eval = resumed["first_eval"]
+    else:
+        first_eval = evaluate() if args.eval_samples else float("nan")
     epoch_rewards, start_time = [], time.time()
     progress = tqdm(range(start_epoch, args.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
     for epoch in progress:

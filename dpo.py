@@ -413,9 +413,10 @@ if __name__ == "__main__":
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
                               num_training_steps=total_steps * ticks)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    start_step = 0
+    start_step, resumed = 0, {}
     if args.resume_from:
-        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_step = resumed["step"]
         if start_step >= total_steps:
             raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
                              f"{total_steps}: raise --max-steps or --num-epochs to train further.")
@@ -475,7 +476,8 @@ if __name__ == "__main__":
         return results
 
     # ---- train ----
-    first_eval, start_time = evaluate(start_step), time.time()
+    first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
+    first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="dpo")
     for step in progress:
@@ -501,7 +503,7 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1})
+            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval})
     last_eval = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) ----

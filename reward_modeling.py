@@ -273,9 +273,10 @@ if __name__ == "__main__":
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
                       f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
-    start_step = 0
+    start_step, resumed = 0, {}
     if args.resume_from:
-        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_step = resumed["step"]
         if start_step >= total_steps:
             raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
                              f"{total_steps}: raise --max-steps or --num-epochs to train further.")
@@ -318,7 +319,8 @@ if __name__ == "__main__":
         tokenizer.save_pretrained(folder)
 
     # ---- train ----
-    first_eval, start_time = evaluate(start_step), time.time()
+    first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
+    first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="reward model")
     for step in progress:
@@ -346,7 +348,7 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1}, write_model)
+            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval}, write_model)
     last_eval = evaluate(total_steps)
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----

@@ -287,9 +287,10 @@ if __name__ == "__main__":
     accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
                       f"of {examples_per_step * args.gradient_accumulation_steps} examples; each epoch reshuffles and "
                       f"leaves out {len(train_examples) % examples_per_step} examples")
-    start_step = 0
+    start_step, resumed = 0, {}
     if args.resume_from:
-        start_step = load_checkpoint(accelerator, args.resume_from)["step"]
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_step = resumed["step"]
         if start_step >= total_steps:
             raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
                              f"{total_steps}: raise --max-steps or --num-epochs to train further.")
@@ -329,7 +330,8 @@ if __name__ == "__main__":
         tokenizer.save_pretrained(folder)
 
     # ---- train ----
-    first_eval_loss, start_time = evaluate(start_step), time.time()
+    first_eval_loss, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
+    first_eval_loss = resumed.get("first_eval", first_eval_loss)  # and the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="sft")
     for step in progress:
@@ -356,7 +358,7 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1}, write_model)
+            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval_loss}, write_model)
     last_eval_loss = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) and sample ----

@@ -131,7 +131,7 @@ def test_bad_input_fails_before_sampling(tmp_path):
 def test_smoke_resume_and_saved_lora_loads(tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    run_script([DDPO, *TINY, "--num-epochs", "2", "--save-freq", "1", "--output-dir", "straight"], tmp_path)
+    straight_out = run_script([DDPO, *TINY, "--num-epochs", "2", "--save-freq", "1", "--output-dir", "straight"], tmp_path)
     out = run_script(
         [
             DDPO,
@@ -147,6 +147,8 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
         tmp_path,
     )
     assert "resumed from" in out and "ddpo: 1 epochs" in out
+    first = re.compile(r"eval reward (\S+) ->")  # the run's first evaluation comes from the checkpoint
+    assert first.findall(out) == first.findall(straight_out) and first.findall(out)
     assert list((tmp_path / "runs").glob("*/samples_2.png"))  # the captioned sample grid of the last epoch
     # the saved folder is the base pipeline plus the LoRA weights, loadable with plain diffusers
     pipelines = [StableDiffusionPipeline.from_pretrained(str(tmp_path / name)) for name in ("straight", "resumed")]

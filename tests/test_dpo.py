@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -213,11 +214,13 @@ def test_dpo_options_run(tmp_path, pairs_file):
 
 def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
-    run_script([*common, "--save-steps", "2", "--output-dir", "straight"], tmp_path)
+    straight_out = run_script([*common, "--save-steps", "2", "--output-dir", "straight"], tmp_path)
     out = run_script(
         [*common, "--resume-from", str(tmp_path / "straight_checkpoints" / "step_2"), "--output-dir", "resumed"], tmp_path
     )
     assert "resumed from" in out and "dpo: 2 steps" in out
+    first_last = re.compile(r" steps in .*?(eval [^;]*);")  # the run's first evaluation comes from the checkpoint
+    assert first_last.findall(out) == first_last.findall(straight_out) and first_last.findall(out)
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert "raise --max-steps" in run_failing(

@@ -129,7 +129,7 @@ def test_tokenize_sample_positions_and_truncation():
 
 
 def test_smoke_resume_and_saved_model(tmp_path):
-    run_script([ILQL, *TINY, "--max-steps", "4", "--save-steps", "2", "--output-dir", "straight"], tmp_path)
+    straight_out = run_script([ILQL, *TINY, "--max-steps", "4", "--save-steps", "2", "--output-dir", "straight"], tmp_path)
     out = run_script(
         [
             ILQL,
@@ -144,6 +144,8 @@ def test_smoke_resume_and_saved_model(tmp_path):
         tmp_path,
     )
     assert "resumed from" in out and re.search(r"ilql: 2 steps .* eval reward beta=0 ", out)
+    first_last = re.compile(r" steps in .*?(eval [^;]*);")  # the run's first evaluation comes from the checkpoint
+    assert first_last.findall(out) == first_last.findall(straight_out) and first_last.findall(out)
     check_model_card(tmp_path / "resumed", "ilql")
     straight = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "straight"))
     resumed = CausalLMWithILQLHeads.from_pretrained(str(tmp_path / "resumed"))
