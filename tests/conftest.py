@@ -80,6 +80,27 @@ def run_failing(args: list[str], cwd: str) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def check_resume(command: list[str], save_flags: list[str], checkpoint: str, summary: str, cwd) -> tuple[str, str]:
+    """Run `command` to its end with `save_flags` (into straight/), then again resumed from
+    straight_checkpoints/{checkpoint} (into resumed/): the final model.safetensors must be the same bit for bit, and so
+    must every match of the `summary` pattern in the output (a summary read from the run's start, whose first
+    evaluation the checkpoint kept). Returns the resumed run's output and the checkpoint's path."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    straight_out = run_script([*command, *save_flags, "--output-dir", "straight"], cwd)
+    path = os.path.join(cwd, "straight_checkpoints", checkpoint)
+    out = run_script([*command, "--resume-from", path, "--output-dir", "resumed"], cwd)
+    assert "resumed from" in out, out[-2000:]
+    pattern = re.compile(summary)
+    assert pattern.findall(out) and pattern.findall(out) == pattern.findall(straight_out), (out[-1500:], straight_out[-1500:])
+    straight, resumed = (load_file(os.path.join(cwd, d, "model.safetensors")) for d in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    return out, path
+
+
 def ddp_launch() -> list[str]:
     """`accelerate launch` of 2 processes on a free port (tests may run in parallel workers)."""
     import socket

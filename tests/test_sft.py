@@ -1,12 +1,10 @@
 import json
 import math
 import os
-import re
 
 import pytest
 import torch
-from conftest import DDP_ENV, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
-from safetensors.torch import load_file
+from conftest import DDP_ENV, ROOT, check_model_card, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common import load_pretrained, load_tokenizer
@@ -115,16 +113,9 @@ def test_resume_continues_where_it_stopped(tmp_path):
     (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     common = [SFT, "--dataset-name", str(tmp_path / "texts.jsonl"), "--eval-fraction", "0.2", "--batch-size", "4",
               "--gradient-accumulation-steps", "2", "--max-steps", "4", "--num-sample-generations", "0"]  # 2 steps/epoch
-    straight_out = run_script([*common, "--save-steps", "3", "--output-dir", "straight"], tmp_path)
-    checkpoint = tmp_path / "straight_checkpoints" / "step_3"
-    assert AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer == 2
-    out = run_script([*common, "--resume-from", str(checkpoint), "--output-dir", "resumed"], tmp_path)
-    assert "resumed from" in out and "sft: 1 steps" in out
-    first_last = re.compile(r" steps in .*?(eval [^;]*);")  # the run's first evaluation comes from the checkpoint
-    assert first_last.findall(out) == first_last.findall(straight_out) and first_last.findall(out)
-    straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert "raise --max-steps" in run_failing([*common, "--max-steps", "3", "--resume-from", str(checkpoint)], tmp_path)
+    out, checkpoint = check_resume(common, ["--save-steps", "3"], "step_3", r" steps in .*?(eval [^;]*);", tmp_path)
+    assert "sft: 1 steps" in out and AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer == 2
+    assert "raise --max-steps" in run_failing([*common, "--max-steps", "3", "--resume-from", checkpoint], tmp_path)
     assert "not a checkpoint folder" in run_failing([*common, "--resume-from", str(tmp_path / "straight")], tmp_path)
 
 
