@@ -1,14 +1,18 @@
 """Run setup shared by every script: seeding, run name, TensorBoard / wandb logging, sample tables, atomic saves."""
 
+import ast
 import contextlib
 import ctypes
 import dataclasses
+import inspect
 import json
 import os
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
+import types
 
 import torch
 import tyro
@@ -32,10 +36,30 @@ def cli(args_class):
     """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2.
     A `resume_from` folder is checked here, before any model or data is loaded."""
     sys.excepthook = _report
+    _flowing_help(args_class)
     args = tyro.cli(args_class)
     if getattr(args, "resume_from", None):
         read_checkpoint(args.resume_from)
     return args
+
+
+def _flowing_help(args_class) -> None:
+    """Hand tyro each field docstring of `args_class` as flowing text (the "help" metadata it reads first).
+
+    tyro keeps a docstring's line break before any indented line, so a docstring wrapped at 120 columns in the
+    source printed in --help as ragged lines; here its line breaks become spaces, and blank lines stay paragraphs.
+    """
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(args_class))).body[0].body
+    except (OSError, TypeError):  # no source to read (a class made at run time): tyro's own reading stands
+        return
+    for node, doc in zip(body, body[1:]):
+        field = args_class.__dataclass_fields__.get(getattr(getattr(node, "target", None), "id", None))
+        if field is None or "help" in field.metadata or not isinstance(getattr(doc, "value", None), ast.Constant):
+            continue
+        paragraphs = inspect.cleandoc(str(doc.value.value)).split("\n\n")
+        help_text = "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+        field.metadata = types.MappingProxyType({**field.metadata, "help": help_text})
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:

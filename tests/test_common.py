@@ -524,3 +524,30 @@ def test_cli_checks_resume_from_before_anything_is_loaded(tmp_path, monkeypatch)
     (tmp_path / "step_2" / "trainer_state.json").write_text('{"step": 2}')
     monkeypatch.setattr(sys, "argv", ["script.py", "--resume-from", str(tmp_path / "step_2")])
     assert cli(Args).resume_from == str(tmp_path / "step_2")
+
+
+def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
+    """A field docstring wrapped over indented source lines prints as one paragraph in --help (tyro alone starts a
+    new line at each of them); a blank line stays a paragraph break."""
+    import dataclasses
+    import sys
+
+    from common.run import cli
+
+    @dataclasses.dataclass
+    class Args:
+        reward_model: str = "rm"
+        """a reward model: a hub id, a local folder, or
+        builtin:tiny-chat-rm (built on first use)
+
+        a second paragraph"""
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "argv", ["script.py", "--help"])
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli(Args)
+    lines = [line.strip(" │") for line in capsys.readouterr().out.splitlines()]
+    assert any(line.endswith("a local folder, or builtin:tiny-chat-rm (built on first use)") for line in lines)
+    assert any(line.startswith("a second paragraph") for line in lines)
+    assert dataclasses.fields(Args)[0].metadata["help"].count("\n") == 2
