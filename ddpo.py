@@ -449,7 +449,8 @@ if __name__ == "__main__":
         accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
 
     def save_checkpoint(epoch: int) -> None:
-        """Trainable weights, optimizer, stat tracker and counters (RNGs are reseeded per epoch), atomically."""
+        """Trainable weights, optimizer, stat tracker, counters and the run's first evaluation and per-epoch rewards
+        (the summary reads from the run's start), atomically; RNGs are reseeded per epoch."""
         folder = f"{args.output_dir}_checkpoints"
         if accelerator.is_main_process:
             params = dict(accelerator.unwrap_model(unet).named_parameters())
@@ -459,7 +460,7 @@ if __name__ == "__main__":
                 torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                     json.dump({"epoch": epoch, "global_step": global_step, "stat_tracker": stat_tracker.state_dict(),
-                               "first_eval": first_eval}, f)
+                               "first_eval": first_eval, "epoch_rewards": epoch_rewards}, f)
             checkpoints = sorted((d for d in os.listdir(folder) if d.startswith("epoch_")), key=lambda d: int(d[6:]))
             for old in checkpoints[: -args.num_checkpoint_limit]:
                 shutil.rmtree(os.path.join(folder, old))
@@ -470,7 +471,7 @@ if __name__ == "__main__":
         first_eval = resumed["first_eval"]
     else:
         first_eval = evaluate() if args.eval_samples else float("nan")
-    epoch_rewards, start_time = [], time.time()
+    epoch_rewards, start_time = resumed.get("epoch_rewards", []), time.time()  # mean sampled reward per epoch
     progress = tqdm(range(start_epoch, args.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
     for epoch in progress:
         set_seed(args.seed + accelerator.process_index + 10_000 * epoch)  # a resumed epoch draws the same numbers
@@ -498,7 +499,7 @@ if __name__ == "__main__":
             all_advantages = (all_rewards - all_rewards.mean()) / (all_rewards.std() + 1e-8)
         samples["advantages"] = torch.as_tensor(all_advantages, dtype=torch.float32).reshape(
             accelerator.num_processes, -1)[accelerator.process_index].to(device)
-        epoch_rewards.append(all_rewards.mean())
+        epoch_rewards.append(float(all_rewards.mean()))
 
         # ---- optimise: PPO over (sample, timestep) pairs ----
         unet.train()

@@ -147,8 +147,9 @@ def test_smoke_resume_and_saved_lora_loads(tmp_path):
         tmp_path,
     )
     assert "resumed from" in out and "ddpo: 1 epochs" in out
-    first = re.compile(r"eval reward (\S+) ->")  # the run's first evaluation comes from the checkpoint
-    assert first.findall(out) == first.findall(straight_out) and first.findall(out)
+    # the run's first evaluation and first epoch's reward come from the checkpoint
+    summary = re.compile(r"sampled reward (\S+) -> (\S+) .*eval reward (\S+) ->")
+    assert summary.findall(out) == summary.findall(straight_out) and summary.findall(out)
     assert list((tmp_path / "runs").glob("*/samples_2.png"))  # the captioned sample grid of the last epoch
     # the saved folder is the base pipeline plus the LoRA weights, loadable with plain diffusers
     pipelines = [StableDiffusionPipeline.from_pretrained(str(tmp_path / name)) for name in ("straight", "resumed")]
