@@ -579,9 +579,6 @@ if __name__ == "__main__":
             scores.append(logits[:, reward_index].float().cpu())
         return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model or args.reward_adapter}")
 
-    unwrapped = model
-    score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails now
-
     # ---- optimiser, KL controller, resume ----
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -597,6 +594,7 @@ if __name__ == "__main__":
         ref_model = ref_model.to(device)
     if reward_model is not None:
         reward_model = reward_model.to(device)
+    score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails before training
     kl_ctl = (AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl
               else FixedKLController(args.init_kl_coef))
     running = RunningMoments()

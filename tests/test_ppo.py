@@ -319,6 +319,12 @@ def test_reward_model_from_local_folder(tmp_path):
     )
     error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "exceed the reward model's context of 24" in error
+    # a reward model that scores NaN: the reward is checked on a smoke batch before the first rollout
+    broken = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    torch.nn.init.constant_(broken.score.weight, float("nan"))
+    broken.save_pretrained(tmp_path / "rm")
+    error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
+    assert "returned a NaN or infinite score: [nan, nan]" in error  # the two smoke samples, not a rollout batch
 
 
 def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
