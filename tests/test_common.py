@@ -337,6 +337,32 @@ def test_pretrained_preset_speaks_the_dialogue():
     assert reward_model.config.num_labels == 1 and reward_model.config.name_or_path == "builtin:tiny-chat-rm"
 
 
+def test_builtin_prompts_are_ones_tiny_chat_answers():
+    """builtin:chatterbot-prompts holds the utterances that open a conversation: builtin:tiny-chat starts a reply to
+    them, where it ends most mid-conversation lines at once (out of context they read as closing answers). Measured:
+    P(EOS as the first reply token) 0.08 on average over the prompts, 0.48 over the mid-conversation lines."""
+    from transformers import AutoTokenizer
+
+    from common.presets import builtin_dataset, chatterbot_pairs
+    from common.tiny_chat import pretrained_folder
+
+    folder = pretrained_folder("builtin:tiny-chat")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    prompts = list(builtin_dataset("builtin:chatterbot-prompts")["prompt"])
+    middle = sorted({p for p, _ in chatterbot_pairs()} - set(prompts))
+    assert len(prompts) == len(set(prompts)) == 749 and len(middle) > 200
+
+    def p_eos(texts: list[str]) -> float:
+        tokenizer.padding_side = "left"
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        position_ids = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(**batch, position_ids=position_ids).logits[:, -1]
+        return logits.softmax(-1)[:, tokenizer.eos_token_id].mean().item()
+
+    assert p_eos(prompts) < 0.12 and p_eos(middle) > 0.3
+
+
 def test_tokenizer_without_pad_is_a_clear_error(tmp_path):
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     tokenizer.pad_token = None
