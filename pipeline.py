@@ -66,7 +66,10 @@ def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
     """Write the built-in dialogue, preference pairs and prompts as jsonl files without the held-out prompts,
     so no stage sees them; return the held-out prompts."""
     pairs = chatterbot_pairs()
-    prompts = sorted({p for p, _ in chatterbot_pairs(openers_only=True)})  # single-turn prompts, as ppo.py's default
+    # Every line of the dialogue is a prompt, not only the openers of builtin:chatterbot-prompts: measured on openers
+    # alone, PPO learned to leave more answers empty, which the reward model trained here scores above the SFT
+    # policy's attempts at many trivia questions (seed 1: 20 -> 67 of 256 held-out answers; VADER fell in 2 of 3 seeds)
+    prompts = sorted({p for p, _ in pairs})
     random.Random(seed).shuffle(prompts)
     held = set(prompts[:heldout])
     tables = {"sft": [dict(prompt=p, completion=" " + c, text=f"{p} {c}") for p, c in pairs if p not in held],
