@@ -292,20 +292,24 @@ def distinct_bigrams(texts: list[str]) -> float:
 
 
 def health_check(final_kl: float, target: float, top_share: float, distinct_words: float, distinct_2: float,
-                 start_distinct_2: float) -> tuple[str, str | None]:
+                 start_distinct_2: float, start_top_share: float) -> tuple[str, str | None]:
     """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
-    responses collapsed into one token (over 30% of response tokens), or responses that repeat each other (distinct-2
-    below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model likes) mean
-    reward hacking, not learning."""
+    responses collapsed into one token (over 30% of response tokens), responses filling up with one token (its share
+    tripled, to over 20%: e.g. whitespace padding a reward model happens to like), or responses that repeat each other
+    (distinct-2 below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model
+    likes) mean reward hacking, not learning."""
     line = (f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
             f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
-            f"start), the most frequent token {top_share:.0%} of response tokens")
+            f"start), the most frequent token {top_share:.0%} of response tokens ({start_top_share:.0%} at the start)")
     advice = ("a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise "
               "--init-kl-coef")
     if final_kl > 3 * target:
         return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
     if top_share > 0.3:
         return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
+    if top_share > max(0.2, 3 * start_top_share):
+        return line, (f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
+                      f"the start); {advice}")
     if distinct_2 < 0.7 * start_distinct_2:
         return line, (f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
                       f"the start); {advice}")
@@ -842,7 +846,7 @@ if __name__ == "__main__":
     # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
     health, warning = health_check(final_kl, args.target, last_eval["eval/top_token_share"],
                                    last_eval["eval/distinct_words"], last_eval["eval/distinct_2"],
-                                   first_eval["eval/distinct_2"])
+                                   first_eval["eval/distinct_2"], first_eval["eval/top_token_share"])
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still

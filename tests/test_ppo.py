@@ -362,11 +362,18 @@ def test_health_check_warns_on_reward_hacking():
     assert top_token_share(torch.tensor([[5, 5, 6, 0], [7, 8, 9, 0]]), pad_token_id=0).item() == pytest.approx(2 / 6)
     # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; one phrase in every response: 1 of 3
     assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75 and distinct_bigrams(["so fine"] * 3) == pytest.approx(1 / 3)
-    line, warning = health_check(5.0, 6.0, top_share=0.1, distinct_words=0.9, distinct_2=0.72, start_distinct_2=0.93)
+    line, warning = health_check(5.0, 6.0, top_share=0.1, distinct_words=0.9, distinct_2=0.72, start_distinct_2=0.93,
+                                 start_top_share=0.08)
     assert "KL to the reference 5.00 nats" in line and "distinct-2 0.72 (0.93 at the start)" in line and warning is None
-    assert "left its reference" in health_check(190.0, 6.0, 0.1, 0.9, 0.9, 0.9)[1]
-    assert "collapsed" in health_check(4.0, 6.0, 0.45, 0.2, 0.9, 0.9)[1]
-    assert "repeat each other" in health_check(4.0, 6.0, 0.1, 0.9, 0.64, 0.97)[1]  # a third share a few phrases
+    assert "token 10% of response tokens (8% at the start)" in line
+    assert "left its reference" in health_check(190.0, 6.0, 0.1, 0.9, 0.9, 0.9, 0.08)[1]
+    assert "collapsed" in health_check(4.0, 6.0, 0.45, 0.2, 0.9, 0.9, 0.08)[1]
+    assert "repeat each other" in health_check(4.0, 6.0, 0.1, 0.9, 0.64, 0.97, 0.08)[1]  # a third share a few phrases
+    # a space filling a quarter of the replies (7.6% at the start: the reward-model path's whitespace padding) warns;
+    # a share that doubled, or one over 20% from a start already near it, does not
+    assert "fill up with one token (26%" in health_check(6.6, 6.0, 0.26, 0.9, 0.9, 0.97, 0.076)[1]
+    assert health_check(5.3, 6.0, 0.18, 0.9, 0.95, 0.97, 0.08)[1] is None
+    assert health_check(5.3, 6.0, 0.22, 0.9, 0.95, 0.97, 0.1)[1] is None
 
 
 def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file):
