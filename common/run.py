@@ -53,11 +53,12 @@ def _flowing_help(args_class) -> None:
         body = ast.parse(textwrap.dedent(inspect.getsource(args_class))).body[0].body
     except (OSError, TypeError):  # no source to read (a class made at run time): tyro's own reading stands
         return
-    for node, doc in zip(body, body[1:]):
+    for node, doc in zip(body, body[1:]):  # a field's docstring is the string expression right after it
         field = args_class.__dataclass_fields__.get(getattr(getattr(node, "target", None), "id", None))
-        if field is None or "help" in field.metadata or not isinstance(getattr(doc, "value", None), ast.Constant):
+        text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else None
+        if field is None or "help" in field.metadata or not isinstance(text, str):
             continue
-        paragraphs = inspect.cleandoc(str(doc.value.value)).split("\n\n")
+        paragraphs = inspect.cleandoc(text).split("\n\n")
         help_text = "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
         field.metadata = types.MappingProxyType({**field.metadata, "help": help_text})
 

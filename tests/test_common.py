@@ -567,6 +567,8 @@ def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
         builtin:tiny-chat-rm (built on first use)
 
         a second paragraph"""
+        undocumented: int = 0
+        batch_size: int = 8
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(sys, "argv", ["script.py", "--help"])
@@ -577,3 +579,4 @@ def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
     assert any(line.endswith("a local folder, or builtin:tiny-chat-rm (built on first use)") for line in lines)
     assert any(line.startswith("a second paragraph") for line in lines)
     assert dataclasses.fields(Args)[0].metadata["help"].count("\n") == 2
+    assert "help" not in dataclasses.fields(Args)[1].metadata  # no docstring: the next field's default is not one
