@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -31,6 +31,7 @@ from common import (
     AdaptiveKLController,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
+    FastGenerator,
     FixedKLController,
     LogitMask,
     RunningMoments,
@@ -133,6 +134,11 @@ class Args:
     """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
     torch.multinomial draws one exponential variate per vocabulary entry (on CPU, most of a rollout at GPT-2's 50k
     vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
+    fast_generation: bool = True
+    """on CUDA, sample rollouts with `common.FastGenerator`: a static KV cache, each decoding step one compiled CUDA
+    graph, the same distribution as the inverse-CDF `generate` (the first rollout of each batch size compiles, about a
+    minute). For decoder-only policies sampled by inverse CDF without a logit mask, quantisation, FSDP or DeepSpeed;
+    --no-fast-generation, and on CPU: HF `generate`"""
     stop_sequences: list[str] = field(default_factory=list)
     """responses are truncated after the first of these strings (trlX `stop_sequences`), as after an EOS"""
     missing_eos_penalty: float | None = None
@@ -551,17 +557,26 @@ if __name__ == "__main__":
     sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling,
                                [logit_mask] if logit_mask is not None else [])
 
+    fast_generator = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
+    if (args.fast_generation and device.type == "cuda" and args.inverse_cdf_sampling and not is_encoder_decoder
+            and logit_mask is None and not quantization
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
+        fast_generator = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
+    accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
+
     @torch.no_grad()
     def generate(policy, queries, query_mask, max_new_tokens: int):
         """Sample responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or
         stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
+            batch = queries[i: i + generation_batch_size], query_mask[i: i + generation_batch_size]
             with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-                out = policy.generate(
-                    input_ids=queries[i: i + generation_batch_size], attention_mask=query_mask[i: i + generation_batch_size],
-                    max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id, **sampling)
+                if fast_generator is not None and policy is unwrapped:
+                    outputs.append(fast_generator(*batch, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0])
+                    continue
+                out = policy.generate(input_ids=batch[0], attention_mask=batch[1], max_new_tokens=max_new_tokens,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
             outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)

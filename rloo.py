@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common import (
+    FastGenerator,
     UsageError,
     atomic_directory,
     check_args,
@@ -156,6 +157,10 @@ class Args:
     """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
     torch.multinomial draws one exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at GPT-2's 50k
     vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
+    fast_generation: bool = True
+    """on CUDA, sample completions with `common.FastGenerator`: a static KV cache, each decoding step one compiled CUDA
+    graph, the same distribution as the inverse-CDF `generate` (the first rollout of each batch size compiles, about a
+    minute). Not with FSDP or DeepSpeed; --no-fast-generation, --no-inverse-cdf-sampling and CPU use HF `generate`"""
 
     # LoRA
     use_peft: bool = False
@@ -409,15 +414,24 @@ if __name__ == "__main__":
         return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
     sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
+    fast_generator = None
+    if (args.fast_generation and device.type == "cuda" and args.inverse_cdf_sampling
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
+        fast_generator = FastGenerator(unwrapped, args.temperature, args.top_k, args.top_p)
+    accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
 
     @torch.no_grad()
     def generate(prompts, prompt_mask):
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
         with accelerator.autocast():
-            out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, **sampling,
-                                     max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id)
-        completions = out[:, prompts.shape[1]:]
+            if fast_generator is not None:
+                completions = fast_generator(prompts, prompt_mask, args.max_completion_length, tokenizer.eos_token_id,
+                                             tokenizer.pad_token_id)[0]
+            else:
+                out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, **sampling,
+                                         max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=tokenizer.eos_token_id)
+                completions = out[:, prompts.shape[1]:]
         is_eos = completions == tokenizer.eos_token_id
         ended = is_eos.any(1)
         last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)

@@ -5,6 +5,7 @@ Everything algorithm-specific stays in the scripts."""
 from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
+    FastGenerator,
     FixedKLController,
     InverseCDFSampler,
     LogitMask,

@@ -4,6 +4,7 @@ Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-prefere
 All masks are float or bool tensors of the same shape as the values they mask.
 """
 
+import functools
 import json
 
 import torch
@@ -134,15 +135,26 @@ class LogitMask:
         return self.apply(scores, input_ids[:, -1])
 
 
+def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row of `scores` [B, V] drawn from softmax(scores) by inverse CDF (one uniform per row against the
+    cumulative probabilities): [B, 1]."""
+    cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
+    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # the first token whose CDF > u
+
+
 class InverseCDFSampler(LogitsProcessor):
-    """The last logits processor of a greedy `generate`: draws the next token from softmax(scores) by inverse CDF
-    (one uniform per row against the cumulative probabilities) and leaves only it, so the greedy pick is a sample."""
+    """The last logits processor of a greedy `generate`: draws the next token with `inverse_cdf_draw` and leaves only
+    it, so the greedy pick is a sample."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
-        u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # the first token whose CDF > u
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        return torch.full_like(scores, float("-inf")).scatter_(1, inverse_cdf_draw(scores), 0.0)
+
+
+def warpers(temperature: float, top_k: int, top_p: float) -> list:
+    """HF's temperature / top-k / top-p logits warpers, in HF's order, leaving out those that change nothing."""
+    return ([TemperatureLogitsWarper(temperature)] if temperature != 1 else []) + (
+        [TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
 
 
 def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True, processors=()) -> dict:
@@ -153,10 +165,89 @@ def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: b
     if not inverse_cdf:
         return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                     logits_processor=LogitsProcessorList(processors))  # HF runs them before its warpers
-    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
-    warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
-    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
-    return dict(do_sample=False, logits_processor=LogitsProcessorList([*processors, *warpers, InverseCDFSampler()]))
+    return dict(do_sample=False, logits_processor=LogitsProcessorList(
+        [*processors, *warpers(temperature, top_k, top_p), InverseCDFSampler()]))
+
+
+def _cast_update(update, dtype, key_states, value_states, *args, **kwargs):
+    return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+
+class FastGenerator:
+    """Samples responses of a decoder-only model with a static KV cache, each decoding step's forward one compiled CUDA
+    graph: the distribution of `generate` with `sampling_kwargs` (HF's warpers, then an inverse-CDF draw, both eager),
+    without `generate`'s per-token Python, kernel launches and host syncs.
+
+    Each cache (and its compiled graph, about 15-30 s to build) is kept and reused: a batch runs in the smallest cache
+    that holds it, up to 8 times its size (extra rows repeat the first prompt and are dropped; at these batch sizes a
+    decoding step costs about the same), else in a new one of the batch's size whose length is rounded up to `bucket`
+    tokens (prompts are padded on the left to fill it). Parameters must stay where
+    they are in memory (optimizers update them in place; FSDP / ZeRO-3 resharding does not: use `generate` there).
+    With `compile=False` the same loop runs eagerly (on CPU, for tests)."""
+
+    def __init__(self, model, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, bucket: int = 64,
+                 compile: bool = True):
+        self.model, self.temperature, self.bucket = model, temperature, bucket
+        self.warpers = LogitsProcessorList(warpers(temperature, top_k, top_p))
+        self.caches = {}
+        self.forward = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) if compile else self._forward
+
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token [B] and its log-prob under logits / temperature [B], as the training forward computes it."""
+        logits = logits.float()
+        token = inverse_cdf_draw(self.warpers(None, logits))
+        logprob = torch.log_softmax(logits / self.temperature, -1).gather(-1, token)
+        return token.squeeze(1), logprob.squeeze(1)
+
+    def _forward(self, token, position, mask, cache) -> torch.Tensor:
+        """The next logits [B, V] after one token per row [B] at `position` [B]."""
+        return self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
+                          past_key_values=cache, use_cache=True).logits[:, -1]
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos_token_id: int | None, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responses [B, T] to left-padded prompts [B, P] (T <= max_new_tokens: it stops early once every row has an
+        EOS; tokens after a row's first EOS are `pad_token_id`, as `generate` returns them) and their log-probs [B, T]."""
+        from transformers import StaticCache
+
+        B, P = input_ids.shape
+        # one dtype for keys and values: the autocast dtype, in which attention runs (under autocast Qwen2's rotary
+        # embedding yields float32 keys beside bf16 values, and a static cache holds one dtype)
+        dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(input_ids.device.type) \
+            else self.model.dtype
+        length = -(-(P + max_new_tokens) // self.bucket) * self.bucket
+        fits = [(b * n, b, n) for b, n, d in self.caches if d == dtype and B <= b <= 8 * B and n >= length]
+        _, batch, length = min(fits) if fits else (0, B, length)
+        cache = self.caches.get((batch, length, dtype))
+        if cache is None:
+            cache = self.caches[batch, length, dtype] = StaticCache(config=self.model.config, max_cache_len=length)
+            for layer in cache.layers:  # cast what each layer stores
+                layer.update = functools.partial(_cast_update, layer.update, dtype)
+        else:
+            cache.reset()
+        input_ids = F.pad(torch.cat([input_ids, input_ids[:1].expand(batch - B, -1)]),
+                          (length - max_new_tokens - P, 0), value=pad_token_id)
+        prompt_mask = F.pad(torch.cat([attention_mask, attention_mask[:1].expand(batch - B, -1)]),
+                            (length - max_new_tokens - P, 0), value=0)
+        # one mask for every step: the positions not yet written are hidden by causality
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], 1)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        token, logprob = self._draw(logits)
+        position = prompt_mask.sum(1)  # the position of the first response token (left padding: real tokens only)
+        tokens, logprobs = [token], [logprob]
+        for t in range(1, max_new_tokens):
+            if eos_token_id is not None and t % 16 == 0 and (torch.stack(tokens, 1)[:B] == eos_token_id).any(1).all():
+                break
+            token, logprob = self._draw(self.forward(token, position + (t - 1), mask, cache))  # before the next replay
+            tokens.append(token)
+            logprobs.append(logprob)
+        tokens, logprobs = torch.stack(tokens, 1)[:B], torch.stack(logprobs, 1)[:B]
+        if eos_token_id is not None:  # after the first EOS: padding
+            after_eos = (tokens == eos_token_id).long().cumsum(1) - (tokens == eos_token_id).long() > 0
+            tokens = tokens.masked_fill(after_eos, pad_token_id)
+        return tokens, logprobs
 
 
 def pad_right(rows: list[list], value) -> torch.Tensor:

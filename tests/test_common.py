@@ -12,6 +12,7 @@ from common import (
     AdaptiveKLController,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
+    FastGenerator,
     FixedKLController,
     InverseCDFSampler,
     LogitMask,
@@ -78,6 +79,58 @@ def test_inverse_cdf_sampling_draws_from_the_warped_policy():
         with torch.no_grad():
             tokens = model.generate(prompt.repeat(200, 1), max_new_tokens=1, pad_token_id=0, **kwargs)[:, -1]
         assert set(tokens.tolist()) <= set(allowed), (inverse_cdf, tokens.unique())
+
+
+def test_fast_generator_samples_what_generate_samples_with_the_training_log_probs():
+    """The compiled rollout path's loop, run eagerly: on left-padded prompts of different lengths, with a temperature,
+    top-k and top-p, it draws the same tokens as `generate` with `sampling_kwargs` and a static cache of the same length
+    from the same seed, pads after each row's first EOS as `generate` does, and returns each token's log-prob under
+    logits / temperature as the teacher-forced forward computes it (as ppo.py / grpo.py score rollouts). With the
+    default bucket (a longer cache, the prompts padded further) the log-probs still agree: the padding is invisible to
+    the model up to float rounding (which can flip a draw among near-zero-probability tokens, so tokens are compared at
+    equal cache lengths), also for a smaller batch run in the cache a larger one built."""
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
+    prompts = tokenizer(["Hello, how are you?", "What is", "Tell me a story about a robot who learns"],
+                        padding=True, return_tensors="pt")
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    assert (mask == 0).any(1).sum() == 2  # two rows padded
+    pad = tokenizer.pad_token_id
+    for temperature, top_k, top_p, eos, bucket in [(1.0, 0, 1.0, False, 1), (0.7, 20, 0.9, False, 1),
+                                                   (1.0, 0, 1.0, True, 1), (0.7, 20, 0.9, True, 64)]:
+        eos_id = None
+        if eos:  # an EOS that the first row draws: a token of its unconstrained sample
+            torch.manual_seed(3)
+            eos_id = int(FastGenerator(model, bucket=1, compile=False)(ids, mask, 20, None, pad)[0][0, 4])
+        torch.manual_seed(3)
+        tokens, logprobs = FastGenerator(model, temperature, top_k, top_p, bucket, compile=False)(ids, mask, 20, eos_id, pad)
+        assert len(tokens) == 3 and tokens.shape[1] in ((16, 20) if eos else (20,))  # it stops early once all ended
+        if bucket == 1:
+            torch.manual_seed(3)
+            with torch.no_grad():
+                expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, pad_token_id=pad,
+                                          eos_token_id=eos_id, cache_implementation="static",
+                                          **sampling_kwargs(temperature, top_k, top_p))[:, ids.shape[1]:]
+            assert torch.equal(tokens[:, : expected.shape[1]], expected), (tokens, expected)
+            assert (tokens[:, expected.shape[1]:] == pad).all()
+        if eos and bucket == 1:
+            assert tokens[0, 4] == eos_id and (tokens[0, 5:] == pad).all()
+        full = torch.cat([mask, torch.ones_like(tokens)], 1)
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full,
+                           position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits[:, ids.shape[1] - 1: -1]
+        drawn = tokens != pad if eos else torch.ones_like(tokens, dtype=torch.bool)
+        assert torch.allclose(logprobs_from_logits(logits / temperature, tokens)[drawn], logprobs[drawn], atol=1e-5)
+    # a smaller batch with shorter prompts runs in the cache already built (rows added, then dropped)
+    generator = FastGenerator(model, bucket=64, compile=False)
+    generator(ids, mask, 20, None, pad)
+    tokens, logprobs = generator(ids[1:, -4:], mask[1:, -4:], 20, None, pad)
+    assert list(generator.caches) == [(3, 64, torch.float32)] and tokens.shape == logprobs.shape == (2, 20)
+    full = torch.cat([mask[1:, -4:], torch.ones_like(tokens)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids[1:, -4:], tokens], 1), attention_mask=full,
+                       position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits[:, 3:-1]
+    assert torch.allclose(logprobs_from_logits(logits, tokens), logprobs, atol=1e-5)
 
 
 def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
