@@ -81,7 +81,7 @@ class Args:
     rollout_batch_sizes: list[int] = field(default_factory=lambda: [16, 64, 256])
     """batch sizes of the generation-only measurement (tokens/s of rollouts)"""
     rollout_rounds: int = 6
-    """timed A/B rounds of the generation-only measurement (after one warm-up round); a call is short, so more
+    """timed A/B rounds of the generation-only measurement (after two warm-up rounds); a call is short, so more
     rounds than `--rounds` are cheap and average out the machine's drift"""
     model: Literal["auto", "tiny", "gpt2-124m"] = "auto"
     """policy model: builtin:tiny-gpt2 (2 layers, 64 wide), or gpt2-124m (GPT-2 small's shape, randomly initialised);
@@ -94,6 +94,9 @@ class Args:
     inverse_cdf_sampling: bool = True
     """our side samples by inverse CDF, the scripts' default (`common.InverseCDFSampler`); --no-inverse-cdf-sampling
     gives ppo.py, grpo.py, rloo.py and the rollout measurement HF's sampler, the one TRL uses"""
+    fast_generation: bool = True
+    """on CUDA our side samples with the scripts' default compiled static-cache decoding (`common.FastGenerator`);
+    --no-fast-generation: HF `generate` (benchmarks/generation.py compares the ways of sampling alone)"""
     memory: bool = True
     """also measure peak memory (one fresh process per implementation and variant)"""
     write: str | None = None
@@ -259,7 +262,8 @@ def trainer_trl(spec, env, tmp, tag, flags=()):
 
 
 def sampler_flag(spec) -> list[str]:
-    return [] if spec["inverse_cdf"] else ["--no-inverse-cdf-sampling"]
+    return ([] if spec["inverse_cdf"] else ["--no-inverse-cdf-sampling"]) + (
+        [] if spec["fast_generation"] else ["--no-fast-generation"])
 
 
 def ppo_ours(spec, env, tmp, tag, flags=()):
@@ -268,6 +272,7 @@ def ppo_ours(spec, env, tmp, tag, flags=()):
                         "--batch-size", batch, "--mini-batch-size", batch // 2, "--ppo-epochs", 4,
                         "--total-episodes", batch * (spec["warmup"] + spec["steps"]), "--min-new-tokens", 16,
                         "--max-new-tokens", 16, "--eval-freq", 0, "--eval-samples", 8, "--log-freq", 10**6,
+                        "--reward-model", "None",  # VADER's reward_fn, as TRL's side scores
                         "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *sampler_flag(spec), *flags], tmp)
     phases = {k: scalars(log_dir, f"time/{k}") for k in ("rollout", "score", "forward", "optimise")}
     return dict(step=[sum(v) for v in zip(*phases.values())], generation=phases["rollout"],
@@ -325,7 +330,7 @@ def rollouts(spec, env, tmp) -> dict:
     from trl import AutoModelForCausalLMWithValueHead as TrlValueHead
     from trl import PPOConfig, PPOTrainer
 
-    from common import AutoModelForCausalLMWithValueHead, load_tokenizer, sampling_kwargs
+    from common import AutoModelForCausalLMWithValueHead, FastGenerator, load_tokenizer, sampling_kwargs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)
@@ -335,18 +340,22 @@ def rollouts(spec, env, tmp) -> dict:
     trl_tok = AutoTokenizer.from_pretrained(env["model"])
     trl_tok.pad_token = trl_tok.eos_token
     results = {}
-    for batch in spec["rollout_batch_sizes"]:
+    for batch in spec["rollout_batch_sizes"]:  # a generator per batch size (it would run a smaller batch in a larger cache)
+        fast = FastGenerator(ours_model.pretrained_model) if device == "cuda" and spec["fast_generation"] \
+            and spec["inverse_cdf"] else None
         trainer = PPOTrainer(PPOConfig(batch_size=batch, mini_batch_size=batch, exp_name="bench",
                                        accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no")),
                              TrlValueHead.from_pretrained(env["model"]), tokenizer=trl_tok)
         times = {"ours": [], "trl": []}
-        for r in range(spec["rollout_rounds"] + 1):
+        for r in range(spec["rollout_rounds"] + 2):
             queries = [q.to(device) for q in ppo_queries(env, batch, r)]
             padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
             calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16,
                                                          **sampling_kwargs(1.0, 0, 1.0, spec["inverse_cdf"]),
                                                          pad_token_id=ours_tok.pad_token_id,
-                                                         eos_token_id=ours_tok.eos_token_id),
+                                                         eos_token_id=ours_tok.eos_token_id)
+                     if fast is None else fast(padded["input_ids"], padded["attention_mask"], 16, None,
+                                               ours_tok.pad_token_id),  # ppo.py's rollout on CUDA (no EOS: 16 tokens)
                      "trl": lambda: trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16,
                                                      max_new_tokens=16, top_k=0, top_p=1.0, do_sample=True,
                                                      pad_token_id=trl_tok.eos_token_id)}
@@ -354,7 +363,7 @@ def rollouts(spec, env, tmp) -> dict:
                 t0 = clock()
                 with torch.no_grad(), autocast:
                     calls[impl]()
-                if r:  # the first round warms up
+                if r > 1:  # the first two rounds warm up (compilation, CUDA-graph recording)
                     times[impl].append(clock() - t0)
         results[batch] = {k: batch * 16 / statistics.median(v) for k, v in times.items()}
     return results
@@ -568,7 +577,7 @@ def main(args: Args) -> None:
     args.bf16 = cuda if args.bf16 is None else args.bf16
     peak = peak_tflops(args)
     base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16,
-                inverse_cdf=args.inverse_cdf_sampling)
+                inverse_cdf=args.inverse_cdf_sampling, fast_generation=args.fast_generation)
     samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16, "grpo": 128, "rloo": 128}  # grpo / rloo: completions
     rows, extras = [], []
     for algo in args.algos:
