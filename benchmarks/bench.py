@@ -83,9 +83,14 @@ class Args:
     rollout_rounds: int = 6
     """timed A/B rounds of the generation-only measurement (after two warm-up rounds); a call is short, so more
     rounds than `--rounds` are cheap and average out the machine's drift"""
-    model: Literal["auto", "tiny", "gpt2-124m"] = "auto"
-    """policy model: builtin:tiny-gpt2 (2 layers, 64 wide), or gpt2-124m (GPT-2 small's shape, randomly initialised);
-    auto picks gpt2-124m on a GPU and tiny otherwise (DDPO always runs builtin:tiny-sd)"""
+    model: Literal["auto", "tiny", "gpt2-124m", "qwen2-0.5b"] = "auto"
+    """policy model: builtin:tiny-gpt2 (2 layers, 64 wide), gpt2-124m (GPT-2 small's shape) or qwen2-0.5b (Qwen2-0.5B's
+    shape, 494M parameters), both randomly initialised; auto picks gpt2-124m on a GPU and tiny otherwise (DDPO always
+    runs builtin:tiny-sd)"""
+    seq_length: int = 128
+    """tokens per sequence of the SFT / reward-model / DPO comparisons. At 128 they train on the built-in data as it
+    is; longer, on rows cut from the dialogue lines to fill it: SFT texts of `seq_length` tokens (truncated to it on
+    both sides), preference pairs whose prompt and answers take just under half of it each (none dropped by TRL)"""
     bf16: bool | None = None
     """run both sides in bf16 mixed precision (default: on a GPU)"""
     peak_tflops: float | None = None
@@ -196,13 +201,22 @@ def setup(spec: dict, tmp: str) -> dict:
 
         config = GPT2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)  # GPT-2's BPE + pad
         GPT2LMHeadModel(config).save_pretrained(model_dir)
+    elif spec["model"] == "qwen2-0.5b":  # Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.eos_token_id)
+        Qwen2ForCausalLM(config).save_pretrained(model_dir)
     else:
         load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     files = {}
     for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):
         files[name] = os.path.join(tmp, f"{name}.jsonl")
-        (preference_pairs() if name == "vader-preferences" else load_data(f"builtin:{name}")).to_json(files[name])
+        data = {"vader-preferences": preference_pairs, "chatterbot-dialogue": sft_texts}.get(name)
+        (data(spec["seq_length"]) if data else load_data(f"builtin:{name}")).to_json(files[name])
     if spec["algo"] in ONLINE:  # reasoning-gym's one-digit sums as a plain prompt / answer file, for both sides
         import reasoning_gym
 
@@ -223,24 +237,27 @@ def setup(spec: dict, tmp: str) -> dict:
 # ---------------------------------------------------------------- one run of each implementation
 
 
-# Trainer-style comparisons: our script, its data, its flags; TRL's {name}Trainer / {name}Config and the same settings
-TRAINERS = {
-    "sft": ("sft.py", "chatterbot-dialogue", ["--batch-size", 16, "--max-seq-length", 128, "--num-sample-generations", 0],
-            "SFT", dict(per_device_train_batch_size=16, max_length=128, packing=False, learning_rate=1e-3,
-                        lr_scheduler_type="cosine", warmup_steps=0.03)),
-    "rm": ("reward_modeling.py", "vader-preferences", ["--batch-size", 16, "--max-length", 128],
-           "Reward", dict(per_device_train_batch_size=16, max_length=128, learning_rate=3e-4, lr_scheduler_type="linear",
-                          warmup_steps=0.03)),
-    "dpo": ("dpo.py", "vader-preferences", ["--batch-size", 8, "--max-length", 128],
-            "DPO", dict(per_device_train_batch_size=8, max_length=128, beta=0.1, learning_rate=1e-4,
-                        lr_scheduler_type="linear", warmup_steps=0.1)),
-}
+def trainers(L: int) -> dict:
+    """Trainer-style comparisons at sequence length L: our script, its data, its flags; TRL's {name}Trainer /
+    {name}Config and the same settings."""
+    return {
+        "sft": ("sft.py", "chatterbot-dialogue", ["--batch-size", 16, "--max-seq-length", L, "--num-sample-generations", 0],
+                "SFT", dict(per_device_train_batch_size=16, max_length=L, packing=False, learning_rate=1e-3,
+                            lr_scheduler_type="cosine", warmup_steps=0.03)),
+        "rm": ("reward_modeling.py", "vader-preferences", ["--batch-size", 16, "--max-length", L],
+               "Reward", dict(per_device_train_batch_size=16, max_length=L, learning_rate=3e-4,
+                              lr_scheduler_type="linear", warmup_steps=0.03)),
+        "dpo": ("dpo.py", "vader-preferences", ["--batch-size", 8, "--max-length", L, "--max-prompt-length", L // 2,
+                                                "--max-target-length", L // 2],
+                "DPO", dict(per_device_train_batch_size=8, max_length=L, beta=0.1, learning_rate=1e-4,
+                            lr_scheduler_type="linear", warmup_steps=0.1)),
+    }
 TRL_FLAGS = {"--precompute-ref-log-probs": dict(precompute_ref_log_probs=True),  # our flag -> TRL's config
              "--gradient-checkpointing": dict(gradient_checkpointing=True)}
 
 
 def trainer_ours(spec, env, tmp, tag, flags=()):
-    script, data, script_flags, _, _ = TRAINERS[spec["algo"]]
+    script, data, script_flags, _, _ = trainers(spec["seq_length"])[spec["algo"]]
     log_dir = os.path.join(tmp, "runs", tag)
     run_ours(script, ["--model-name", env["model"], "--dataset-name", env["files"][data], *script_flags,
                       "--max-steps", spec["warmup"] + spec["steps"], "--eval-steps", 10**6, "--eval-fraction", 0.01,
@@ -252,7 +269,7 @@ def trainer_trl(spec, env, tmp, tag, flags=()):
     import trl
     from datasets import load_dataset
 
-    _, data, _, name, kwargs = TRAINERS[spec["algo"]]
+    _, data, _, name, kwargs = trainers(spec["seq_length"])[spec["algo"]]
     timer = step_timer()
     config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp) | kwargs | {k: v for f in flags
                                                                                 for k, v in TRL_FLAGS[f].items()})
@@ -471,10 +488,15 @@ def worker(spec: dict) -> dict:
             before = rss_mb()
             (ours if impl == "ours" else theirs)(spec, env, tmp, "memory", flags)
             return dict(peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mb() - before)
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(env["model"])
-        results = {"ours": {}, "trl": {}, "dims": [config.n_layer, config.n_embd, config.vocab_size]}
+        with torch.device("meta"):  # the layers' weight matrices, counted without allocating them
+            shapes = AutoModelForCausalLM.from_config(config)
+        block_weights = sum(p.numel() for n, p in shapes.named_parameters()
+                            if p.dim() == 2 and not any(k in n for k in ("wte", "wpe", "embed_tokens", "lm_head")))
+        results = {"ours": {}, "trl": {}, "dims": [config.num_hidden_layers, config.hidden_size, config.vocab_size,
+                                                   block_weights]}
         for r in range(spec["rounds"]):  # A B B A ...: neither side always runs first
             for impl, fn in (("ours", ours), ("trl", theirs))[::1 if r % 2 == 0 else -1]:
                 out = fn(spec, env, tmp, f"{impl}_{r}")
@@ -503,26 +525,59 @@ def spawn(spec: dict) -> dict:
     return json.loads(marker[-1][len("BENCH_RESULT "):])
 
 
-def preference_pairs():
-    """The reward-model / DPO data: the first 512 built-in VADER pairs whose prompt + response stays under 120 tokens
-    on both sides, so that neither side truncates (ours) or drops (TRL 1.x filters pairs over max_length) a pair."""
+def dialogue_piece(tok, rng, n: int) -> str:
+    """About n tokens of the built-in dialogue lines, joined, from a random place."""
+    from common import load_data
+
+    if not hasattr(dialogue_piece, "ids"):
+        dialogue_piece.ids = tok("\n".join(load_data("builtin:chatterbot-dialogue")["text"]))["input_ids"]
+    start = rng.randrange(len(dialogue_piece.ids) - n)
+    return tok.decode(dialogue_piece.ids[start: start + n])
+
+
+def sft_texts(seq_length: int):
+    """The SFT data: the built-in dialogue at 128 tokens, else 512 texts longer than seq_length (cut to it)."""
+    import random
+
+    from datasets import Dataset
+
+    from common import load_data, load_tokenizer
+
+    if seq_length <= 128:
+        return load_data("builtin:chatterbot-dialogue")
+    tok, rng = load_tokenizer("builtin:tiny-gpt2"), random.Random(0)
+    return Dataset.from_dict({"text": [dialogue_piece(tok, rng, seq_length + 16) for _ in range(512)]})
+
+
+def preference_pairs(seq_length: int = 128):
+    """The reward-model / DPO data: at 128 tokens the first 512 built-in VADER pairs whose prompt + response stays under
+    120 tokens on both sides, so that neither side truncates (ours) or drops (TRL 1.x filters pairs over max_length) a
+    pair; longer, 512 pairs of dialogue pieces whose prompt and answers take just under half of seq_length each."""
+    import random
+
+    from datasets import Dataset
+
     from common import load_data, load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-gpt2")
+    if seq_length > 128:
+        rng, half = random.Random(1), seq_length // 2 - 16  # re-tokenising a decoded piece can add a token or two
+        rows = [dict(prompt=dialogue_piece(tok, rng, half), chosen=" " + dialogue_piece(tok, rng, half),
+                     rejected=" " + dialogue_piece(tok, rng, half)) for _ in range(512)]
+        return Dataset.from_list(rows)
     fits = lambda row: all(len(tok(row["prompt"] + " " + row[c])["input_ids"]) < 120 for c in ("chosen", "rejected"))  # noqa: E731
     return load_data("builtin:vader-preferences").filter(fits).select(range(512))
 
 
-def mean_tokens(algo: str) -> float:
+def mean_tokens(algo: str, seq_length: int = 128) -> float:
     """Tokens per sample of the benchmark data (ours' tokenisation; both sides see the same texts)."""
     from common import load_data, load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-gpt2")
     if algo == "sft":
-        texts = load_data("builtin:chatterbot-dialogue")["text"]
-        return statistics.mean(min(128, len(tok(t)["input_ids"]) + 1) for t in texts)
+        return statistics.mean(min(seq_length, len(tok(t)["input_ids"]) + 1) for t in sft_texts(seq_length)["text"])
     if algo in ("rm", "dpo"):  # chosen and rejected, each with its EOS
-        d = preference_pairs()
+        d = preference_pairs(seq_length)
         return statistics.mean(len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]) + 2
                                for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
     if algo == "ddpo":  # images, not tokens
@@ -536,10 +591,11 @@ def mean_tokens(algo: str) -> float:
 
 
 def forward_flops(dims: list[int], context: float, head: bool = True) -> float:
-    """Model FLOPs of one token's forward pass (PaLM's convention): 2 per weight of the 12 * width^2 per layer (and of
-    the vocabulary projection when the model has one), plus 4 * layers * width * context for attention."""
-    layers, width, vocab = dims
-    return 2 * (12 * layers * width**2 + (width * vocab if head else 0)) + 4 * layers * width * context
+    """Model FLOPs of one token's forward pass (PaLM's convention): 2 per weight of the layers' matrices (12 * width^2
+    per layer for GPT-2) and of the vocabulary projection when the model has one, plus 4 * layers * width * context for
+    attention."""
+    layers, width, vocab, block_weights = dims
+    return 2 * (block_weights + (width * vocab if head else 0)) + 4 * layers * width * context
 
 
 def step_flops(algo: str, batch: int, tokens: float, dims: list[int]) -> dict[str, float]:
@@ -577,7 +633,7 @@ def main(args: Args) -> None:
     args.bf16 = cuda if args.bf16 is None else args.bf16
     peak = peak_tflops(args)
     base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16,
-                inverse_cdf=args.inverse_cdf_sampling, fast_generation=args.fast_generation)
+                inverse_cdf=args.inverse_cdf_sampling, fast_generation=args.fast_generation, seq_length=args.seq_length)
     samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16, "grpo": 128, "rloo": 128}  # grpo / rloo: completions
     rows, extras = [], []
     for algo in args.algos:
@@ -589,7 +645,7 @@ def main(args: Args) -> None:
             print(f"[bench] {algo} batch {config['batch_size']}: {args.rounds} rounds of ours / TRL ...", flush=True)
             result = spawn(spec)
             ours, trl = (statistics.median(result[k]["step"]) for k in ("ours", "trl"))
-            batch, tokens = config["batch_size"], mean_tokens(algo)
+            batch, tokens = config["batch_size"], mean_tokens(algo, args.seq_length)
             row = dict(algo=algo, batch=batch, ours=ours, trl=trl, ratio=ours / trl, tokens=tokens,
                        target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo])
             median = {k: {phase: statistics.median(v) for phase, v in result[k].items()} for k in ("ours", "trl")}
@@ -620,7 +676,9 @@ def main(args: Args) -> None:
 
 
 MODEL_TEXT = {"tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, GPT-2's 50257-token vocabulary)",
-              "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)"}
+              "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)",
+              "qwen2-0.5b": "a randomly initialised Qwen2-0.5B-shaped model (24 layers, 896 wide, 14 / 2 heads, "
+                            "151936-token vocabulary, 494M parameters)"}
 
 
 def format_row(row: dict) -> str:
@@ -647,7 +705,8 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"Model: {MODEL_TEXT[args.model]} saved to a folder, both sides loading it with from_pretrained; "
         f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours and TRL (A B B A) in one process "
         "per row; "
-        f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. DDPO: builtin:tiny-sd "
+        f"{args.warmup} warm-up + {args.steps} timed steps per run; seconds per step are medians. SFT / reward model / "
+        f"DPO at {args.seq_length} tokens per sequence. DDPO: builtin:tiny-sd "
         f"saved to a folder, one step = one epoch (sample 16 images, then train on them); samples are images. TRL's "
         f"SFT / reward / DPO trainers run with gradient_checkpointing=False (TRL 1.x turns it on by default; ours only "
         f"with --gradient-checkpointing, measured for memory below), so both sides do the same work. GRPO / RLOO: one "
