@@ -135,9 +135,9 @@ class Args:
     torch.multinomial draws one exponential variate per vocabulary entry (on CPU, most of a rollout at GPT-2's 50k
     vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
-    """on CUDA, sample rollouts with `common.FastGenerator`: a static KV cache, each decoding step one compiled CUDA
-    graph, the same distribution as the inverse-CDF `generate` (the first rollout of each batch size compiles, about a
-    minute). For decoder-only policies sampled by inverse CDF without a logit mask, quantisation, FSDP or DeepSpeed;
+    """on CUDA, sample rollouts with `common.FastGenerator`: a static KV cache, each decoding step's forward one compiled
+    CUDA graph, the same distribution as the inverse-CDF `generate` (each new batch shape compiles first: 15-30 s on an
+    H100). For decoder-only policies sampled by inverse CDF without a logit mask, quantisation, FSDP or DeepSpeed;
     --no-fast-generation, and on CPU: HF `generate`"""
     stop_sequences: list[str] = field(default_factory=list)
     """responses are truncated after the first of these strings (trlX `stop_sequences`), as after an EOS"""
@@ -565,14 +565,15 @@ if __name__ == "__main__":
     accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
 
     @torch.no_grad()
-    def generate(policy, queries, query_mask, max_new_tokens: int):
+    def generate(policy, queries, query_mask, max_new_tokens: int, fast: bool = True):
         """Sample responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or
-        stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them."""
+        stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them. `fast`: the
+        policy's own samples, which `fast_generator` (when there is one) draws instead of `policy.generate`."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
             batch = queries[i: i + generation_batch_size], query_mask[i: i + generation_batch_size]
             with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-                if fast_generator is not None and policy is unwrapped:
+                if fast and fast_generator is not None:
                     outputs.append(fast_generator(*batch, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0])
                     continue
                 out = policy.generate(input_ids=batch[0], attention_mask=batch[1], max_new_tokens=max_new_tokens,
@@ -685,7 +686,7 @@ if __name__ == "__main__":
         """Reference-model responses to the logged queries and their scores, as sample-table columns."""
         with reference_context(unwrapped, ref_model):
             responses, _, ended = generate(ref_model if ref_model is not None else unwrapped, queries, query_mask,
-                                           max_new_tokens)
+                                           max_new_tokens, fast=False)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
         logger.log(reduce_mean({"env/ref_reward_mean": scores.mean()}), update)

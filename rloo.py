@@ -158,9 +158,9 @@ class Args:
     torch.multinomial draws one exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at GPT-2's 50k
     vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
-    """on CUDA, sample completions with `common.FastGenerator`: a static KV cache, each decoding step one compiled CUDA
-    graph, the same distribution as the inverse-CDF `generate` (the first rollout of each batch size compiles, about a
-    minute). Not with FSDP or DeepSpeed; --no-fast-generation, --no-inverse-cdf-sampling and CPU use HF `generate`"""
+    """on CUDA, sample completions with `common.FastGenerator`: a static KV cache, each decoding step's forward one compiled
+    CUDA graph, the same distribution as the inverse-CDF `generate` (each new batch shape compiles first: 15-30 s on an
+    H100). Not with FSDP or DeepSpeed; --no-fast-generation, --no-inverse-cdf-sampling and CPU use HF `generate`"""
 
     # LoRA
     use_peft: bool = False

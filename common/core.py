@@ -178,12 +178,12 @@ class FastGenerator:
     graph: the distribution of `generate` with `sampling_kwargs` (HF's warpers, then an inverse-CDF draw, both eager),
     without `generate`'s per-token Python, kernel launches and host syncs.
 
-    Each cache (and its compiled graph, about 15-30 s to build) is kept and reused: a batch runs in the smallest cache
-    that holds it, up to 8 times its size (extra rows repeat the first prompt and are dropped; at these batch sizes a
-    decoding step costs about the same), else in a new one of the batch's size whose length is rounded up to `bucket`
-    tokens (prompts are padded on the left to fill it). Parameters must stay where
-    they are in memory (optimizers update them in place; FSDP / ZeRO-3 resharding does not: use `generate` there).
-    With `compile=False` the same loop runs eagerly (on CPU, for tests)."""
+    Each cache (and its compiled graph, 15-30 s to build on an H100) is kept and reused: a batch runs in the smallest
+    cache that holds it, up to 8 times its size (extra rows repeat the first prompt and are dropped; at these batch
+    sizes a decoding step costs about the same), else in a new one of the batch's size whose length is rounded up to
+    `bucket` tokens (prompts are padded on the left to fill it). Parameters must stay where they are in memory
+    (optimizers update them in place; FSDP / ZeRO-3 resharding does not: use `generate` there). With `compile=False`
+    the same loop runs eagerly (on CPU, for tests)."""
 
     def __init__(self, model, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, bucket: int = 64,
                  compile: bool = True):
