@@ -571,14 +571,16 @@ if __name__ == "__main__":
         policy's own samples, which `fast_generator` (when there is one) draws instead of `policy.generate`."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
-            batch = queries[i: i + generation_batch_size], query_mask[i: i + generation_batch_size]
+            ids, mask = queries[i: i + generation_batch_size], query_mask[i: i + generation_batch_size]
             with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-                if fast and fast_generator is not None:
-                    outputs.append(fast_generator(*batch, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0])
-                    continue
-                out = policy.generate(input_ids=batch[0], attention_mask=batch[1], max_new_tokens=max_new_tokens,
-                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-            outputs.append(out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:])
+                if fast and fast_generator is not None:  # the responses only
+                    out = fast_generator(ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
+                else:
+                    out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                          **sampling)
+                    out = out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:]
+            outputs.append(out)
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
                                for o in outputs])

@@ -185,7 +185,7 @@ def main(args: Args) -> None:
         batch = batch_of(B, 123)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad(), autocast:
-            tokens, logprobs = FastGenerator(model, compile=device == "cuda")(ids, mask, T, None, pad)
+            tokens, logprobs = FastGenerator(model, compile=device == "cuda")(ids, mask, T, None, pad, return_logprobs=True)
             full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
             logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full_mask,
                            position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits[:, ids.shape[1] - 1: -1]

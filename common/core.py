@@ -1,4 +1,5 @@
-"""Log-prob, masking and KL utilities (with trlX's logit mask and an inverse-CDF sampler), and the KL controllers.
+"""Log-prob, masking and KL utilities (with trlX's logit mask), the samplers (inverse-CDF `generate` arguments and
+the compiled CUDA rollout loop `FastGenerator`), and the KL controllers.
 
 Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-preferences).
 All masks are float or bool tensors of the same shape as the values they mask.
@@ -9,7 +10,14 @@ import json
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 class UsageError(ValueError):
@@ -192,12 +200,13 @@ class FastGenerator:
         self.caches = {}
         self.forward = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) if compile else self._forward
 
-    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next token [B] and its log-prob under logits / temperature [B], as the training forward computes it."""
+    def _draw(self, logits: torch.Tensor, with_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next token [B] and, if asked, its log-prob under logits / temperature [B] as the training forward
+        computes it (else None: a full-vocabulary pass that the scripts, which recompute log-probs, do not need)."""
         logits = logits.float()
         token = inverse_cdf_draw(self.warpers(None, logits))
-        logprob = torch.log_softmax(logits / self.temperature, -1).gather(-1, token)
-        return token.squeeze(1), logprob.squeeze(1)
+        logprob = torch.log_softmax(logits / self.temperature, -1).gather(-1, token)[:, 0] if with_logprob else None
+        return token[:, 0], logprob
 
     def _forward(self, token, position, mask, cache) -> torch.Tensor:
         """The next logits [B, V] after one token per row [B] at `position` [B]."""
@@ -206,11 +215,10 @@ class FastGenerator:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | None, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 eos_token_id: int | None, pad_token_id: int, return_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
         """Responses [B, T] to left-padded prompts [B, P] (T <= max_new_tokens: it stops early once every row has an
-        EOS; tokens after a row's first EOS are `pad_token_id`, as `generate` returns them) and their log-probs [B, T]."""
-        from transformers import StaticCache
-
+        EOS; tokens after a row's first EOS are `pad_token_id`, as `generate` returns them) and, with
+        `return_logprobs`, their log-probs [B, T] (else None)."""
         B, P = input_ids.shape
         # one dtype for keys and values: the autocast dtype, in which attention runs (under autocast Qwen2's rotary
         # embedding yields float32 keys beside bf16 values, and a static cache holds one dtype)
@@ -234,16 +242,18 @@ class FastGenerator:
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], 1)
         logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        token, logprob = self._draw(logits)
+        token, logprob = self._draw(logits, return_logprobs)
         position = prompt_mask.sum(1)  # the position of the first response token (left padding: real tokens only)
         tokens, logprobs = [token], [logprob]
         for t in range(1, max_new_tokens):
             if eos_token_id is not None and t % 16 == 0 and (torch.stack(tokens, 1)[:B] == eos_token_id).any(1).all():
                 break
-            token, logprob = self._draw(self.forward(token, position + (t - 1), mask, cache))  # before the next replay
+            logits = self.forward(token, position + (t - 1), mask, cache)
+            token, logprob = self._draw(logits, return_logprobs)  # before the next replay overwrites the logits
             tokens.append(token)
             logprobs.append(logprob)
-        tokens, logprobs = torch.stack(tokens, 1)[:B], torch.stack(logprobs, 1)[:B]
+        tokens = torch.stack(tokens, 1)[:B]
+        logprobs = torch.stack(logprobs, 1)[:B] if return_logprobs else None
         if eos_token_id is not None:  # after the first EOS: padding
             after_eos = (tokens == eos_token_id).long().cumsum(1) - (tokens == eos_token_id).long() > 0
             tokens = tokens.masked_fill(after_eos, pad_token_id)

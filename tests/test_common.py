@@ -103,7 +103,8 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
             torch.manual_seed(3)
             eos_id = int(FastGenerator(model, bucket=1, compile=False)(ids, mask, 20, None, pad)[0][0, 4])
         torch.manual_seed(3)
-        tokens, logprobs = FastGenerator(model, temperature, top_k, top_p, bucket, compile=False)(ids, mask, 20, eos_id, pad)
+        tokens, logprobs = FastGenerator(model, temperature, top_k, top_p, bucket, compile=False)(ids, mask, 20, eos_id, pad,
+                                                                                                  return_logprobs=True)
         assert len(tokens) == 3 and tokens.shape[1] in ((16, 20) if eos else (20,))  # it stops early once all ended
         if bucket == 1:
             torch.manual_seed(3)
@@ -124,7 +125,7 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     # a smaller batch with shorter prompts runs in the cache already built (rows added, then dropped)
     generator = FastGenerator(model, bucket=64, compile=False)
     generator(ids, mask, 20, None, pad)
-    tokens, logprobs = generator(ids[1:, -4:], mask[1:, -4:], 20, None, pad)
+    tokens, logprobs = generator(ids[1:, -4:], mask[1:, -4:], 20, None, pad, return_logprobs=True)
     assert list(generator.caches) == [(3, 64, torch.float32)] and tokens.shape == logprobs.shape == (2, 20)
     full = torch.cat([mask[1:, -4:], torch.ones_like(tokens)], 1)
     with torch.no_grad():
