@@ -164,11 +164,15 @@ class Args:
     pipeline; for a built-in base the base pipeline is saved beside them, so `from_pretrained(output_dir)` works"""
 
 
-ANIMALS = ("cat dog horse monkey rabbit zebra spider bird sheep deer cow goat lion tiger bear raccoon fox wolf lizard "
-           "beetle ant butterfly fish shark whale dolphin squirrel mouse rat snake turtle frog chicken duck goose bee "
-           "pig turkey fly llama camel bat gorilla hedgehog kangaroo").split()  # ddpo-pytorch's simple_animals
-PROMPT_FNS = {"animals": lambda: (str(np.random.choice(ANIMALS)), {}),
-              "animals_photo": lambda: (f"a photo of a {np.random.choice(ANIMALS)}", {})}
+ANIMALS = (
+    "cat dog horse monkey rabbit zebra spider bird sheep deer cow goat lion tiger bear raccoon fox wolf lizard "
+    "beetle ant butterfly fish shark whale dolphin squirrel mouse rat snake turtle frog chicken duck goose bee "
+    "pig turkey fly llama camel bat gorilla hedgehog kangaroo"
+).split()  # ddpo-pytorch's simple_animals
+PROMPT_FNS = {
+    "animals": lambda: (str(np.random.choice(ANIMALS)), {}),
+    "animals_photo": lambda: (f"a photo of a {np.random.choice(ANIMALS)}", {}),
+}
 
 
 def jpeg_incompressibility(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[np.ndarray, dict]:
@@ -211,9 +215,15 @@ def resolve_function(spec: str, builtins: dict, what: str):
     return getattr(module, function_name)
 
 
-def ddim_step_with_logprob(scheduler: DDIMScheduler, model_output: torch.Tensor, timestep: torch.Tensor,
-                           sample: torch.Tensor, eta: float, prev_sample: torch.Tensor | None = None,
-                           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ddim_step_with_logprob(
+    scheduler: DDIMScheduler,
+    model_output: torch.Tensor,
+    timestep: torch.Tensor,
+    sample: torch.Tensor,
+    eta: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One DDIM step x_t -> x_{t-1} (Song et al. 2021, Eq. 12) and log N(x_{t-1}; mu, sigma_t^2) averaged over all
     non-batch dimensions: ddpo-pytorch's `ddim_step_with_logprob`.
 
@@ -257,8 +267,11 @@ def ddim_step_with_logprob(scheduler: DDIMScheduler, model_output: torch.Tensor,
     if prev_sample is None:
         noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype)
         prev_sample = prev_sample_mean + std_dev_t * noise
-    log_prob = (-((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2) - torch.log(std_dev_t)
-                - math.log(math.sqrt(2 * math.pi)))
+    log_prob = (
+        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2)
+        - torch.log(std_dev_t)
+        - math.log(math.sqrt(2 * math.pi))
+    )
     return prev_sample.type(sample.dtype), log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
@@ -309,15 +322,22 @@ def image_samples_hook(images: torch.Tensor, prompts: list[str], rewards: list[f
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("num_epochs", "sample_num_steps", "sample_guidance_scale", "sample_batch_size",
-                               "sample_num_batches_per_epoch", "train_batch_size", "train_gradient_accumulation_steps",
-                               "train_num_inner_epochs", "train_adv_clip_max", "train_clip_range", "train_max_grad_norm",
-                               "train_learning_rate", "max_workers", "lora_rank", "num_checkpoint_limit", "resolution"),
-               non_negative=("eval_samples", "save_freq", "train_adam_weight_decay"))
+    check_args(
+        args,
+        positive=(
+            "num_epochs sample_num_steps sample_guidance_scale sample_batch_size sample_num_batches_per_epoch "
+            "train_batch_size train_gradient_accumulation_steps train_num_inner_epochs train_adv_clip_max "
+            "train_clip_range train_max_grad_norm train_learning_rate max_workers lora_rank num_checkpoint_limit "
+            "resolution"
+        ),
+        non_negative="eval_samples save_freq train_adam_weight_decay",
+    )
     num_train_timesteps = max(1, int(args.sample_num_steps * args.train_timestep_fraction))
     # one optimizer step per train_gradient_accumulation_steps batches x their timesteps (ddpo-pytorch)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.train_gradient_accumulation_steps * num_train_timesteps)
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.train_gradient_accumulation_steps * num_train_timesteps,
+    )
 
     # ---- sizes and settings, checked before anything expensive ----
     if args.sample_eta <= 0:
@@ -326,8 +346,11 @@ if __name__ == "__main__":
         raise UsageError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
     exact_div(args.sample_batch_size, args.train_batch_size, "sample_batch_size / train_batch_size")
     samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch  # on each process
-    exact_div(samples_per_epoch, args.train_batch_size * args.train_gradient_accumulation_steps,
-              "sample_batch_size * sample_num_batches_per_epoch / (train_batch_size * train_gradient_accumulation_steps)")
+    exact_div(
+        samples_per_epoch,
+        args.train_batch_size * args.train_gradient_accumulation_steps,
+        "sample_batch_size * sample_num_batches_per_epoch / (train_batch_size * train_gradient_accumulation_steps)",
+    )
     device = accelerator.device
     prompt_fn = resolve_function(args.prompt_fn, PROMPT_FNS, "prompt function")
     reward_fn = resolve_function(args.reward_fn, REWARD_FNS, "reward function")
@@ -354,22 +377,31 @@ if __name__ == "__main__":
         if inference_dtype != torch.float32:
             frozen.to(inference_dtype)
     if args.use_lora:
-        unet.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, init_lora_weights="gaussian",
-                                    target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+        unet.add_adapter(
+            LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_rank,
+                init_lora_weights="gaussian",
+                target_modules=["to_k", "to_q", "to_v", "to_out.0"],
+            )
+        )
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()  # trainable LoRA weights stay fp32 under mixed precision
     unet.to(device)
     trainable = [p for p in unet.parameters() if p.requires_grad]
-    accelerator.print(f"pipeline {args.pretrained_model}: {resolution}x{resolution}, {sum(p.numel() for p in trainable):,} "
-                      f"trainable of {sum(p.numel() for p in unet.parameters()):,} UNet parameters "
-                      f"({'LoRA' if args.use_lora else 'full fine-tuning'})")
+    accelerator.print(
+        f"pipeline {args.pretrained_model}: {resolution}x{resolution}, {sum(p.numel() for p in trainable):,} "
+        f"trainable of {sum(p.numel() for p in unet.parameters()):,} UNet parameters "
+        f"({'LoRA' if args.use_lora else 'full fine-tuning'})"
+    )
 
     @torch.no_grad()
     def embed(prompts: list[str]) -> torch.Tensor:
         """Text-encoder hidden states [B, 77, D] of prompts padded to the tokenizer's max length."""
-        ids = pipeline.tokenizer(prompts, padding="max_length", truncation=True, return_tensors="pt",
-                                 max_length=pipeline.tokenizer.model_max_length).input_ids.to(device)
+        ids = pipeline.tokenizer(
+            prompts, padding="max_length", truncation=True, return_tensors="pt", max_length=pipeline.tokenizer.model_max_length
+        ).input_ids.to(device)
         return pipeline.text_encoder(ids)[0]
 
     negative_embeds = embed([args.negative_prompt])  # [1, 77, D]
@@ -404,18 +436,23 @@ if __name__ == "__main__":
         with accelerator.autocast():
             for t in scheduler.timesteps:
                 model_input = scheduler.scale_model_input(latents, t)
-                noise_pred = predict_noise(model, model_input, t.expand(len(prompts)), prompt_embeds,
-                                           args.sample_guidance_scale)
-                latents, log_prob = ddim_step_with_logprob(scheduler, noise_pred.float(), t, latents.float(), args.sample_eta,
-                                                           generator=generator)
+                noise_pred = predict_noise(
+                    model, model_input, t.expand(len(prompts)), prompt_embeds, args.sample_guidance_scale
+                )
+                latents, log_prob = ddim_step_with_logprob(
+                    scheduler, noise_pred.float(), t, latents.float(), args.sample_eta, generator=generator
+                )
                 latents = latents.to(inference_dtype)
                 all_latents.append(latents)
                 log_probs.append(log_prob)
             images = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor).sample
-        return dict(prompt_embeds=prompt_embeds, latents=torch.stack(all_latents, 1),  # [B, T+1, C, h, w]
-                    log_probs=torch.stack(log_probs, 1),  # [B, T]
-                    timesteps=scheduler.timesteps.repeat(len(prompts), 1),  # [B, T]
-                    images=(images.float() / 2 + 0.5).clamp(0, 1).cpu())
+        return dict(
+            prompt_embeds=prompt_embeds,
+            latents=torch.stack(all_latents, 1),  # [B, T+1, C, h, w]
+            log_probs=torch.stack(log_probs, 1),  # [B, T]
+            timesteps=scheduler.timesteps.repeat(len(prompts), 1),  # [B, T]
+            images=(images.float() / 2 + 0.5).clamp(0, 1).cpu(),
+        )
 
     @torch.no_grad()
     def evaluate() -> float:
@@ -423,15 +460,24 @@ if __name__ == "__main__":
         unet.eval()
         set_seed(10**6 + accelerator.process_index)  # the training loop reseeds every epoch, so nothing is disturbed
         prompts = [prompt_fn()[0] for _ in range(args.eval_samples)]
-        images = torch.cat([sample(unet, prompts[i: i + args.sample_batch_size], None)["images"]
-                            for i in range(0, len(prompts), args.sample_batch_size)])
+        images = torch.cat(
+            [
+                sample(unet, prompts[i : i + args.sample_batch_size], None)["images"]
+                for i in range(0, len(prompts), args.sample_batch_size)
+            ]
+        )
         rewards = call_reward_fn(images, prompts, [{}] * len(prompts))[0].to(device)
         return accelerator.gather(rewards).mean().item()
 
     # ---- optimizer, checkpoints ----
     optimizer_class = bitsandbytes.optim.AdamW8bit if args.train_use_8bit_adam else torch.optim.AdamW
-    optimizer = optimizer_class(trainable, lr=args.train_learning_rate, betas=(args.train_adam_beta1, args.train_adam_beta2),
-                                weight_decay=args.train_adam_weight_decay, eps=args.train_adam_epsilon)
+    optimizer = optimizer_class(
+        trainable,
+        lr=args.train_learning_rate,
+        betas=(args.train_adam_beta1, args.train_adam_beta2),
+        weight_decay=args.train_adam_weight_decay,
+        eps=args.train_adam_epsilon,
+    )
     unet, optimizer = accelerator.prepare(unet, optimizer)
     stat_tracker = PerPromptStatTracker(args.per_prompt_stat_tracking_buffer_size, args.per_prompt_stat_tracking_min_count)
     trainable_names = [n for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad]
@@ -440,8 +486,10 @@ if __name__ == "__main__":
         resumed = read_checkpoint(args.resume_from)
         start_epoch, global_step = resumed["epoch"], resumed["global_step"]
         if start_epoch >= args.num_epochs:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
-                             f"has {args.num_epochs}: raise --num-epochs to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
+                f"has {args.num_epochs}: raise --num-epochs to train further."
+            )
         trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
         accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
         optimizer.load_state_dict(torch.load(os.path.join(args.resume_from, "optimizer.pt"), map_location=device))
@@ -459,8 +507,16 @@ if __name__ == "__main__":
                 save_file(weights, os.path.join(tmp, "trainable.safetensors"))
                 torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"epoch": epoch, "global_step": global_step, "stat_tracker": stat_tracker.state_dict(),
-                               "first_eval": first_eval, "epoch_rewards": epoch_rewards}, f)
+                    json.dump(
+                        {
+                            "epoch": epoch,
+                            "global_step": global_step,
+                            "stat_tracker": stat_tracker.state_dict(),
+                            "first_eval": first_eval,
+                            "epoch_rewards": epoch_rewards,
+                        },
+                        f,
+                    )
             checkpoints = sorted((d for d in os.listdir(folder) if d.startswith("epoch_")), key=lambda d: int(d[6:]))
             for old in checkpoints[: -args.num_checkpoint_limit]:
                 shutil.rmtree(os.path.join(folder, old))
@@ -497,8 +553,11 @@ if __name__ == "__main__":
             all_advantages = stat_tracker.update(gather_object(prompts), all_rewards)
         else:
             all_advantages = (all_rewards - all_rewards.mean()) / (all_rewards.std() + 1e-8)
-        samples["advantages"] = torch.as_tensor(all_advantages, dtype=torch.float32).reshape(
-            accelerator.num_processes, -1)[accelerator.process_index].to(device)
+        samples["advantages"] = (
+            torch.as_tensor(all_advantages, dtype=torch.float32)
+            .reshape(accelerator.num_processes, -1)[accelerator.process_index]
+            .to(device)
+        )
         epoch_rewards.append(float(all_rewards.mean()))
 
         # ---- optimise: PPO over (sample, timestep) pairs ----
@@ -514,16 +573,22 @@ if __name__ == "__main__":
             for key in ("latents", "log_probs", "timesteps"):
                 shuffled[key] = (shuffled[key][:, :-1] if key == "latents" else shuffled[key])[rows, time_perms]
             for start in range(0, samples_per_epoch, args.train_batch_size):
-                batch = {k: v[start: start + args.train_batch_size] for k, v in shuffled.items()}
+                batch = {k: v[start : start + args.train_batch_size] for k, v in shuffled.items()}
                 advantages = batch["advantages"].clamp(-args.train_adv_clip_max, args.train_adv_clip_max)
                 for j in range(num_train_timesteps):
                     with accelerator.accumulate(unet), accelerator.autocast():
                         guidance = args.sample_guidance_scale if args.train_cfg else 1.0
-                        noise_pred = predict_noise(unet, batch["latents"][:, j], batch["timesteps"][:, j],
-                                                   batch["prompt_embeds"], guidance)
-                        _, log_prob = ddim_step_with_logprob(scheduler, noise_pred.float(), batch["timesteps"][:, j],
-                                                             batch["latents"][:, j].float(), args.sample_eta,
-                                                             prev_sample=batch["next_latents"][:, j].float())
+                        noise_pred = predict_noise(
+                            unet, batch["latents"][:, j], batch["timesteps"][:, j], batch["prompt_embeds"], guidance
+                        )
+                        _, log_prob = ddim_step_with_logprob(
+                            scheduler,
+                            noise_pred.float(),
+                            batch["timesteps"][:, j],
+                            batch["latents"][:, j].float(),
+                            args.sample_eta,
+                            prev_sample=batch["next_latents"][:, j].float(),
+                        )
                         ratio = torch.exp(log_prob - batch["log_probs"][:, j])
                         loss = ddpo_loss(advantages, args.train_clip_range, ratio)
                         accelerator.backward(loss)
@@ -540,8 +605,12 @@ if __name__ == "__main__":
         # ---- log ----
         train_metrics = accelerator.reduce(torch.stack([torch.stack(v).mean() for v in infos.values()]), "mean").tolist()
         metrics = dict(zip(infos, train_metrics)) | {
-            "reward/mean": all_rewards.mean(), "reward/std": all_rewards.std(), "time/sample": sample_time,
-            "time/epoch": time.time() - epoch_start, "train/global_step": global_step}
+            "reward/mean": all_rewards.mean(),
+            "reward/std": all_rewards.std(),
+            "time/sample": sample_time,
+            "time/epoch": time.time() - epoch_start,
+            "train/global_step": global_step,
+        }
         logger.log(metrics, epoch + 1)
         progress.set_postfix(reward=f"{all_rewards.mean():.3f}", kl=f"{metrics['train/approx_kl']:.2e}")
         if accelerator.is_main_process:
@@ -569,14 +638,20 @@ if __name__ == "__main__":
             else:
                 pipeline.unet = unwrapped
                 pipeline.save_pretrained(tmp)
-            write_model_card(tmp, args, "ddpo", {"eval/reward": last_eval, "train/reward (last epoch)":
-                                                 (epoch_rewards or [math.nan])[-1]}, library="diffusers")
+            write_model_card(
+                tmp,
+                args,
+                "ddpo",
+                {"eval/reward": last_eval, "train/reward (last epoch)": (epoch_rewards or [math.nan])[-1]},
+                library="diffusers",
+            )
     elapsed = time.time() - start_time
     accelerator.print(
         f"ddpo: {args.num_epochs - start_epoch} epochs in {elapsed:.0f}s; sampled reward "
         f"{(epoch_rewards or [math.nan])[0]:.3f} -> {(epoch_rewards or [math.nan])[-1]:.3f} (first -> last epoch); "
         f"eval reward {first_eval:.3f} -> {last_eval:.3f}; "
-        f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}")
+        f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}"
+    )
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

@@ -185,8 +185,16 @@ def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-
     return (per_token_logps * loss_mask).sum(-1)
 
 
-def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta,
-             loss_type="sigmoid", label_smoothing=0.0, reference_free=False):
+def dpo_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    beta,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+    reference_free=False,
+):
     """Per-pair losses and the detached implicit rewards beta * (log pi - log pi_ref) of chosen and rejected.
 
     With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)):
@@ -213,15 +221,27 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     elif loss_type == "kto_pair":
         chosen_kl = chosen_logratios.mean().clamp(min=0)
         rejected_kl = rejected_logratios.mean().clamp(min=0)
-        losses = torch.cat((1 - torch.sigmoid(beta * (chosen_logratios - rejected_kl)),
-                            1 - torch.sigmoid(beta * (chosen_kl - rejected_logratios))), 0)
+        losses = torch.cat(
+            (
+                1 - torch.sigmoid(beta * (chosen_logratios - rejected_kl)),
+                1 - torch.sigmoid(beta * (chosen_kl - rejected_logratios)),
+            ),
+            0,
+        )
     else:
         raise ValueError(f"Unknown loss_type {loss_type!r}: choose sigmoid, hinge, ipo or kto_pair.")
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
-def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length: int, max_prompt_length: int,
-                  truncation_mode: str = "keep_end") -> dict:
+def tokenize_pair(
+    tokenizer,
+    prompt: str,
+    chosen: str,
+    rejected: str,
+    max_length: int,
+    max_prompt_length: int,
+    truncation_mode: str = "keep_end",
+) -> dict:
     """Token ids and labels of prompt + chosen and prompt + rejected (TRL 0.8 `tokenize_row`).
 
     Each answer is tokenised as part of prompt + answer, so BPE merges across the boundary survive; if the last
@@ -250,8 +270,15 @@ def tokenize_pair(tokenizer, prompt: str, chosen: str, rejected: str, max_length
     return out
 
 
-def tokenize_pair_seq2seq(tokenizer, prompt: str, chosen: str, rejected: str, max_prompt_length: int,
-                          max_target_length: int, truncation_mode: str = "keep_end") -> dict:
+def tokenize_pair_seq2seq(
+    tokenizer,
+    prompt: str,
+    chosen: str,
+    rejected: str,
+    max_prompt_length: int,
+    max_target_length: int,
+    truncation_mode: str = "keep_end",
+) -> dict:
     """Encoder input ids and decoder labels for an encoder-decoder policy (TRL 0.8 `tokenize_row`, encoder-decoder).
 
     The prompt keeps the tokenizer's special tokens (T5: a closing </s>) and is cut to max_prompt_length from the end
@@ -272,12 +299,20 @@ def tokenize_pair_seq2seq(tokenizer, prompt: str, chosen: str, rejected: str, ma
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("beta", "learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs",
-                               "max_length", "max_prompt_length", "max_target_length", "eval_steps", "max_grad_norm"),
-               non_negative=("weight_decay", "save_steps"), fractions=("eval_fraction",))
+    check_args(
+        args,
+        positive=(
+            "beta learning_rate batch_size gradient_accumulation_steps num_epochs max_length max_prompt_length "
+            "max_target_length eval_steps max_grad_norm"
+        ),
+        non_negative="weight_decay save_steps",
+        fractions="eval_fraction",
+    )
     if not 0 <= args.label_smoothing < 0.5 or not 0 <= args.warmup_ratio < 1:
-        raise UsageError(f"--label-smoothing {args.label_smoothing}, --warmup-ratio {args.warmup_ratio}: label smoothing "
-                         "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1).")
+        raise UsageError(
+            f"--label-smoothing {args.label_smoothing}, --warmup-ratio {args.warmup_ratio}: label smoothing "
+            "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1)."
+        )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
@@ -287,8 +322,10 @@ if __name__ == "__main__":
     if context and not is_encoder_decoder and args.max_length > context:
         raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens: lower --max-length.")
     if args.max_prompt_length >= args.max_length and not is_encoder_decoder:
-        raise UsageError(f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
-                         "or no response token would be left.")
+        raise UsageError(
+            f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
+            "or no response token would be left."
+        )
     if args.label_smoothing and args.loss_type != "sigmoid":
         raise UsageError("--label-smoothing applies to the sigmoid loss only.")
     run_name, logger = start_run(args, accelerator)
@@ -296,19 +333,25 @@ if __name__ == "__main__":
 
     # ---- data ----
     dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(dataset, [args.prompt_column, args.chosen_column, args.rejected_column],
-                  "--prompt-column / --chosen-column / --rejected-column")
+    check_columns(
+        dataset,
+        [args.prompt_column, args.chosen_column, args.rejected_column],
+        "--prompt-column / --chosen-column / --rejected-column",
+    )
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+
     def tokenize(row: dict) -> dict:
         """A pair's token ids and labels: TRL 0.8's `tokenize_row`, decoder-only or encoder-decoder."""
         prompt, chosen, rejected = row[args.prompt_column], row[args.chosen_column], row[args.rejected_column]
         if is_encoder_decoder:
-            return tokenize_pair_seq2seq(tokenizer, prompt, chosen, rejected, args.max_prompt_length,
-                                         args.max_target_length, args.truncation_mode)
-        return tokenize_pair(tokenizer, prompt + " ", chosen, rejected, args.max_length, args.max_prompt_length,
-                             args.truncation_mode)
+            return tokenize_pair_seq2seq(
+                tokenizer, prompt, chosen, rejected, args.max_prompt_length, args.max_target_length, args.truncation_mode
+            )
+        return tokenize_pair(
+            tokenizer, prompt + " ", chosen, rejected, args.max_length, args.max_prompt_length, args.truncation_mode
+        )
 
     train_pairs, eval_pairs = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
     pairs_per_step = args.batch_size * accelerator.num_processes
@@ -317,26 +360,33 @@ if __name__ == "__main__":
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
-        raise UsageError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
-                         f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
-    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
-                      f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
+        raise UsageError(
+            f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
+        )
+    accelerator.print(
+        f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
+        f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs"
+    )
 
     def collate(pairs: list[dict]) -> dict:
         """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both. Encoder-decoder: the
         prompt twice as encoder input, the answers as labels, and the decoder input <start> + labels[:-1]."""
         sources = ("prompt_input_ids",) * 2 if is_encoder_decoder else ("chosen_input_ids", "rejected_input_ids")
         sequences = [p[sources[0]] for p in pairs] + [p[sources[1]] for p in pairs]
-        batch = dict(input_ids=pad_right(sequences, tokenizer.pad_token_id),
-                     attention_mask=pad_right([[1] * len(s) for s in sequences], 0),
-                     labels=pad_right([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100))
+        batch = dict(
+            input_ids=pad_right(sequences, tokenizer.pad_token_id),
+            attention_mask=pad_right([[1] * len(s) for s in sequences], 0),
+            labels=pad_right([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100),
+        )
         if is_encoder_decoder:
             shifted = batch["labels"][:, :-1].masked_fill(batch["labels"][:, :-1] == -100, tokenizer.pad_token_id)
             start = torch.full_like(shifted[:, :1], model_config.decoder_start_token_id)
             batch["decoder_input_ids"] = torch.cat([start, shifted], 1)
         if "reference_chosen_logps" in pairs[0]:
-            batch["reference_logps"] = torch.tensor([p["reference_chosen_logps"] for p in pairs] +
-                                                    [p["reference_rejected_logps"] for p in pairs])
+            batch["reference_logps"] = torch.tensor(
+                [p["reference_chosen_logps"] for p in pairs] + [p["reference_rejected_logps"] for p in pairs]
+            )
         return {k: v.to(device) for k, v in batch.items()}
 
     def batch_of(examples: list[dict], step: int) -> dict:
@@ -344,11 +394,12 @@ if __name__ == "__main__":
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
+        return collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
 
     # ---- models ----
-    model = load_pretrained(args.model_name, AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM,
-                            **quantization)
+    model = load_pretrained(
+        args.model_name, AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM, **quantization
+    )
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -358,9 +409,16 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules=args.lora_target_modules,
-                                                 task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules,
+                task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
+            ),
+        )
     ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
     if ref_model is not None:
         ref_model = ref_model.to(device)
@@ -373,8 +431,9 @@ if __name__ == "__main__":
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
         if chunked:
             head = accelerator.unwrap_model(policy).get_output_embeddings()
-            per_token, mask, hidden = lm_token_logprobs(policy, head, batch["input_ids"], batch["attention_mask"],
-                                                        batch["labels"])
+            per_token, mask, hidden = lm_token_logprobs(
+                policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
+            )
             logps = per_token.sum(-1) / (mask.sum(-1) if args.loss_type == "ipo" else 1)
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
@@ -382,8 +441,9 @@ if __name__ == "__main__":
             return logps, mean_logits
         decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if is_encoder_decoder else {}
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
-        logps = get_batch_logps(logits, batch["labels"], average_log_prob=args.loss_type == "ipo",
-                                is_encoder_decoder=is_encoder_decoder)
+        logps = get_batch_logps(
+            logits, batch["labels"], average_log_prob=args.loss_type == "ipo", is_encoder_decoder=is_encoder_decoder
+        )
         return logps, logits.detach().float().mean((1, 2))
 
     @torch.no_grad()
@@ -397,9 +457,12 @@ if __name__ == "__main__":
 
     if args.precompute_ref_log_probs and not args.reference_free:
         for examples in (train_pairs, eval_pairs):
-            for i in tqdm(range(0, len(examples), args.batch_size), desc="reference log-probs",
-                          disable=not accelerator.is_local_main_process):
-                chunk = examples[i: i + args.batch_size]
+            for i in tqdm(
+                range(0, len(examples), args.batch_size),
+                desc="reference log-probs",
+                disable=not accelerator.is_local_main_process,
+            ):
+                chunk = examples[i : i + args.batch_size]
                 chosen, rejected = reference_logps(collate(chunk)).cpu().chunk(2)
                 for example, c, r in zip(chunk, chosen.tolist(), rejected.tolist()):
                     example.update(reference_chosen_logps=c, reference_rejected_logps=r)
@@ -410,16 +473,22 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-                              num_training_steps=total_steps * ticks)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+        num_training_steps=total_steps * ticks,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_step = resumed["step"]
         if start_step >= total_steps:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
-                             f"{total_steps}: raise --max-steps or --num-epochs to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                f"{total_steps}: raise --max-steps or --num-epochs to train further."
+            )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     def pair_metrics(batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
@@ -428,14 +497,26 @@ if __name__ == "__main__":
         policy_chosen, policy_rejected = logps.chunk(2)
         ref_chosen, ref_rejected = reference_logps(batch).chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
-            args.reference_free)
-        metrics = {"loss": losses.mean().detach(), "rewards/chosen": chosen_rewards.mean(),
-                   "rewards/rejected": rejected_rewards.mean(),
-                   "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                   "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                   "logps/chosen": policy_chosen.detach().mean(), "logps/rejected": policy_rejected.detach().mean(),
-                   "logits/chosen": mean_logits.chunk(2)[0].mean(), "logits/rejected": mean_logits.chunk(2)[1].mean()}
+            policy_chosen,
+            policy_rejected,
+            ref_chosen,
+            ref_rejected,
+            args.beta,
+            args.loss_type,
+            args.label_smoothing,
+            args.reference_free,
+        )
+        metrics = {
+            "loss": losses.mean().detach(),
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": policy_chosen.detach().mean(),
+            "logps/rejected": policy_rejected.detach().mean(),
+            "logits/chosen": mean_logits.chunk(2)[0].mean(),
+            "logits/rejected": mean_logits.chunk(2)[1].mean(),
+        }
         return losses.mean(), {f"{prefix}/{k}": v for k, v in metrics.items()}
 
     @torch.no_grad()
@@ -443,12 +524,12 @@ if __name__ == "__main__":
         """Metrics over the whole eval split, averaged over batches and ranks."""
         model.eval()
         sums, count = {}, 0
-        shard = eval_pairs[accelerator.process_index:: accelerator.num_processes]
+        shard = eval_pairs[accelerator.process_index :: accelerator.num_processes]
         weight = 1.0 if shard else 0.0  # fewer pairs than ranks: an empty shard scores one pair at weight 0, so that
         shard = shard or eval_pairs[:1]  # every rank reaches the same collectives
         for i in range(0, len(shard), args.batch_size):
-            _, metrics = pair_metrics(collate(shard[i: i + args.batch_size]), "eval")
-            n = len(shard[i: i + args.batch_size]) * weight
+            _, metrics = pair_metrics(collate(shard[i : i + args.batch_size]), "eval")
+            n = len(shard[i : i + args.batch_size]) * weight
             sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
             count += n
         total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")
@@ -467,9 +548,10 @@ if __name__ == "__main__":
             texts = {}
             for name, (sampler, context) in samplers.items():
                 with context:
-                    out = sampler.generate(**inputs, max_new_tokens=24, do_sample=True, top_k=50,
-                                           pad_token_id=tokenizer.pad_token_id)
-                new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1]:]  # no start / prompt
+                    out = sampler.generate(
+                        **inputs, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id
+                    )
+                new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1] :]  # no start / prompt
                 texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
             logger.samples("eval samples", {"prompt": prompts, **texts}, step)
         model.train()
@@ -495,9 +577,15 @@ if __name__ == "__main__":
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = dict(zip(metrics, values))
         step_time = time.time() - step_start
-        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0], "time/step": step_time,
-                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time},
-                   step + 1)
+        logger.log(
+            metrics
+            | {
+                "train/learning_rate": scheduler.get_last_lr()[0],
+                "time/step": step_time,
+                "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time,
+            },
+            step + 1,
+        )
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)
@@ -521,7 +609,8 @@ if __name__ == "__main__":
         f"dpo: {total_steps - start_step} steps in {elapsed:.0f}s ({(total_steps - start_step) / max(elapsed, 1e-9):.2f} "
         f"steps/s); eval reward accuracy {first_eval['eval/rewards/accuracies']:.3f} -> "
         f"{last_eval['eval/rewards/accuracies']:.3f}, margin {first_eval['eval/rewards/margins']:.3f} -> "
-        f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}")
+        f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}"
+    )
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

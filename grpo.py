@@ -227,8 +227,20 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (squares.sum(dim) if dim is not None else squares.sum()).div(count - 1).sqrt()
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, epsilon_low, epsilon_high, loss_type,
-              max_completion_length, importance_sampling_level="token", num_items_in_batch=None):
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    loss_type,
+    max_completion_length,
+    importance_sampling_level="token",
+    num_items_in_batch=None,
+):
     """The clipped surrogate of GRPO and its successors (TRL 1.x `GRPOTrainer._compute_loss`).
 
     logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. The ratio is exp(logp - old_logp) per token,
@@ -265,13 +277,17 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, epsi
     else:
         raise ValueError(f"Unknown loss_type {loss_type!r}: choose grpo, bnpo, dr_grpo or dapo.")
     with torch.no_grad():
+
         def share(flags):  # over the masked tokens
             return (flags.expand_as(mask).float() * mask).sum() / mask.sum().clamp(min=1.0)
 
         low = (ratio < 1 - epsilon_low) & (advantages < 0)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        stats = {"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-                 "clip_ratio/region_mean": share(low | high)}
+        stats = {
+            "clip_ratio/low_mean": share(low),
+            "clip_ratio/high_mean": share(high),
+            "clip_ratio/region_mean": share(low | high),
+        }
         if kl is not None:
             stats["kl"] = share(kl)
     return loss, stats
@@ -334,7 +350,9 @@ def reward_model_function(name: str, label: str | None, device: torch.device):
     @torch.no_grad()
     def reward_model(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float]:
         texts = [reward_model_text(p, c, tokenizer.eos_token, e) for p, c, e in zip(prompts, completions, ended)]
-        batches = (tokenizer(texts[i: i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64))
+        batches = (
+            tokenizer(texts[i : i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64)
+        )
         return [x for batch in batches for x in model(**batch).logits[:, index].float().tolist()]
 
     return reward_model
@@ -343,9 +361,11 @@ def reward_model_function(name: str, label: str | None, device: torch.device):
 def check_rewards(values, n: int, name: str) -> list[float]:
     """One number (or None) per completion, as floats with NaN for None; a one-line error otherwise."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
-        raise UsageError(f"reward function {name} returned {type(values).__name__} of length "
-                         f"{len(values) if hasattr(values, '__len__') else '?'} for {n} completions: return a list with "
-                         "one float (or None) each.")
+        raise UsageError(
+            f"reward function {name} returned {type(values).__name__} of length "
+            f"{len(values) if hasattr(values, '__len__') else '?'} for {n} completions: return a list with "
+            "one float (or None) each."
+        )
     bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
     if bad:
         raise UsageError(f"reward function {name} returned {bad[0]!r}: every reward must be a finite number or None.")
@@ -359,36 +379,49 @@ def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[di
     try:
         problems = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except (KeyError, ValueError, TypeError) as error:
-        raise UsageError(f"reasoning-gym:{task} with {config}: {error} (reasoning_gym.factory.DATASETS lists the "
-                         "tasks; --task-config takes the task's options as JSON).") from None
+        raise UsageError(
+            f"reasoning-gym:{task} with {config}: {error} (reasoning_gym.factory.DATASETS lists the "
+            "tasks; --task-config takes the task's options as JSON)."
+        ) from None
     return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
 
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("total_prompts", "batch_size", "mini_batch_size", "gradient_accumulation_steps",
-                               "num_iterations", "learning_rate", "max_grad_norm", "epsilon", "epsilon_high",
-                               "max_completion_length", "temperature", "max_prompt_length", "eval_samples", "log_freq",
-                               "train_size", "eval_size"),
-               non_negative=("beta", "weight_decay", "top_k", "eval_freq", "save_freq", "overlong_buffer", "overlong_penalty"),
-               fractions=("eval_fraction",))
+    check_args(
+        args,
+        positive=(
+            "total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations learning_rate "
+            "max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length eval_samples "
+            "log_freq train_size eval_size"
+        ),
+        non_negative="beta weight_decay top_k eval_freq save_freq overlong_buffer overlong_penalty",
+        fractions="eval_fraction",
+    )
     if args.num_generations < 2:
         raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
     if not 0 < args.top_p <= 1 or args.overlong_buffer >= args.max_completion_length:
-        raise UsageError(f"--top-p {args.top_p} lies in (0, 1]; --overlong-buffer {args.overlong_buffer} must be below "
-                         f"--max-completion-length {args.max_completion_length}.")
+        raise UsageError(
+            f"--top-p {args.top_p} lies in (0, 1]; --overlong-buffer {args.overlong_buffer} must be below "
+            f"--max-completion-length {args.max_completion_length}."
+        )
     accelerator = Accelerator()
     device, world = accelerator.device, accelerator.num_processes
     per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
-    exact_div(per_process, args.mini_batch_size * args.gradient_accumulation_steps,
-              "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
+    exact_div(
+        per_process,
+        args.mini_batch_size * args.gradient_accumulation_steps,
+        "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)",
+    )
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     reward_funcs = [(spec, resolve_reward(spec)) for spec in args.reward_funcs]  # (name, function); the model below
     sources = len(reward_funcs) + (args.reward_model is not None)
     weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)
     if len(weights) != sources:
-        raise UsageError(f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
-                         "give one weight each.")
+        raise UsageError(
+            f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
+            "give one weight each."
+        )
     run_name, logger = start_run(args, accelerator)
 
     # ---- data: prompts, reference answers and every other column (for the reward functions) ----
@@ -411,7 +444,7 @@ if __name__ == "__main__":
     overlap = len({r["prompt"] for r in eval_rows} & {r["prompt"] for r in train_rows}) / len(eval_rows)
     for rows in (train_rows, eval_rows):
         for row in rows:
-            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"][-args.max_prompt_length:]
+            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"][-args.max_prompt_length :]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
@@ -420,18 +453,25 @@ if __name__ == "__main__":
     # every reward function on two real rows before any generation: a wrong length or a non-number fails now
     probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
     for spec, func in reward_funcs:
-        check_rewards(func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items()
-                                                                                   if k != "prompt"}), 2, spec)
-    accelerator.print(f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
-                      f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
-                      f"{args.num_generations} completions")
+        check_rewards(
+            func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items() if k != "prompt"}),
+            2,
+            spec,
+        )
+    accelerator.print(
+        f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
+        f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
+        f"{args.num_generations} completions"
+    )
 
     # ---- models ----
     model = load_pretrained(args.model_name, AutoModelForCausalLM)
     context = context_length(model.config)
     if context and args.max_prompt_length + args.max_completion_length > context:
-        raise UsageError(f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
-                         f"({args.max_completion_length}) exceeds the model's context of {context} tokens.")
+        raise UsageError(
+            f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
+            f"({args.max_completion_length}) exceeds the model's context of {context} tokens."
+        )
     for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -454,8 +494,10 @@ if __name__ == "__main__":
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_update = resumed["update"]
         if start_update >= num_updates:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
-                             f"has {num_updates}: raise --total-prompts to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
+                f"has {num_updates}: raise --total-prompts to train further."
+            )
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
     def pad_left(rows: list[dict]):
@@ -464,8 +506,12 @@ if __name__ == "__main__":
 
     sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
     fast_generator = None
-    if (args.fast_generation and device.type == "cuda" and args.inverse_cdf_sampling
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
+    if (
+        args.fast_generation
+        and device.type == "cuda"
+        and args.inverse_cdf_sampling
+        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+    ):
         fast_generator = FastGenerator(unwrapped, args.temperature, args.top_k, args.top_p)
     accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
 
@@ -474,13 +520,19 @@ if __name__ == "__main__":
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
         with accelerator.autocast():
             if fast_generator is not None:
-                completions = fast_generator(prompts, prompt_mask, args.max_completion_length, tokenizer.eos_token_id,
-                                             tokenizer.pad_token_id)[0]
+                completions = fast_generator(
+                    prompts, prompt_mask, args.max_completion_length, tokenizer.eos_token_id, tokenizer.pad_token_id
+                )[0]
             else:
-                out = unwrapped.generate(input_ids=prompts, attention_mask=prompt_mask, **sampling,
-                                         max_new_tokens=args.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=tokenizer.eos_token_id)
-                completions = out[:, prompts.shape[1]:]
+                out = unwrapped.generate(
+                    input_ids=prompts,
+                    attention_mask=prompt_mask,
+                    **sampling,
+                    max_new_tokens=args.max_completion_length,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+                completions = out[:, prompts.shape[1] :]
         is_eos = completions == tokenizer.eos_token_id
         ended = is_eos.any(1)
         last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
@@ -494,8 +546,9 @@ if __name__ == "__main__":
         attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
         T = completions.shape[1]
-        logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=T + 1).logits[:, :-1]
+        logits = net(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
+        ).logits[:, :-1]
         if args.temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
             logits = logits / args.temperature
         logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
@@ -507,8 +560,13 @@ if __name__ == "__main__":
         """Rewards [N, F] of each completion by each reward function (NaN where a function returned None)."""
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
         prompts_text = [r["prompt"] for r in rows]
-        return torch.tensor([check_rewards(f(prompts_text, completions_text, ended=ended, **columns), len(rows), spec)
-                             for spec, f in reward_funcs], device=device).T
+        return torch.tensor(
+            [
+                check_rewards(f(prompts_text, completions_text, ended=ended, **columns), len(rows), spec)
+                for spec, f in reward_funcs
+            ],
+            device=device,
+        ).T
 
     @torch.no_grad()
     @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
@@ -517,23 +575,30 @@ if __name__ == "__main__":
         (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
         torch.manual_seed(args.seed + accelerator.process_index)
         unwrapped.eval()
-        share = eval_rows[accelerator.process_index:: world]
+        share = eval_rows[accelerator.process_index :: world]
         rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
         totals = torch.zeros(3, device=device)
         table = {"prompt": [], "completion": [], "answer": [], "score": []}
         for i in range(0, len(rows), 64):
-            chunk = rows[i: i + 64]
+            chunk = rows[i : i + 64]
             completions, mask, ended = generate(*pad_left(chunk))
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             scores = score(chunk, texts, ended.tolist())[:, 0]
             totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
-            table = {"prompt": table["prompt"] + [r["prompt"] for r in chunk], "completion": table["completion"] + texts,
-                     "answer": table["answer"] + [r["answer"] for r in chunk], "score": table["score"] + scores.tolist()}
+            table = {
+                "prompt": table["prompt"] + [r["prompt"] for r in chunk],
+                "completion": table["completion"] + texts,
+                "answer": table["answer"] + [r["answer"] for r in chunk],
+                "score": table["score"] + scores.tolist(),
+            }
         totals = accelerator.reduce(totals, "sum")
         answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
         top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
-        metrics = {"eval/reward": (totals[0] / totals[2]).item(), "eval/completion_length": (totals[1] / totals[2]).item(),
-                   "eval/top_answer_share": top_share.item()}
+        metrics = {
+            "eval/reward": (totals[0] / totals[2]).item(),
+            "eval/completion_length": (totals[1] / totals[2]).item(),
+            "eval/top_answer_share": top_share.item(),
+        }
         logger.log(metrics, update)
         logger.samples("eval samples", table, update)
         return metrics
@@ -553,7 +618,7 @@ if __name__ == "__main__":
         epoch, i = divmod(update, batches_per_epoch)
         order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start: start + args.batch_size].tolist() for _ in range(args.num_generations)]
+        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
         prompts, prompt_mask = pad_left(rows)
         unwrapped.eval()
         completions, mask, ended = generate(prompts, prompt_mask)  # [N, T], N = batch_size * G
@@ -604,17 +669,29 @@ if __name__ == "__main__":
         for _ in range(args.num_iterations):
             permutation = torch.randperm(len(rows), device=device)
             for s in range(0, len(rows), step_size):
-                step_indices = permutation[s: s + step_size]
+                step_indices = permutation[s : s + step_size]
                 # dapo: the completion tokens of this optimizer step over every process, per process
                 num_items = accelerator.reduce(loss_mask[step_indices].sum(), "sum") / world
                 for mb in step_indices.split(args.mini_batch_size):
-                    logprobs, entropy = per_token_logprobs(model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb],
-                                                           entropy=True)
+                    logprobs, entropy = per_token_logprobs(
+                        model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], entropy=True
+                    )
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
                     ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
-                    loss, stats = grpo_loss(logprobs, old, ref, advantages[mb], loss_mask[mb],
-                                            args.beta, args.epsilon, args.epsilon_high or args.epsilon, args.loss_type,
-                                            args.max_completion_length, args.importance_sampling_level, num_items)
+                    loss, stats = grpo_loss(
+                        logprobs,
+                        old,
+                        ref,
+                        advantages[mb],
+                        loss_mask[mb],
+                        args.beta,
+                        args.epsilon,
+                        args.epsilon_high or args.epsilon,
+                        args.loss_type,
+                        args.max_completion_length,
+                        args.importance_sampling_level,
+                        num_items,
+                    )
                     # grpo / bnpo / dr_grpo average each mini-batch: the step's gradient is their mean
                     accelerator.backward(loss if args.loss_type == "dapo" else loss / args.gradient_accumulation_steps)
                     stats_list.append(stats)
@@ -627,30 +704,47 @@ if __name__ == "__main__":
         # ================================ bookkeeping ================================
         all_rewards_per_func = accelerator.gather(rewards_per_func)
         lengths = accelerator.gather(mask.sum(1))
-        metrics = {f"rewards/{spec}/{stat}": value for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
-                   for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))}
+        metrics = {
+            f"rewards/{spec}/{stat}": value
+            for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
+            for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
+        }
         step_stats = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]).mean(0), "mean")
         metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
-        metrics |= {"reward": all_rewards.nanmean().item(), "reward_std": nanstd(all_rewards).item(),
-                    "frac_reward_zero_std": is_std_zero.float().mean().item(),
-                    "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                    "completions/max_length": lengths.max().item(),
-                    "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
-                    "entropy": accelerator.reduce(torch.stack(entropies).mean(), "mean").item(),
-                    "charts/learning_rate": scheduler.get_last_lr()[0], "time/generate": generate_time,
-                    "time/step": time.time() - update_start}
+        metrics |= {
+            "reward": all_rewards.nanmean().item(),
+            "reward_std": nanstd(all_rewards).item(),
+            "frac_reward_zero_std": is_std_zero.float().mean().item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
+            "entropy": accelerator.reduce(torch.stack(entropies).mean(), "mean").item(),
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "time/generate": generate_time,
+            "time/step": time.time() - update_start,
+        }
         logger.log(metrics, update + 1)
         history.append((metrics["reward"], metrics.get("kl", math.nan)))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")
         if (update + 1) % args.log_freq == 0:
-            logger.samples("samples", {"prompt": [r["prompt"] for r in rows], "completion": completions_text,
-                                       "reward": rewards.tolist(), "advantage": advantages.tolist()}, update + 1)
+            logger.samples(
+                "samples",
+                {
+                    "prompt": [r["prompt"] for r in rows],
+                    "completion": completions_text,
+                    "reward": rewards.tolist(),
+                    "advantage": advantages.tolist(),
+                },
+                update + 1,
+            )
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
             evaluate(update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            save_checkpoint(accelerator, folder, {"update": update + 1, "first_eval": first_eval, "history": history},
-                            write_policy)
+            save_checkpoint(
+                accelerator, folder, {"update": update + 1, "first_eval": first_eval, "history": history}, write_policy
+            )
 
     # ---- final evaluation and save (plain from_pretrained format; LoRA merged) ----
     last_eval = evaluate(num_updates)
@@ -673,11 +767,14 @@ if __name__ == "__main__":
         f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
         f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
         f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
-        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else ""))
+        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else "")
+    )
     first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
     if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
-        accelerator.print(f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
-                          "start): the policy collapsed onto a few answers; lower --learning-rate")
+        accelerator.print(
+            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
+            "start): the policy collapsed onto a few answers; lower --learning-rate"
+        )
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

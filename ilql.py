@@ -170,8 +170,10 @@ def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
 
 def metric_fn(prompts: list[str], responses: list[str]) -> dict[str, list[float]]:
     """Extra evaluation metrics (trlX `metric_fn`): name -> one value per sample. Replace it with your own."""
-    return {"response_words": [float(len(r.split())) for r in responses],
-            "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses]}
+    return {
+        "response_words": [float(len(r.split())) for r in responses],
+        "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses],
+    }
 
 
 def make_head(hidden_size: int, out_size: int) -> nn.Sequential:
@@ -209,7 +211,10 @@ class CausalLMWithILQLHeads(nn.Module):
         """At the N action positions: LM logits [B, N, V], each Q head's [B, N, V], each target Q head's value of the
         taken action [B, N]; V [B, N + 1] at the states."""
         hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        at = lambda ixs: hidden.gather(1, ixs.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # noqa: E731
+
+        def at(ixs):  # the hidden states at positions ixs [B, N]
+            return hidden.gather(1, ixs.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
         actions_hidden = at(actions_ixs)
         logits = self.lm.get_output_embeddings()(actions_hidden)  # only where an action is taken
         qs = [head(actions_hidden) for head in self.q_heads]
@@ -227,9 +232,20 @@ class CausalLMWithILQLHeads(nn.Module):
             target.copy_(alpha * online + (1.0 - alpha) * target)
 
 
-def ilql_loss(logits: torch.Tensor, qs: list[torch.Tensor], target_qs: list[torch.Tensor], vs: torch.Tensor,
-              actions: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor, gamma: float, tau: float,
-              cql_scale: float, awac_scale: float, awac_beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+def ilql_loss(
+    logits: torch.Tensor,
+    qs: list[torch.Tensor],
+    target_qs: list[torch.Tensor],
+    vs: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    gamma: float,
+    tau: float,
+    cql_scale: float,
+    awac_scale: float,
+    awac_beta: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """trlX's `ILQLConfig.loss` (Snell et al. 2022, Eq. 1-3 with the CQL and AWAC terms of Section 4).
 
     logits, qs: [B, N, V] at the N action positions; target_qs: each target head's Q of the taken action [B, N];
@@ -247,14 +263,24 @@ def ilql_loss(logits: torch.Tensor, qs: list[torch.Tensor], target_qs: list[torc
     # expectile regression of V towards the (target) Q: weight tau above V, 1 - tau below
     weight = torch.where(target_q >= v, tau, 1 - tau)
     loss_v = (weight * (target_q - v) ** 2 * terminal_mask).sum() / n
-    cross_entropy = lambda x: F.cross_entropy(x.flatten(0, 1).float(), actions.flatten(), reduction="none").view_as(actions)  # noqa: E731
+
+    def cross_entropy(logits):  # [B, N, V] -> [B, N]
+        return F.cross_entropy(logits.flatten(0, 1).float(), actions.flatten(), reduction="none").view_as(actions)
+
     loss_cql = sum((cross_entropy(qi) * terminal_mask).sum() / n for qi in qs)
     awac_weight = torch.exp(awac_beta * (target_q - v)).detach()
     loss_awac = (cross_entropy(logits) * awac_weight * terminal_mask).sum() / n
     loss = loss_q + loss_v + cql_scale * loss_cql + awac_scale * loss_awac
-    stats = {"losses/loss": loss, "losses/loss_q": loss_q, "losses/loss_v": loss_v, "losses/loss_cql": loss_cql,
-             "losses/loss_awac": loss_awac, "values/v": masked_mean(v, terminal_mask),
-             "values/q": masked_mean(q[0], terminal_mask), "values/advantage": masked_mean(target_q - v, terminal_mask)}
+    stats = {
+        "losses/loss": loss,
+        "losses/loss_q": loss_q,
+        "losses/loss_v": loss_v,
+        "losses/loss_cql": loss_cql,
+        "losses/loss_awac": loss_awac,
+        "values/v": masked_mean(v, terminal_mask),
+        "values/q": masked_mean(q[0], terminal_mask),
+        "values/advantage": masked_mean(target_q - v, terminal_mask),
+    }
     return loss, {k: x.detach().float() for k, x in stats.items()}
 
 
@@ -271,33 +297,45 @@ def tokenize_sample(tokenizer, prompt: str | None, response: str, max_length: in
     """
     prompt_ids = tokenizer(prompt)["input_ids"] if prompt else [tokenizer.bos_token_id]
     response_ids = tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
-    prompt_ids = prompt_ids[-max(1, max_length - len(response_ids)):]  # keep the prompt's end
+    prompt_ids = prompt_ids[-max(1, max_length - len(response_ids)) :]  # keep the prompt's end
     response_ids = response_ids[: max_length - len(prompt_ids)]
     if not response_ids:
         return None
     actions_ixs = list(range(len(prompt_ids) - 1, len(prompt_ids) + len(response_ids) - 1))
-    return dict(input_ids=prompt_ids + response_ids, actions_ixs=actions_ixs, states_ixs=actions_ixs + [actions_ixs[-1] + 1],
-                dones=[1] * len(actions_ixs) + [0])
+    return dict(
+        input_ids=prompt_ids + response_ids,
+        actions_ixs=actions_ixs,
+        states_ixs=actions_ixs + [actions_ixs[-1] + 1],
+        dones=[1] * len(actions_ixs) + [0],
+    )
 
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
-                               "max_grad_norm", "max_length", "max_new_tokens", "eval_samples", "steps_for_target_q_sync",
-                               "temperature"),
-               non_negative=("weight_decay", "save_steps", "cql_scale", "awac_scale", "gen_beta", "top_k"),
-               fractions=("eval_fraction", "tau"))
+    check_args(
+        args,
+        positive=(
+            "learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm max_length "
+            "max_new_tokens eval_samples steps_for_target_q_sync temperature"
+        ),
+        non_negative="weight_decay save_steps cql_scale awac_scale gen_beta top_k",
+        fractions="eval_fraction tau",
+    )
     if not (0 < args.alpha <= 1 and 0 <= args.gamma <= 1 and 0 <= args.warmup_ratio < 1):
-        raise UsageError(f"--alpha {args.alpha}, --gamma {args.gamma}, --warmup-ratio {args.warmup_ratio}: alpha lies in "
-                         "(0, 1], gamma in [0, 1], the warmup ratio in [0, 1).")
+        raise UsageError(
+            f"--alpha {args.alpha}, --gamma {args.gamma}, --warmup-ratio {args.warmup_ratio}: alpha lies in "
+            "(0, 1], gamma in [0, 1], the warmup ratio in [0, 1)."
+        )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     context = context_length(load_config(args.model_name))
     if context and args.max_length + args.max_new_tokens > context:
-        raise UsageError(f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
-                         f"context of {context} tokens: lower one of them.")
+        raise UsageError(
+            f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
+            f"context of {context} tokens: lower one of them."
+        )
 
     # ---- data: tokenised samples with normalised terminal rewards ----
     dataset = load_data(args.dataset_name, args.dataset_split)
@@ -319,7 +357,7 @@ if __name__ == "__main__":
         eval_prompts = list(dict.fromkeys(eval_dataset[args.prompt_column]))[: args.eval_samples]
     else:  # (text, reward) data: the start of held-out texts as prompts
         eval_prompts = [" ".join(t.split()[:3]) for t in eval_dataset[args.response_column]][: args.eval_samples]
-    share = eval_prompts[accelerator.process_index:: accelerator.num_processes]
+    share = eval_prompts[accelerator.process_index :: accelerator.num_processes]
     # fewer prompts than ranks: a rank without any answers one prompt at weight 0, so every rank reaches every collective
     eval_prompts, eval_weight = share or eval_prompts[:1], 1.0 if share else 0.0
     per_step = args.batch_size * accelerator.num_processes
@@ -327,18 +365,22 @@ if __name__ == "__main__":
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
-        raise UsageError(f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
-                         "lower --batch-size or --gradient-accumulation-steps.")
+        raise UsageError(
+            f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
+            "lower --batch-size or --gradient-accumulation-steps."
+        )
     mean_score = torch.as_tensor(scores, dtype=torch.float).mean()
-    accelerator.print(f"{len(samples)} training samples (reward mean {mean_score:.3f}), "
-                      f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps")
+    accelerator.print(
+        f"{len(samples)} training samples (reward mean {mean_score:.3f}), "
+        f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps"
+    )
 
     def batch_of(step: int) -> dict:
         """This rank's micro-batch: a seeded reshuffle per epoch (a resume continues exactly), right-padded."""
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        chunk = [samples[j] for j in order[start: start + args.batch_size].tolist()]
+        chunk = [samples[j] for j in order[start : start + args.batch_size].tolist()]
         padding = dict(input_ids=tokenizer.pad_token_id, actions_ixs=0, states_ixs=0, dones=0, rewards=0.0)
         batch = {key: pad_right([s[key] for s in chunk], value) for key, value in padding.items()}
         batch["attention_mask"] = pad_right([[1] * len(s["input_ids"]) for s in chunk], 0)
@@ -351,40 +393,54 @@ if __name__ == "__main__":
         model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     model.to(device)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True
+    )
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-                              num_training_steps=total_steps * ticks)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+        num_training_steps=total_steps * ticks,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_step = resumed["step"]
         if start_step >= total_steps:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
-                             f"{total_steps}: raise --max-steps or --num-epochs to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                f"{total_steps}: raise --max-steps or --num-epochs to train further."
+            )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     @torch.no_grad()
     def generate(prompts: list[str], beta: float) -> list[str]:
         """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
         heads = accelerator.unwrap_model(model)
-        ids = [i[-args.max_length:] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
+        ids = [i[-args.max_length :] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
         inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         past, generated = None, []
         for _ in range(args.max_new_tokens):
-            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
-            out = heads.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past, use_cache=True, output_hidden_states=True)
+            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+            out = heads.lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past,
+                use_cache=True,
+                output_hidden_states=True,
+            )
             past, hidden, logits = out.past_key_values, out.hidden_states[-1][:, -1], out.logits[:, -1]
             if logit_mask is not None:  # the last token fed in (prompt end, or the last sampled) decides what may follow
                 logits = logit_mask.apply(logits, input_ids[:, -1])
-            scores = advantage_logits(logits, [h(hidden) for h in heads.target_q_heads],
-                                      heads.v_head(hidden).squeeze(-1), beta)
+            scores = advantage_logits(
+                logits, [h(hidden) for h in heads.target_q_heads], heads.v_head(hidden).squeeze(-1), beta
+            )
             if args.top_k:
                 scores = scores.masked_fill(scores < scores.topk(args.top_k, -1).values[:, -1:], float("-inf"))
             tokens = torch.multinomial(F.softmax(scores / args.temperature, -1), 1).squeeze(-1)
@@ -405,13 +461,18 @@ if __name__ == "__main__":
         with torch.random.fork_rng():
             torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
             for beta in dict.fromkeys([0.0, args.gen_beta]):
-                responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i: i + 64], beta)]
+                responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i : i + 64], beta)]
                 rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
                 extra = metric_fn(eval_prompts, responses)
                 metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in extra.items()}
                 # means over every rank's samples: sums and counts, one collective
-                sums = accelerator.reduce(torch.stack([v.float().sum() * eval_weight for v in metrics.values()] +
-                                                      [torch.tensor(len(responses) * eval_weight, device=device)]), "sum")
+                sums = accelerator.reduce(
+                    torch.stack(
+                        [v.float().sum() * eval_weight for v in metrics.values()]
+                        + [torch.tensor(len(responses) * eval_weight, device=device)]
+                    ),
+                    "sum",
+                )
                 results |= {f"eval/{k}_beta_{beta:g}": (v / sums[-1]).item() for k, v in zip(metrics, sums[:-1])}
                 columns |= {f"beta={beta:g}": responses, f"reward (beta={beta:g})": rewards.tolist()}
         logger.log(results, step)
@@ -429,10 +490,23 @@ if __name__ == "__main__":
             batch = batch_of(step * args.gradient_accumulation_steps + micro)
             with accelerator.accumulate(model):
                 actions = batch["input_ids"].gather(1, batch["actions_ixs"] + 1)  # the token each action emits
-                logits, qs, target_qs, vs = model(batch["input_ids"], batch["attention_mask"], batch["states_ixs"],
-                                                  batch["actions_ixs"], actions)
-                loss, metrics = ilql_loss(logits, qs, target_qs, vs, actions, batch["rewards"], batch["dones"],
-                                          args.gamma, args.tau, args.cql_scale, args.awac_scale, args.awac_beta)
+                logits, qs, target_qs, vs = model(
+                    batch["input_ids"], batch["attention_mask"], batch["states_ixs"], batch["actions_ixs"], actions
+                )
+                loss, metrics = ilql_loss(
+                    logits,
+                    qs,
+                    target_qs,
+                    vs,
+                    actions,
+                    batch["rewards"],
+                    batch["dones"],
+                    args.gamma,
+                    args.tau,
+                    args.cql_scale,
+                    args.awac_scale,
+                    args.awac_beta,
+                )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -466,7 +540,8 @@ if __name__ == "__main__":
     accelerator.print(
         f"ilql: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval reward beta=0 "
         f"{first_eval['eval/reward_beta_0']:.3f} -> {last_eval['eval/reward_beta_0']:.3f}, beta={args.gen_beta:g} "
-        f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}")
+        f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}"
+    )
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

@@ -72,9 +72,11 @@ def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
     prompts = sorted({p for p, _ in pairs})
     random.Random(seed).shuffle(prompts)
     held = set(prompts[:heldout])
-    tables = {"sft": [dict(prompt=p, completion=" " + c, text=f"{p} {c}") for p, c in pairs if p not in held],
-              "preferences": [row for row in vader_preferences(seed) if row["prompt"] not in held],
-              "prompts": [dict(prompt=p) for p in prompts[heldout:]]}
+    tables = {
+        "sft": [dict(prompt=p, completion=" " + c, text=f"{p} {c}") for p, c in pairs if p not in held],
+        "preferences": [row for row in vader_preferences(seed) if row["prompt"] not in held],
+        "prompts": [dict(prompt=p) for p in prompts[heldout:]],
+    }
     os.makedirs(directory, exist_ok=True)
     for name, rows in tables.items():
         with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
@@ -98,8 +100,9 @@ def distinct_bigrams(texts: list[str]) -> float:
 
 
 @torch.no_grad()
-def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str], samples_per_prompt: int,
-             max_new_tokens: int, seed: int) -> tuple[dict[str, float], list[str]]:
+def evaluate(
+    policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int, seed: int
+) -> tuple[dict[str, float], list[str]]:
     """Sample responses to `prompts` and report the reward model's score (what PPO maximised), VADER (the true
     reward), the KL to the SFT policy (sum over response tokens of log pi(y) - log pi_sft(y) on the samples) and the
     diversity of the responses (distinct-2)."""
@@ -111,9 +114,10 @@ def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str],
     queries = [p for p in prompts for _ in range(samples_per_prompt)]
     inputs = tokenizer(queries, return_tensors="pt", padding=True)
     torch.manual_seed(seed)  # every policy answers with the same random draws
-    output = policy.generate(**inputs, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
-    responses = output[:, inputs["input_ids"].shape[1]:]
+    output = policy.generate(
+        **inputs, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+    )
+    responses = output[:, inputs["input_ids"].shape[1] :]
     # tokens after the first EOS are not part of the response
     ended = (responses == tokenizer.eos_token_id).cumsum(1)
     response_mask = (ended - (responses == tokenizer.eos_token_id).long()) == 0
@@ -122,17 +126,25 @@ def evaluate(policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str],
     logprobs = {}
     for name, model in (("policy", policy), ("sft", sft)):
         logits = model(output, attention_mask=attention_mask, position_ids=position_ids).logits
-        logits = logits[:, inputs["input_ids"].shape[1] - 1: -1]
+        logits = logits[:, inputs["input_ids"].shape[1] - 1 : -1]
         logprobs[name] = (logprobs_from_logits(logits, responses) * response_mask).sum(1)
     texts = tokenizer.batch_decode(responses.masked_fill(~response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
     # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
     ends = ended[:, -1].bool().tolist()
     scored = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries, texts, ends)]
-    rm_scores = torch.cat([reward_model(**reward_tokenizer(scored[i: i + 64], padding=True, return_tensors="pt")).logits[:, 0]
-                           for i in range(0, len(scored), 64)])
-    metrics = {"reward model": rm_scores.mean().item(), "VADER": sum(vader(texts)) / len(texts),
-               "KL to SFT": (logprobs["policy"] - logprobs["sft"]).mean().item(),
-               "distinct-2": distinct_bigrams(texts), "response tokens": response_mask.sum(1).float().mean().item()}
+    rm_scores = torch.cat(
+        [
+            reward_model(**reward_tokenizer(scored[i : i + 64], padding=True, return_tensors="pt")).logits[:, 0]
+            for i in range(0, len(scored), 64)
+        ]
+    )
+    metrics = {
+        "reward model": rm_scores.mean().item(),
+        "VADER": sum(vader(texts)) / len(texts),
+        "KL to SFT": (logprobs["policy"] - logprobs["sft"]).mean().item(),
+        "distinct-2": distinct_bigrams(texts),
+        "response tokens": response_mask.sum(1).float().mean().item(),
+    }
     return metrics, texts
 
 
@@ -146,14 +158,34 @@ if __name__ == "__main__":
     # ---- the four stages, each an unchanged script ----
     common_flags = ["--seed", str(args.seed), "--log-dir", runs]
     stages = [
-        ("sft", "sft.py", ["--model-name", args.base_model, "--dataset-name", f"{data}/sft.jsonl",
-                           *shlex.split(args.sft_args)]),
-        ("reward_model", "reward_modeling.py", ["--model-name", f"{out}/sft", "--dataset-name",
-                                                f"{data}/preferences.jsonl", *shlex.split(args.rm_args)]),
-        ("ppo", "ppo.py", ["--model-name", f"{out}/sft", "--reward-model", f"{out}/reward_model", "--dataset-name",
-                           f"{data}/prompts.jsonl", *shlex.split(args.ppo_args)]),
-        ("dpo", "dpo.py", ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl",
-                           *shlex.split(args.dpo_args)]),
+        (
+            "sft",
+            "sft.py",
+            ["--model-name", args.base_model, "--dataset-name", f"{data}/sft.jsonl", *shlex.split(args.sft_args)],
+        ),
+        (
+            "reward_model",
+            "reward_modeling.py",
+            ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.rm_args)],
+        ),
+        (
+            "ppo",
+            "ppo.py",
+            [
+                "--model-name",
+                f"{out}/sft",
+                "--reward-model",
+                f"{out}/reward_model",
+                "--dataset-name",
+                f"{data}/prompts.jsonl",
+                *shlex.split(args.ppo_args),
+            ],
+        ),
+        (
+            "dpo",
+            "dpo.py",
+            ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.dpo_args)],
+        ),
     ]
     here, timings = os.path.dirname(os.path.abspath(__file__)), {}
     launcher = shlex.split(args.launcher)
@@ -162,8 +194,7 @@ if __name__ == "__main__":
     elif launcher[:2] == ["accelerate", "launch"]:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", *launcher[2:]]
     for name, script, flags in stages:
-        command = [*launcher, os.path.join(here, script), *flags, *common_flags,
-                   "--output-dir", f"{out}/{name}"]
+        command = [*launcher, os.path.join(here, script), *flags, *common_flags, "--output-dir", f"{out}/{name}"]
         print(f"\n==== {name}: {shlex.join(command)}", flush=True)
         start = time.time()
         if subprocess.run(command).returncode != 0:
@@ -173,8 +204,15 @@ if __name__ == "__main__":
     # ---- compare the policies on the held-out prompts ----
     results, samples = {}, {"prompt": heldout}
     for name in ("sft", "ppo", "dpo"):
-        results[name], texts = evaluate(f"{out}/{name}", f"{out}/sft", f"{out}/reward_model", heldout,
-                                        args.samples_per_prompt, args.max_new_tokens, args.seed)
+        results[name], texts = evaluate(
+            f"{out}/{name}",
+            f"{out}/sft",
+            f"{out}/reward_model",
+            heldout,
+            args.samples_per_prompt,
+            args.max_new_tokens,
+            args.seed,
+        )
         samples[name] = texts[:: args.samples_per_prompt]
     table = Table(title=f"{len(heldout)} held-out prompts x {args.samples_per_prompt} samples")
     for column in ("policy", *results["sft"]):
@@ -189,7 +227,10 @@ if __name__ == "__main__":
     Console().print(examples, table)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"policies": results, "stage_seconds": timings, "heldout_prompts": heldout, "args": vars(args)}, f, indent=2)
-    print(f"pipeline: {sum(timings.values()):.0f}s of training ("
-          + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()) + "); "
-          + ", ".join(f"{k} RM {v['reward model']:.3f} VADER {v['VADER']:.3f}" for k, v in results.items())
-          + f"; results in {out}/results.json")
+    print(
+        f"pipeline: {sum(timings.values()):.0f}s of training ("
+        + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items())
+        + "); "
+        + ", ".join(f"{k} RM {v['reward model']:.3f} VADER {v['VADER']:.3f}" for k, v in results.items())
+        + f"; results in {out}/results.json"
+    )

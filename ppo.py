@@ -278,9 +278,11 @@ def reward_fn(queries: list[str], responses: list[str]) -> list[float]:
 
 def metric_fn(queries: list[str], responses: list[str]) -> dict[str, list[float]]:
     """Extra evaluation metrics (trlX `metric_fn`): name -> one value per sample. Replace it with your own."""
-    return {"response_words": [float(len(r.split())) for r in responses],
-            "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses],
-            "vader_sentiment": reward_fn(queries, responses)}  # the labeller behind builtin:tiny-chat-rm's preferences
+    return {
+        "response_words": [float(len(r.split())) for r in responses],
+        "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses],
+        "vader_sentiment": reward_fn(queries, responses),
+    }  # the labeller behind builtin:tiny-chat-rm's preferences
 
 
 def top_token_share(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -297,28 +299,42 @@ def distinct_bigrams(texts: list[str]) -> float:
     return len(set(bigrams)) / max(1, len(bigrams))
 
 
-def health_check(final_kl: float, target: float, top_share: float, distinct_words: float, distinct_2: float,
-                 start_distinct_2: float, start_top_share: float) -> tuple[str, str | None]:
+def health_check(
+    final_kl: float,
+    target: float,
+    top_share: float,
+    distinct_words: float,
+    distinct_2: float,
+    start_distinct_2: float,
+    start_top_share: float,
+) -> tuple[str, str | None]:
     """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
     responses collapsed into one token (over 30% of response tokens), responses filling up with one token (its share
     tripled, to over 20%: e.g. whitespace padding a reward model happens to like), or responses that repeat each other
     (distinct-2 below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model
     likes) mean reward hacking, not learning."""
-    line = (f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
-            f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
-            f"start), the most frequent token {top_share:.0%} of response tokens ({start_top_share:.0%} at the start)")
-    advice = ("a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise "
-              "--init-kl-coef")
+    line = (
+        f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
+        f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
+        f"start), the most frequent token {top_share:.0%} of response tokens ({start_top_share:.0%} at the start)"
+    )
+    advice = (
+        "a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise --init-kl-coef"
+    )
     if final_kl > 3 * target:
         return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
     if top_share > 0.3:
         return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
     if top_share > max(0.2, 3 * start_top_share):
-        return line, (f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
-                      f"the start); {advice}")
+        return line, (
+            f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
+            f"the start); {advice}"
+        )
     if distinct_2 < 0.7 * start_distinct_2:
-        return line, (f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
-                      f"the start); {advice}")
+        return line, (
+            f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
+            f"the start); {advice}"
+        )
     return line, None
 
 
@@ -357,8 +373,19 @@ def compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards=False):
     return values, advantages, returns
 
 
-def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, cliprange, cliprange_value,
-             vf_coef, ratio_threshold=10.0):
+def ppo_loss(
+    old_logprobs,
+    values,
+    logprobs,
+    vpreds,
+    mask,
+    advantages,
+    returns,
+    cliprange,
+    cliprange_value,
+    vf_coef,
+    ratio_threshold=10.0,
+):
     """Clipped PPO objective (Schulman et al. 2017, eq. 7) and clipped value loss, as TRL 0.8's `loss`.
 
     All inputs [B, T]. Returns (pg_loss, vf_coef * vf_loss, stats); both losses are zeroed when the mean ratio
@@ -375,14 +402,17 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
     pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
     with torch.no_grad():
         stats = {
-            "ppo/loss/policy": pg_loss, "ppo/loss/value": vf_coef * vf_loss,
+            "ppo/loss/policy": pg_loss,
+            "ppo/loss/value": vf_coef * vf_loss,
             "ppo/loss/total": pg_loss + vf_coef * vf_loss,
             "ppo/policy/approxkl": 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask),
             "ppo/policy/policykl": masked_mean(old_logprobs - logprobs, mask),
             "ppo/policy/clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses).float(), mask),
             "ppo/policy/ratio": masked_mean(ratio, mask),
-            "ppo/returns/mean": masked_mean(returns, mask), "ppo/returns/var": masked_var(returns, mask),
-            "ppo/val/vpred": masked_mean(vpreds, mask), "ppo/val/error": masked_mean(vf_losses1, mask),
+            "ppo/returns/mean": masked_mean(returns, mask),
+            "ppo/returns/var": masked_var(returns, mask),
+            "ppo/val/vpred": masked_mean(vpreds, mask),
+            "ppo/val/error": masked_mean(vf_losses1, mask),
             "ppo/val/clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask),
             "ppo/val/var_explained": 1 - masked_var(returns - vpreds, mask) / masked_var(returns, mask),
             "ppo/skipped": 1 - keep,
@@ -390,8 +420,7 @@ def ppo_loss(old_logprobs, values, logprobs, vpreds, mask, advantages, returns, 
     return pg_loss, vf_coef * vf_loss, stats
 
 
-def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None,
-            logit_mask=None):
+def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None, logit_mask=None):
     """Policy/reference forward pass over query+response: (logits / temperature, values) at the response tokens.
 
     queries [B, Q] left-padded, responses [B, T]; returns logits [B, T, V] where logits[:, t] predicts
@@ -404,8 +433,12 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
     if decoder_start_token_id is not None:  # the query goes to the encoder; the decoder reads <start> + response[:-1]
         decoder_input_ids = previous
         decoder_mask = torch.cat([torch.ones_like(first), response_mask[:, :-1]], 1)
-        logits, values = model(input_ids=queries, attention_mask=query_mask, decoder_input_ids=decoder_input_ids,
-                               decoder_attention_mask=decoder_mask)
+        logits, values = model(
+            input_ids=queries,
+            attention_mask=query_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_mask,
+        )
     else:
         input_ids = torch.cat([queries, responses], 1)
         attention_mask = torch.cat([query_mask, response_mask], 1)
@@ -413,9 +446,10 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         # Only the last T + 1 logits are needed: skips the vocabulary projection over the query
         T = responses.shape[1]
-        logits, values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               logits_to_keep=T + 1)
-        logits, values = logits[:, :-1], values[:, -T - 1:-1]
+        logits, values = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
+        )
+        logits, values = logits[:, :-1], values[:, -T - 1 : -1]
     logits = logits / temperature if temperature != 1.0 else logits
     return (logit_mask.apply(logits, previous) if logit_mask is not None else logits), values
 
@@ -445,25 +479,34 @@ def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=())
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("total_episodes", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs",
-                               "learning_rate", "max_query_length", "temperature", "target", "horizon", "cliprange",
-                               "cliprange_value", "reward_batch_size", "eval_samples", "log_freq", "compare_steps",
-                               "ratio_threshold", "generation_batch_size", "adam_eps", "max_grad_norm", "score_clip"),
-               non_negative=("init_kl_coef", "vf_coef", "top_k", "eval_freq", "save_freq", "target_kl"),
-               fractions=("eval_fraction",))
+    check_args(
+        args,
+        positive=(
+            "total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
+            "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples "
+            "log_freq compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
+        ),
+        non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
+        fractions="eval_fraction",
+    )
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 < args.top_p <= 1):
-        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], "
-                         "top_p in (0, 1].")
+        raise UsageError(
+            f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], top_p in (0, 1]."
+        )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
     args.world_size = accelerator.num_processes
 
     # ---- sizes, checked before anything expensive ----
-    exact_div(args.batch_size, args.mini_batch_size * args.gradient_accumulation_steps,
-              "batch_size / (mini_batch_size * gradient_accumulation_steps)")
-    args.num_updates = exact_div(args.total_episodes, args.batch_size * args.world_size,
-                                 "total_episodes / (batch_size * world_size)")
+    exact_div(
+        args.batch_size,
+        args.mini_batch_size * args.gradient_accumulation_steps,
+        "batch_size / (mini_batch_size * gradient_accumulation_steps)",
+    )
+    args.num_updates = exact_div(
+        args.total_episodes, args.batch_size * args.world_size, "total_episodes / (batch_size * world_size)"
+    )
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
     generation_batch_size = args.generation_batch_size or args.batch_size
@@ -479,19 +522,23 @@ if __name__ == "__main__":
     eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
     too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
     if too_long and not args.truncate_queries:
-        raise UsageError(f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
-                         f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries.")
+        raise UsageError(
+            f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
+            f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries."
+        )
     if not all(train_queries) or not all(eval_queries):
         accelerator.print(f"warning: {sum(not q for q in train_queries + eval_queries)} empty queries left out")
-    train_queries = [q[-args.max_query_length:] for q in train_queries if q]
-    eval_queries = [q[-args.max_query_length:] for q in eval_queries if q]
+    train_queries = [q[-args.max_query_length :] for q in train_queries if q]
+    eval_queries = [q[-args.max_query_length :] for q in eval_queries if q]
     per_update = args.batch_size * args.world_size
     batches_per_epoch = len(train_queries) // per_update
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
-    accelerator.print(f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
-                      f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
-                      f"{len(train_queries) % per_update} queries (different ones each pass)")
+    accelerator.print(
+        f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
+        f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
+        f"{len(train_queries) % per_update} queries (different ones each pass)"
+    )
 
     # ---- models ----
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
@@ -503,8 +550,10 @@ if __name__ == "__main__":
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
     context = context_length(model.config)
     if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
-        raise UsageError(f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
-                         f"exceeds the model's context of {context} tokens: shorten one of them.")
+        raise UsageError(
+            f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
+            f"exceeds the model's context of {context} tokens: shorten one of them."
+        )
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -512,9 +561,13 @@ if __name__ == "__main__":
     if quantization:
         model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
     if args.use_peft and peft_model_of(model) is None:
-        lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                          target_modules=args.lora_target_modules,
-                          task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM")
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
+        )
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
     reward_model = reward_tokenizer = None
@@ -527,25 +580,29 @@ if __name__ == "__main__":
         reward_tokenizer = load_tokenizer(args.model_name, padding_side="right")
     logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accelerator.print(f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
-                      f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
-                      f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}")
+    accelerator.print(
+        f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
+        f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
+    )
 
     reward_context = context_length(reward_model.config if reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
         texts = tokenizer.batch_decode(train_queries + eval_queries, skip_special_tokens=True)
         longest = max(len(ids) for ids in reward_tokenizer(texts)["input_ids"])
         if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
-            raise UsageError(f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
-                             f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
-                             "--truncate-queries) or --max-new-tokens.")
+            raise UsageError(
+                f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
+                f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
+                "--truncate-queries) or --max-new-tokens."
+            )
 
     def batch_indices(update: int) -> list[int]:
         """This rank's query indices for an update: a seeded reshuffle per data pass, so a resume continues exactly."""
         epoch, i = divmod(update, batches_per_epoch)
         order = torch.randperm(len(train_queries), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * args.world_size + accelerator.process_index) * args.batch_size
-        return order[start: start + args.batch_size].tolist()
+        return order[start : start + args.batch_size].tolist()
 
     def pad_left(queries: list[list[int]]):
         batch = tokenizer.pad({"input_ids": queries}, return_tensors="pt")
@@ -554,13 +611,20 @@ if __name__ == "__main__":
     stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
 
     # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
-    sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling,
-                               [logit_mask] if logit_mask is not None else [])
+    sampling = sampling_kwargs(
+        args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, [logit_mask] if logit_mask is not None else []
+    )
 
     fast_generator = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
-    if (args.fast_generation and device.type == "cuda" and args.inverse_cdf_sampling and not is_encoder_decoder
-            and logit_mask is None and not quantization
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
+    if (
+        args.fast_generation
+        and device.type == "cuda"
+        and args.inverse_cdf_sampling
+        and not is_encoder_decoder
+        and logit_mask is None
+        and not quantization
+        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+    ):
         fast_generator = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
     accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
 
@@ -571,19 +635,25 @@ if __name__ == "__main__":
         policy's own samples, which `fast_generator` (when there is one) draws instead of `policy.generate`."""
         outputs = []
         for i in range(0, len(queries), generation_batch_size):
-            ids, mask = queries[i: i + generation_batch_size], query_mask[i: i + generation_batch_size]
+            ids, mask = queries[i : i + generation_batch_size], query_mask[i : i + generation_batch_size]
             with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
                 if fast and fast_generator is not None:  # the responses only
                     out = fast_generator(ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
                 else:
-                    out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                          **sampling)
-                    out = out[:, 1:] if decoder_start is not None else out[:, queries.shape[1]:]
+                    out = policy.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=max_new_tokens,
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        **sampling,
+                    )
+                    out = out[:, 1:] if decoder_start is not None else out[:, queries.shape[1] :]
             outputs.append(out)
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
-        responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id)
-                               for o in outputs])
+        responses = torch.cat(
+            [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id) for o in outputs]
+        )
         return truncate_responses(responses, tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
 
     @torch.no_grad()
@@ -596,7 +666,7 @@ if __name__ == "__main__":
         texts = [reward_model_text(q, r, eos, e) for q, r, e in zip(queries_text, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), args.reward_batch_size):
-            batch = reward_tokenizer(texts[i: i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
+            batch = reward_tokenizer(texts[i : i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
             with accelerator.autocast():
                 logits = reward_model(**batch).logits if reward_model is not None else unwrapped.compute_reward_score(**batch)
             scores.append(logits[:, reward_index].float().cpu())
@@ -604,13 +674,19 @@ if __name__ == "__main__":
 
     # ---- optimiser, KL controller, resume ----
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                 eps=args.adam_eps, fused=True)
-    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // (
-        args.mini_batch_size * args.gradient_accumulation_steps)
+    optimizer = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
+    )
+    optimizer_steps = (
+        args.num_updates * args.ppo_epochs * args.batch_size // (args.mini_batch_size * args.gradient_accumulation_steps)
+    )
     # accelerate's prepared scheduler steps once per process per optimizer step
-    scheduler = get_scheduler("linear" if args.lr_anneal else "constant", optimizer, num_warmup_steps=0,
-                              num_training_steps=optimizer_steps * args.world_size)
+    scheduler = get_scheduler(
+        "linear" if args.lr_anneal else "constant",
+        optimizer,
+        num_warmup_steps=0,
+        num_training_steps=optimizer_steps * args.world_size,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
     if ref_model is not None:
@@ -618,24 +694,36 @@ if __name__ == "__main__":
     if reward_model is not None:
         reward_model = reward_model.to(device)
     score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails before training
-    kl_ctl = (AdaptiveKLController(args.init_kl_coef, args.target, args.horizon) if args.adap_kl_ctrl
-              else FixedKLController(args.init_kl_coef))
+    kl_ctl = (
+        AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
+        if args.adap_kl_ctrl
+        else FixedKLController(args.init_kl_coef)
+    )
     running = RunningMoments()
     start_update, best_reward, state = 0, float("-inf"), {}
     if args.resume_from:
         state = load_checkpoint(accelerator, args.resume_from)
         start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
         if start_update >= args.num_updates:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
-                             f"has {args.num_updates}: raise --total-episodes to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
+                f"has {args.num_updates}: raise --total-episodes to train further."
+            )
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
     def checkpoint(path: str, update: int) -> None:
         """Model + value head (from_pretrained format), optimizer, scheduler, RNG, KL controller, step, and the run's
         first evaluation and reward / KL histories (the summary and the health line compare with the run's start)."""
-        state = dict(update=update, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward,
-                     first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
+        state = dict(
+            update=update,
+            kl_coef=kl_ctl.value,
+            running_moments=running.__dict__,
+            best_reward=best_reward,
+            first_eval=first_eval,
+            reward_history=reward_history,
+            kl_history=kl_history,
+        )
         save_checkpoint(accelerator, path, state, lambda tmp: (unwrapped.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
     def save_model(path: str, metrics: dict[str, float], final: bool) -> None:
@@ -672,9 +760,12 @@ if __name__ == "__main__":
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
-        metrics = {"eval/reward_mean": scores.mean(), "eval/reward_std": scores.std(),
-                   "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
-                   "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text))}
+        metrics = {
+            "eval/reward_mean": scores.mean(),
+            "eval/reward_std": scores.std(),
+            "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
+            "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text)),
+        }
         extra = metric_fn(queries_text, responses_text)
         metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
         metrics = reduce_mean(metrics)
@@ -687,8 +778,9 @@ if __name__ == "__main__":
     def ref_responses(queries, query_mask, queries_text: list[str], max_new_tokens: int, update: int) -> dict:
         """Reference-model responses to the logged queries and their scores, as sample-table columns."""
         with reference_context(unwrapped, ref_model):
-            responses, _, ended = generate(ref_model if ref_model is not None else unwrapped, queries, query_mask,
-                                           max_new_tokens, fast=False)
+            responses, _, ended = generate(
+                ref_model if ref_model is not None else unwrapped, queries, query_mask, max_new_tokens, fast=False
+            )
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = score(queries_text, responses_text, ended.tolist())
         logger.log(reduce_mean({"env/ref_reward_mean": scores.mean()}), update)
@@ -754,8 +846,15 @@ if __name__ == "__main__":
         with torch.no_grad():
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
-                inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb], args.temperature, decoder_start,
-                          logit_mask)
+                inputs = (
+                    queries[mb],
+                    query_mask[mb],
+                    responses[mb],
+                    response_mask[mb],
+                    args.temperature,
+                    decoder_start,
+                    logit_mask,
+                )
                 logits, value = forward(unwrapped, *inputs)
                 with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
                     ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs)
@@ -774,8 +873,7 @@ if __name__ == "__main__":
 
             # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
             #    (compute_advantages), then whitened; returns = A + V are the value head's targets
-            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam,
-                                                             args.whiten_rewards)
+            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam, args.whiten_rewards)
             # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
             # loss then shows up as exploding ratios instead of passing silently
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
@@ -787,12 +885,30 @@ if __name__ == "__main__":
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
-                    logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb],
-                                             args.temperature, decoder_start, logit_mask)
+                    logits, vpreds = forward(
+                        model,
+                        queries[mb],
+                        query_mask[mb],
+                        responses[mb],
+                        response_mask[mb],
+                        args.temperature,
+                        decoder_start,
+                        logit_mask,
+                    )
                     logprobs = logprobs_from_logits(logits, responses[mb])
                     pg_loss, vf_loss, stats = ppo_loss(
-                        old_logprobs[mb], values[mb], logprobs, vpreds, mask[mb], advantages[mb], returns[mb],
-                        args.cliprange, args.cliprange_value, args.vf_coef, args.ratio_threshold)
+                        old_logprobs[mb],
+                        values[mb],
+                        logprobs,
+                        vpreds,
+                        mask[mb],
+                        advantages[mb],
+                        returns[mb],
+                        args.cliprange,
+                        args.cliprange_value,
+                        args.vf_coef,
+                        args.ratio_threshold,
+                    )
                     accelerator.backward(pg_loss + vf_loss)
                     if args.max_grad_norm is not None and accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -813,14 +929,20 @@ if __name__ == "__main__":
         # ================================ bookkeeping: plumbing from here on ================================
         with torch.no_grad():
             metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean() for k in all_stats[0]}
-            metrics.update({
-                "objective/kl": kls.sum(1).mean(), "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
-                "objective/non_score_reward": non_score_rewards.sum(1).mean(),
-                "env/reward_mean": raw_scores.mean(), "env/reward_std": raw_scores.std(),
-                "env/score_mean": scores.mean(), "env/contains_eos": ended.float().mean(),
-                "tokens/query_len": query_mask.sum(1).float().mean(), "tokens/response_len": mask.sum(1).mean(),
-                "ppo/epochs_done": torch.tensor(float(epochs_done)),
-            })
+            metrics.update(
+                {
+                    "objective/kl": kls.sum(1).mean(),
+                    "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
+                    "objective/non_score_reward": non_score_rewards.sum(1).mean(),
+                    "env/reward_mean": raw_scores.mean(),
+                    "env/reward_std": raw_scores.std(),
+                    "env/score_mean": scores.mean(),
+                    "env/contains_eos": ended.float().mean(),
+                    "tokens/query_len": query_mask.sum(1).float().mean(),
+                    "tokens/response_len": mask.sum(1).mean(),
+                    "ppo/epochs_done": torch.tensor(float(epochs_done)),
+                }
+            )
             metrics = reduce_mean(metrics)
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
@@ -828,10 +950,15 @@ if __name__ == "__main__":
         phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
         times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
         step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
-        metrics.update({f"time/{phase}": t for phase, t in times.items()} | {
-                        "throughput/episodes_per_s": per_update / step_time,
-                        "throughput/tokens_per_s": per_update * tokens / step_time,
-                        "charts/learning_rate": scheduler.get_last_lr()[0], "charts/episodes": (update + 1) * per_update})
+        metrics.update(
+            {f"time/{phase}": t for phase, t in times.items()}
+            | {
+                "throughput/episodes_per_s": per_update / step_time,
+                "throughput/tokens_per_s": per_update * tokens / step_time,
+                "charts/learning_rate": scheduler.get_last_lr()[0],
+                "charts/episodes": (update + 1) * per_update,
+            }
+        )
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
         kl_history.append(mean_kl)
@@ -860,11 +987,18 @@ if __name__ == "__main__":
         f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
         f"{last_eval['eval/reward_mean']:.3f} (initial std {first_eval['eval/reward_std']:.3f}); KL {final_kl:.2f}; "
         f"model saved to {args.output_dir}"
-        + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else ""))
+        + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else "")
+    )
     # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
-    health, warning = health_check(final_kl, args.target, last_eval["eval/top_token_share"],
-                                   last_eval["eval/distinct_words"], last_eval["eval/distinct_2"],
-                                   first_eval["eval/distinct_2"], first_eval["eval/top_token_share"])
+    health, warning = health_check(
+        final_kl,
+        args.target,
+        last_eval["eval/top_token_share"],
+        last_eval["eval/distinct_words"],
+        last_eval["eval/distinct_2"],
+        first_eval["eval/distinct_2"],
+        first_eval["eval/top_token_share"],
+    )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still

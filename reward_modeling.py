@@ -167,16 +167,21 @@ def fold_reward_normalization(model, gain: float, bias: float) -> None:
             return
         norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and getattr(m, "bias", None) is not None]
         if not norms or norms[-1].bias.shape != head.weight.shape[1:]:
-            raise UsageError(f"Cannot fold a reward bias into {type(model).__name__}: its score head has no bias "
-                             "and no final norm with a bias feeds it; train without --normalize-reward.")
+            raise UsageError(
+                f"Cannot fold a reward bias into {type(model).__name__}: its score head has no bias "
+                "and no final norm with a bias feeds it; train without --normalize-reward."
+            )
         norms[-1].bias.add_(bias * head.weight[0] / head.weight[0].square().sum())
 
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
-                               "max_grad_norm", "max_length"),
-               non_negative=("weight_decay", "save_steps"), fractions=("eval_fraction",))
+    check_args(
+        args,
+        positive="learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm max_length",
+        non_negative="weight_decay save_steps",
+        fractions="eval_fraction",
+    )
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -195,8 +200,12 @@ if __name__ == "__main__":
     # ---- data: (prompt + chosen, prompt + rejected) token ids ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
-    check_columns(dataset, columns, "--prompt-column / --chosen-column / --rejected-column / --margin-column",
-                  numeric=(args.margin_column,))
+    check_columns(
+        dataset,
+        columns,
+        "--prompt-column / --chosen-column / --rejected-column / --margin-column",
+        numeric=(args.margin_column,),
+    )
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
     def tokenize(split) -> list[dict]:
@@ -204,8 +213,10 @@ if __name__ == "__main__":
         pairs = []
         for row in split:
             prompt = row[args.prompt_column] if args.prompt_column else None
-            ids = [tokenizer(reward_model_text(prompt, row[c], tokenizer.eos_token))["input_ids"][-args.max_length:]
-                   for c in (args.chosen_column, args.rejected_column)]
+            ids = [
+                tokenizer(reward_model_text(prompt, row[c], tokenizer.eos_token))["input_ids"][-args.max_length :]
+                for c in (args.chosen_column, args.rejected_column)
+            ]
             margin = float(row[args.margin_column]) if args.margin_column else 0.0
             pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=margin))
         return pairs
@@ -223,8 +234,10 @@ if __name__ == "__main__":
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
-        raise UsageError(f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
-                         f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps.")
+        raise UsageError(
+            f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
+        )
 
     def collate(batch: list[dict]) -> dict:
         """The 2B sequences (chosen, then rejected) sorted by length into --length-groups right-padded groups, one
@@ -233,23 +246,30 @@ if __name__ == "__main__":
         lengths = torch.tensor([len(s) for s in sequences])
         by_length = lengths.argsort(stable=True) if args.length_groups > 1 else torch.arange(len(sequences))
         groups = [[sequences[i] for i in g] for g in by_length.tensor_split(min(args.length_groups, len(sequences)))]
-        groups = [dict(input_ids=pad_sequence(g, batch_first=True, padding_value=tokenizer.pad_token_id).to(device),
-                       attention_mask=pad_sequence([torch.ones_like(s) for s in g], batch_first=True).to(device))
-                  for g in groups]
-        return dict(groups=groups, order=by_length.argsort().to(device),
-                    margin=torch.tensor([p["margin"] for p in batch], device=device))
+        groups = [
+            dict(
+                input_ids=pad_sequence(g, batch_first=True, padding_value=tokenizer.pad_token_id).to(device),
+                attention_mask=pad_sequence([torch.ones_like(s) for s in g], batch_first=True).to(device),
+            )
+            for g in groups
+        ]
+        return dict(
+            groups=groups,
+            order=by_length.argsort().to(device),
+            margin=torch.tensor([p["margin"] for p in batch], device=device),
+        )
 
     def batch_of(pairs: list[dict], step: int) -> dict:
         """This rank's pairs for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([pairs[j] for j in order[start: start + args.batch_size].tolist()])
+        return collate([pairs[j] for j in order[start : start + args.batch_size].tolist()])
 
     def shard_of(pairs: list[dict]) -> tuple[list[dict], float]:
         """This rank's share of `pairs` and its weight: fewer pairs than ranks leaves a shard empty, which then scores
         one pair at weight 0, so that every rank reaches the same collectives."""
-        shard = pairs[accelerator.process_index:: accelerator.num_processes]
+        shard = pairs[accelerator.process_index :: accelerator.num_processes]
         return (shard, 1.0) if shard else (pairs[:1], 0.0)
 
     # ---- model and optimiser ----
@@ -262,24 +282,40 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model)
     if args.use_peft:
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules=args.lora_target_modules, task_type="SEQ_CLS"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules,
+                task_type="SEQ_CLS",
+            ),
+        )
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-                              num_training_steps=total_steps * ticks)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+        num_training_steps=total_steps * ticks,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    accelerator.print(f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
-                      f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs")
+    accelerator.print(
+        f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
+        f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs"
+    )
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_step = resumed["step"]
         if start_step >= total_steps:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
-                             f"{total_steps}: raise --max-steps or --num-epochs to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                f"{total_steps}: raise --max-steps or --num-epochs to train further."
+            )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     def batch_rewards(net, batch: dict) -> torch.Tensor:
@@ -290,9 +326,13 @@ if __name__ == "__main__":
         """Loss and metrics of a batch of pairs."""
         chosen, rejected = batch_rewards(model, batch).chunk(2)
         loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None)
-        return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean(),
-                      "margin": (chosen - rejected).mean().detach(), "reward_chosen": chosen.mean().detach(),
-                      "reward_rejected": rejected.mean().detach()}
+        return loss, {
+            "loss": loss.detach(),
+            "accuracy": (chosen > rejected).float().mean(),
+            "margin": (chosen - rejected).mean().detach(),
+            "reward_chosen": chosen.mean().detach(),
+            "reward_rejected": rejected.mean().detach(),
+        }
 
     @torch.no_grad()
     def evaluate(step: int) -> dict[str, float]:
@@ -301,7 +341,7 @@ if __name__ == "__main__":
         sums, count = {}, torch.zeros((), device=device)
         shard, weight = shard_of(eval_pairs)
         for i in range(0, len(shard), args.batch_size):
-            batch = collate(shard[i: i + args.batch_size])
+            batch = collate(shard[i : i + args.batch_size])
             _, metrics = pair_metrics(batch)
             n = torch.tensor(len(batch["margin"]) * weight, device=device)
             for k, v in metrics.items():
@@ -338,11 +378,16 @@ if __name__ == "__main__":
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
         step_time = time.time() - step_start
-        logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0],
-                              "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch,
-                              "time/step": step_time,
-                              "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time},
-                   step + 1)
+        logger.log(
+            metrics
+            | {
+                "train/learning_rate": scheduler.get_last_lr()[0],
+                "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch,
+                "time/step": step_time,
+                "throughput/pairs_per_s": pairs_per_step * args.gradient_accumulation_steps / step_time,
+            },
+            step + 1,
+        )
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)
@@ -358,11 +403,16 @@ if __name__ == "__main__":
         unwrapped.eval()
         shard, weight = shard_of(train_pairs)
         with torch.no_grad():
-            rewards = torch.cat([batch_rewards(unwrapped, collate(shard[i: i + args.batch_size]))
-                                 for i in range(0, len(shard), args.batch_size)])
+            rewards = torch.cat(
+                [
+                    batch_rewards(unwrapped, collate(shard[i : i + args.batch_size]))
+                    for i in range(0, len(shard), args.batch_size)
+                ]
+            )
         # the mean and the (unbiased) std of every training reward, summed over ranks in two passes
-        n, total = accelerator.reduce(torch.stack([torch.tensor(float(len(rewards)), device=device), rewards.sum()]) * weight,
-                                      "sum").tolist()
+        n, total = accelerator.reduce(
+            torch.stack([torch.tensor(float(len(rewards)), device=device), rewards.sum()]) * weight, "sum"
+        ).tolist()
         mean = total / n
         std = math.sqrt(accelerator.reduce((rewards - mean).square().sum() * weight, "sum").item() / (n - 1))
         gain, bias = 1.0 / std, -mean / std
@@ -384,10 +434,12 @@ if __name__ == "__main__":
             unwrapped.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "reward_modeling", last_eval)
-    accelerator.print(f"reward model: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval accuracy "
-                      f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, "
-                      f"loss {first_eval['eval/loss']:.3f} "
-                      f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}")
+    accelerator.print(
+        f"reward model: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval accuracy "
+        f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, "
+        f"loss {first_eval['eval/loss']:.3f} "
+        f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}"
+    )
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

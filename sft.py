@@ -154,15 +154,15 @@ def pack_sequences(token_lists: list[list[int]], seq_length: int, eos_token_id: 
     As TRL's ConstantLengthDataset: the incomplete tail block is dropped, texts may span two blocks.
     """
     stream = [token for tokens in token_lists for token in (*tokens, eos_token_id)]
-    return [stream[i: i + seq_length] for i in range(0, len(stream) - seq_length + 1, seq_length)]
+    return [stream[i : i + seq_length] for i in range(0, len(stream) - seq_length + 1, seq_length)]
 
 
 def completion_only_labels(input_ids: list[int], response_template_ids: list[int]) -> list[int] | None:
     """Labels with -100 on every token up to and including the first response template; None if it is absent."""
     n = len(response_template_ids)
     for start in range(len(input_ids) - n + 1):
-        if input_ids[start: start + n] == response_template_ids:
-            return [-100] * (start + n) + input_ids[start + n:]
+        if input_ids[start : start + n] == response_template_ids:
+            return [-100] * (start + n) + input_ids[start + n :]
     return None
 
 
@@ -180,13 +180,17 @@ def neftune_hook(alpha: float):
 
 if __name__ == "__main__":
     args = cli(Args)
-    check_args(args, positive=("learning_rate", "batch_size", "gradient_accumulation_steps", "num_epochs", "eval_steps",
-                               "max_grad_norm"),
-               non_negative=("weight_decay", "save_steps", "num_sample_generations", "neftune_noise_alpha"),
-               fractions=("eval_fraction",))
+    check_args(
+        args,
+        positive="learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm",
+        non_negative="weight_decay save_steps num_sample_generations neftune_noise_alpha",
+        fractions="eval_fraction",
+    )
     if args.max_seq_length < 2 or not 0 <= args.warmup_ratio < 1:
-        raise UsageError(f"--max-seq-length {args.max_seq_length}, --warmup-ratio {args.warmup_ratio}: a sequence needs "
-                         "at least 2 tokens (one to predict from, one to predict), the warmup ratio lies in [0, 1).")
+        raise UsageError(
+            f"--max-seq-length {args.max_seq_length}, --warmup-ratio {args.warmup_ratio}: a sequence needs "
+            "at least 2 tokens (one to predict from, one to predict), the warmup ratio lies in [0, 1)."
+        )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
@@ -200,14 +204,22 @@ if __name__ == "__main__":
 
     # ---- data: tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
-    if not args.prompt_column and args.text_column in dataset.column_names and len(dataset) and is_conversation(
-            dataset[0][args.text_column]):  # TRL's conversational format: rendered by the tokenizer's chat template
+    if (
+        not args.prompt_column
+        and args.text_column in dataset.column_names
+        and len(dataset)
+        and is_conversation(dataset[0][args.text_column])
+    ):  # TRL's conversational format: rendered by the tokenizer's chat template
         if not tokenizer.chat_template:
-            raise UsageError(f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
-                             f"{args.model_name} has no chat template: set tokenizer.chat_template, save the tokenizer "
-                             "and pass that folder, or render the conversations into text yourself.")
-        dataset = dataset.map(lambda row: {args.text_column: tokenizer.apply_chat_template(
-            row[args.text_column], tokenize=False)}, remove_columns=[args.text_column])
+            raise UsageError(
+                f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
+                f"{args.model_name} has no chat template: set tokenizer.chat_template, save the tokenizer "
+                "and pass that folder, or render the conversations into text yourself."
+            )
+        dataset = dataset.map(
+            lambda row: {args.text_column: tokenizer.apply_chat_template(row[args.text_column], tokenize=False)},
+            remove_columns=[args.text_column],
+        )
     columns = [args.prompt_column, args.completion_column] if args.prompt_column else [args.text_column]
     check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
@@ -231,18 +243,27 @@ if __name__ == "__main__":
 
     if args.packing:  # whole texts, untruncated: a text may span two blocks (ConstantLengthDataset)
         train_examples, eval_examples = (
-            [dict(input_ids=b, labels=b) for b in pack_sequences(tokenizer(list(split[args.text_column]))["input_ids"],
-                                                                 args.max_seq_length, tokenizer.eos_token_id)]
-            for split in (train_dataset, eval_dataset))
+            [
+                dict(input_ids=b, labels=b)
+                for b in pack_sequences(
+                    tokenizer(list(split[args.text_column]))["input_ids"], args.max_seq_length, tokenizer.eos_token_id
+                )
+            ]
+            for split in (train_dataset, eval_dataset)
+        )
     else:
         train_examples, eval_examples = tokenize(train_dataset), tokenize(eval_dataset)
         if len(train_examples) < len(train_dataset):
-            accelerator.print(f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
-                              "(no response template, or nothing left to learn after truncation)")
+            accelerator.print(
+                f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
+                "(no response template, or nothing left to learn after truncation)"
+            )
     if not train_examples or not eval_examples:
-        raise UsageError(f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
-                         "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
-                         "to learn), a smaller one with --packing, or a larger --eval-fraction.")
+        raise UsageError(
+            f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
+            "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
+            "to learn), a smaller one with --packing, or a larger --eval-fraction."
+        )
 
     examples_per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(train_examples) // examples_per_step
@@ -250,21 +271,25 @@ if __name__ == "__main__":
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
     if total_steps == 0:
-        raise UsageError(f"{len(train_examples)} training examples make no optimizer step of {examples_per_step} x "
-                         f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps.")
+        raise UsageError(
+            f"{len(train_examples)} training examples make no optimizer step of {examples_per_step} x "
+            f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps."
+        )
 
     def collate(batch: list[dict]) -> dict:
         """Right padding; labels padded with -100."""
-        return dict(input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id).to(accelerator.device),
-                    attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(accelerator.device),
-                    labels=pad_right([e["labels"] for e in batch], -100).to(accelerator.device))
+        return dict(
+            input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id).to(accelerator.device),
+            attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(accelerator.device),
+            labels=pad_right([e["labels"] for e in batch], -100).to(accelerator.device),
+        )
 
     def batch_of(examples: list[dict], step: int) -> dict:
         """This rank's examples for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([examples[j] for j in order[start: start + args.batch_size].tolist()])
+        return collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
 
     # ---- model and optimiser ----
     model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
@@ -273,27 +298,43 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                                 target_modules=args.lora_target_modules, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
     if args.neftune_noise_alpha:
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
     ticks = accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-                              num_training_steps=total_steps * ticks)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
+        num_training_steps=total_steps * ticks,
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    accelerator.print(f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
-                      f"of {examples_per_step * args.gradient_accumulation_steps} examples; each epoch reshuffles and "
-                      f"leaves out {len(train_examples) % examples_per_step} examples")
+    accelerator.print(
+        f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
+        f"of {examples_per_step * args.gradient_accumulation_steps} examples; each epoch reshuffles and "
+        f"leaves out {len(train_examples) % examples_per_step} examples"
+    )
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_step = resumed["step"]
         if start_step >= total_steps:
-            raise UsageError(f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
-                             f"{total_steps}: raise --max-steps or --num-epochs to train further.")
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                f"{total_steps}: raise --max-steps or --num-epochs to train further."
+            )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
 
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -311,11 +352,11 @@ if __name__ == "__main__":
         """Token-weighted eval loss over all ranks, and perplexity."""
         model.eval()
         total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-        shard = eval_examples[accelerator.process_index:: accelerator.num_processes]
+        shard = eval_examples[accelerator.process_index :: accelerator.num_processes]
         weight = 1.0 if shard else 0.0  # fewer examples than ranks: an empty shard scores one example at weight 0, so
         shard = shard or eval_examples[:1]  # that every rank reaches the same collectives
         for i in range(0, len(shard), args.batch_size):
-            batch = collate(shard[i: i + args.batch_size])
+            batch = collate(shard[i : i + args.batch_size])
             n_tokens = (batch["labels"][:, 1:] != -100).sum() * weight
             total_loss += lm_loss(batch) * n_tokens
             total_tokens += n_tokens
@@ -351,9 +392,16 @@ if __name__ == "__main__":
         train_loss, tokens = accelerator.reduce(torch.stack([loss.detach().float(), step_tokens.float()]), "mean").tolist()
         progress.set_postfix(loss=f"{train_loss:.3f}")
         step_time = time.time() - step_start
-        logger.log({"train/loss": train_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                    "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch, "time/step": step_time,
-                    "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time}, step + 1)
+        logger.log(
+            {
+                "train/loss": train_loss,
+                "train/learning_rate": scheduler.get_last_lr()[0],
+                "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch,
+                "time/step": step_time,
+                "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time,
+            },
+            step + 1,
+        )
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
@@ -373,20 +421,29 @@ if __name__ == "__main__":
             perplexity = math.exp(min(last_eval_loss, 50))
             write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": perplexity})
     if accelerator.is_main_process and args.num_sample_generations > 0:
-        prompts = (eval_dataset[args.prompt_column] if args.prompt_column else
-                   [text.split(args.response_template)[0] + args.response_template if args.response_template
-                    else " ".join(text.split()[:4]) for text in eval_dataset[args.text_column]])[: args.num_sample_generations]
+        prompts = (
+            eval_dataset[args.prompt_column]
+            if args.prompt_column
+            else [
+                text.split(args.response_template)[0] + args.response_template
+                if args.response_template
+                else " ".join(text.split()[:4])
+                for text in eval_dataset[args.text_column]
+            ]
+        )[: args.num_sample_generations]
         keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
         ids = [i[-keep:] for i in tokenizer(prompts)["input_ids"]]
         batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
         unwrapped.eval()
         with torch.no_grad():
             out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)
-        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         logger.samples("samples", {"prompt": prompts, "completion": completions}, total_steps)
-    accelerator.print(f"sft: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval loss "
-                      f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
-                      f"model saved to {args.output_dir}")
+    accelerator.print(
+        f"sft: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval loss "
+        f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
+        f"model saved to {args.output_dir}"
+    )
     logger.close()
     # every rank leaves together and the process group is torn down in order: a rank that exits while another still
     # talks to its store makes gloo abort the other one

@@ -54,16 +54,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 TRL_PATHS = {"current": os.path.join(HERE, ".trl-current"), "0.8.6": os.path.join(HERE, ".trl-0.8.6")}
-PEER = {"sft": "current", "rm": "current", "dpo": "current", "ppo": "0.8.6", "ddpo": "0.8.6", "grpo": "current",
-        "rloo": "current"}
+PEER = {
+    "sft": "current",
+    "rm": "current",
+    "dpo": "current",
+    "ppo": "0.8.6",
+    "ddpo": "0.8.6",
+    "grpo": "current",
+    "rloo": "current",
+}
 # our flags whose peak memory is measured too, and whether TRL's run has the same option (TRL 0.8.6's peft path
 # needs a peft model passed in, so --use-peft is ours only; TRL's reward step is always one padded pass)
-MEMORY_VARIANTS = {"ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
-                   "sft": [(["--gradient-checkpointing"], True)], "rm": [(["--length-groups", "1"], False)],
-                   "dpo": [(["--precompute-ref-log-probs"], True), (["--gradient-checkpointing"], True)]}
+MEMORY_VARIANTS = {
+    "ppo": [(["--num-shared-layers", "1"], True), (["--use-peft"], False)],
+    "sft": [(["--gradient-checkpointing"], True)],
+    "rm": [(["--length-groups", "1"], False)],
+    "dpo": [(["--precompute-ref-log-probs"], True), (["--gradient-checkpointing"], True)],
+}
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0)]  # dense bf16, by GPU name
-TARGET = {"sft": 0.8, "rm": 0.8, "dpo": 0.7, "ppo": {16: 0.6, 64: 0.8}, "ddpo": None, "grpo": 0.7,
-          "rloo": 0.7}  # ours / TRL per step, at most
+TARGET = {
+    "sft": 0.8,
+    "rm": 0.8,
+    "dpo": 0.7,
+    "ppo": {16: 0.6, 64: 0.8},
+    "ddpo": None,
+    "grpo": 0.7,
+    "rloo": 0.7,
+}  # ours / TRL per step, at most
 
 
 @dataclass
@@ -181,10 +198,21 @@ def trl_common(spec: dict, tmp: str) -> dict:
     """TrainingArguments shared by the TRL trainers: no eval, no saving, no reporting, logging every step as ours."""
     import torch
 
-    return dict(output_dir=os.path.join(tmp, "trl"), max_steps=spec["warmup"] + spec["steps"], logging_steps=1,
-                save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=1,
-                gradient_checkpointing=False,  # TRL 1.x turns it on by default; ours is off unless asked (same work)
-                use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, max_grad_norm=1.0, bf16=spec["bf16"])
+    return dict(
+        output_dir=os.path.join(tmp, "trl"),
+        max_steps=spec["warmup"] + spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=1,
+        gradient_checkpointing=False,  # TRL 1.x turns it on by default; ours is off unless asked (same work)
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
+        bf16=spec["bf16"],
+    )
 
 
 def setup(spec: dict, tmp: str) -> dict:
@@ -204,10 +232,18 @@ def setup(spec: dict, tmp: str) -> dict:
     elif spec["model"] == "qwen2-0.5b":  # Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.eos_token_id)
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.eos_token_id,
+        )
         Qwen2ForCausalLM(config).save_pretrained(model_dir)
     else:
         load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
@@ -222,8 +258,7 @@ def setup(spec: dict, tmp: str) -> dict:
 
         files["arith"] = os.path.join(tmp, "arith.jsonl")
         with open(files["arith"], "w") as f:
-            for entry in reasoning_gym.create_dataset("chain_sum", size=512, seed=0, min_terms=2, max_terms=2,
-                                                      max_digits=1):
+            for entry in reasoning_gym.create_dataset("chain_sum", size=512, seed=0, min_terms=2, max_terms=2, max_digits=1):
                 f.write(json.dumps(dict(prompt=entry["question"], answer=entry["answer"])) + "\n")
     env = dict(model=model_dir, files=files, tokenizer=tokenizer)
     if spec["algo"] == "ddpo":
@@ -241,27 +276,77 @@ def trainers(L: int) -> dict:
     """Trainer-style comparisons at sequence length L: our script, its data, its flags; TRL's {name}Trainer /
     {name}Config and the same settings."""
     return {
-        "sft": ("sft.py", "chatterbot-dialogue", ["--batch-size", 16, "--max-seq-length", L, "--num-sample-generations", 0],
-                "SFT", dict(per_device_train_batch_size=16, max_length=L, packing=False, learning_rate=1e-3,
-                            lr_scheduler_type="cosine", warmup_steps=0.03)),
-        "rm": ("reward_modeling.py", "vader-preferences", ["--batch-size", 16, "--max-length", L],
-               "Reward", dict(per_device_train_batch_size=16, max_length=L, learning_rate=3e-4,
-                              lr_scheduler_type="linear", warmup_steps=0.03)),
-        "dpo": ("dpo.py", "vader-preferences", ["--batch-size", 8, "--max-length", L, "--max-prompt-length", L // 2,
-                                                "--max-target-length", L // 2],
-                "DPO", dict(per_device_train_batch_size=8, max_length=L, beta=0.1, learning_rate=1e-4,
-                            lr_scheduler_type="linear", warmup_steps=0.1)),
+        "sft": (
+            "sft.py",
+            "chatterbot-dialogue",
+            ["--batch-size", 16, "--max-seq-length", L, "--num-sample-generations", 0],
+            "SFT",
+            dict(
+                per_device_train_batch_size=16,
+                max_length=L,
+                packing=False,
+                learning_rate=1e-3,
+                lr_scheduler_type="cosine",
+                warmup_steps=0.03,
+            ),
+        ),
+        "rm": (
+            "reward_modeling.py",
+            "vader-preferences",
+            ["--batch-size", 16, "--max-length", L],
+            "Reward",
+            dict(
+                per_device_train_batch_size=16, max_length=L, learning_rate=3e-4, lr_scheduler_type="linear", warmup_steps=0.03
+            ),
+        ),
+        "dpo": (
+            "dpo.py",
+            "vader-preferences",
+            ["--batch-size", 8, "--max-length", L, "--max-prompt-length", L // 2, "--max-target-length", L // 2],
+            "DPO",
+            dict(
+                per_device_train_batch_size=8,
+                max_length=L,
+                beta=0.1,
+                learning_rate=1e-4,
+                lr_scheduler_type="linear",
+                warmup_steps=0.1,
+            ),
+        ),
     }
-TRL_FLAGS = {"--precompute-ref-log-probs": dict(precompute_ref_log_probs=True),  # our flag -> TRL's config
-             "--gradient-checkpointing": dict(gradient_checkpointing=True)}
+
+
+TRL_FLAGS = {
+    "--precompute-ref-log-probs": dict(precompute_ref_log_probs=True),  # our flag -> TRL's config
+    "--gradient-checkpointing": dict(gradient_checkpointing=True),
+}
 
 
 def trainer_ours(spec, env, tmp, tag, flags=()):
     script, data, script_flags, _, _ = trainers(spec["seq_length"])[spec["algo"]]
     log_dir = os.path.join(tmp, "runs", tag)
-    run_ours(script, ["--model-name", env["model"], "--dataset-name", env["files"][data], *script_flags,
-                      "--max-steps", spec["warmup"] + spec["steps"], "--eval-steps", 10**6, "--eval-fraction", 0.01,
-                      "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *flags], tmp)
+    run_ours(
+        script,
+        [
+            "--model-name",
+            env["model"],
+            "--dataset-name",
+            env["files"][data],
+            *script_flags,
+            "--max-steps",
+            spec["warmup"] + spec["steps"],
+            "--eval-steps",
+            10**6,
+            "--eval-fraction",
+            0.01,
+            "--output-dir",
+            os.path.join(tmp, "out"),
+            "--log-dir",
+            log_dir,
+            *flags,
+        ],
+        tmp,
+    )
     return dict(step=scalars(log_dir, "time/step"))
 
 
@@ -271,29 +356,69 @@ def trainer_trl(spec, env, tmp, tag, flags=()):
 
     _, data, _, name, kwargs = trainers(spec["seq_length"])[spec["algo"]]
     timer = step_timer()
-    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp) | kwargs | {k: v for f in flags
-                                                                                for k, v in TRL_FLAGS[f].items()})
-    getattr(trl, f"{name}Trainer")(model=env["model"], args=config, processing_class=env["tokenizer"], callbacks=[timer],
-                                   train_dataset=load_dataset("json", data_files=env["files"][data], split="train")).train()
+    config = getattr(trl, f"{name}Config")(
+        **trl_common(spec, tmp) | kwargs | {k: v for f in flags for k, v in TRL_FLAGS[f].items()}
+    )
+    getattr(trl, f"{name}Trainer")(
+        model=env["model"],
+        args=config,
+        processing_class=env["tokenizer"],
+        callbacks=[timer],
+        train_dataset=load_dataset("json", data_files=env["files"][data], split="train"),
+    ).train()
     return dict(step=timer.times)
 
 
 def sampler_flag(spec) -> list[str]:
     return ([] if spec["inverse_cdf"] else ["--no-inverse-cdf-sampling"]) + (
-        [] if spec["fast_generation"] else ["--no-fast-generation"])
+        [] if spec["fast_generation"] else ["--no-fast-generation"]
+    )
 
 
 def ppo_ours(spec, env, tmp, tag, flags=()):
     log_dir, batch = os.path.join(tmp, "runs", tag), spec["batch_size"]
-    run_ours("ppo.py", ["--model-name", env["model"], "--dataset-name", env["files"]["chatterbot-prompts"],
-                        "--batch-size", batch, "--mini-batch-size", batch // 2, "--ppo-epochs", 4,
-                        "--total-episodes", batch * (spec["warmup"] + spec["steps"]), "--min-new-tokens", 16,
-                        "--max-new-tokens", 16, "--eval-freq", 0, "--eval-samples", 8, "--log-freq", 10**6,
-                        "--reward-model", "None",  # VADER's reward_fn, as TRL's side scores
-                        "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *sampler_flag(spec), *flags], tmp)
+    run_ours(
+        "ppo.py",
+        [
+            "--model-name",
+            env["model"],
+            "--dataset-name",
+            env["files"]["chatterbot-prompts"],
+            "--batch-size",
+            batch,
+            "--mini-batch-size",
+            batch // 2,
+            "--ppo-epochs",
+            4,
+            "--total-episodes",
+            batch * (spec["warmup"] + spec["steps"]),
+            "--min-new-tokens",
+            16,
+            "--max-new-tokens",
+            16,
+            "--eval-freq",
+            0,
+            "--eval-samples",
+            8,
+            "--log-freq",
+            10**6,
+            "--reward-model",
+            "None",  # VADER's reward_fn, as TRL's side scores
+            "--output-dir",
+            os.path.join(tmp, "out"),
+            "--log-dir",
+            log_dir,
+            *sampler_flag(spec),
+            *flags,
+        ],
+        tmp,
+    )
     phases = {k: scalars(log_dir, f"time/{k}") for k in ("rollout", "score", "forward", "optimise")}
-    return dict(step=[sum(v) for v in zip(*phases.values())], generation=phases["rollout"],
-                forward_backward=[f + o for f, o in zip(phases["forward"], phases["optimise"])])
+    return dict(
+        step=[sum(v) for v in zip(*phases.values())],
+        generation=phases["rollout"],
+        forward_backward=[f + o for f, o in zip(phases["forward"], phases["optimise"])],
+    )
 
 
 def ppo_queries(env, n: int, seed: int) -> list:
@@ -318,13 +443,21 @@ def ppo_trl(spec, env, tmp, tag, flags=()):
     batch = spec["batch_size"]
     tokenizer = AutoTokenizer.from_pretrained(env["model"])
     tokenizer.pad_token = tokenizer.eos_token
-    config = PPOConfig(batch_size=batch, mini_batch_size=batch // 2, ppo_epochs=4, learning_rate=3e-4, seed=1,
-                       exp_name="bench", accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no"))
+    config = PPOConfig(
+        batch_size=batch,
+        mini_batch_size=batch // 2,
+        ppo_epochs=4,
+        learning_rate=3e-4,
+        seed=1,
+        exp_name="bench",
+        accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no"),
+    )
     model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"])
     shared = int(flags[1]) if flags and flags[0] == "--num-shared-layers" else None
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer, num_shared_layers=shared)
-    gen_kwargs = dict(min_length=-1, top_k=0, top_p=1.0, do_sample=True, pad_token_id=tokenizer.eos_token_id,
-                      max_new_tokens=16)
+    gen_kwargs = dict(
+        min_length=-1, top_k=0, top_p=1.0, do_sample=True, pad_token_id=tokenizer.eos_token_id, max_new_tokens=16
+    )
     out = dict(step=[], generation=[], forward_backward=[])
     for step in range(spec["warmup"] + spec["steps"]):
         queries = [q.to(trainer.accelerator.device) for q in ppo_queries(env, batch, step)]
@@ -358,25 +491,51 @@ def rollouts(spec, env, tmp) -> dict:
     trl_tok.pad_token = trl_tok.eos_token
     results = {}
     for batch in spec["rollout_batch_sizes"]:  # a generator per batch size (it would run a smaller batch in a larger cache)
-        fast = FastGenerator(ours_model.pretrained_model) if device == "cuda" and spec["fast_generation"] \
-            and spec["inverse_cdf"] else None
-        trainer = PPOTrainer(PPOConfig(batch_size=batch, mini_batch_size=batch, exp_name="bench",
-                                       accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no")),
-                             TrlValueHead.from_pretrained(env["model"]), tokenizer=trl_tok)
+        fast = (
+            FastGenerator(ours_model.pretrained_model)
+            if device == "cuda" and spec["fast_generation"] and spec["inverse_cdf"]
+            else None
+        )
+        trainer = PPOTrainer(
+            PPOConfig(
+                batch_size=batch,
+                mini_batch_size=batch,
+                exp_name="bench",
+                accelerator_kwargs=dict(mixed_precision="bf16" if spec["bf16"] else "no"),
+            ),
+            TrlValueHead.from_pretrained(env["model"]),
+            tokenizer=trl_tok,
+        )
         times = {"ours": [], "trl": []}
         for r in range(spec["rollout_rounds"] + 2):
             queries = [q.to(device) for q in ppo_queries(env, batch, r)]
             padded = ours_tok.pad({"input_ids": [q.tolist() for q in queries]}, return_tensors="pt").to(device)
-            calls = {"ours": lambda: ours_model.generate(**padded, max_new_tokens=16, min_new_tokens=16,
-                                                         **sampling_kwargs(1.0, 0, 1.0, spec["inverse_cdf"]),
-                                                         pad_token_id=ours_tok.pad_token_id,
-                                                         eos_token_id=ours_tok.eos_token_id)
-                     if fast is None else fast(padded["input_ids"], padded["attention_mask"], 16, None,
-                                               ours_tok.pad_token_id),  # ppo.py's rollout on CUDA (no EOS: 16 tokens)
-                     "trl": lambda: trainer.generate(queries, batch_size=batch, return_prompt=False, min_new_tokens=16,
-                                                     max_new_tokens=16, top_k=0, top_p=1.0, do_sample=True,
-                                                     pad_token_id=trl_tok.eos_token_id)}
-            for impl in ("ours", "trl")[::1 if r % 2 == 0 else -1]:  # A B B A ...
+            calls = {
+                "ours": lambda: (
+                    ours_model.generate(
+                        **padded,
+                        max_new_tokens=16,
+                        min_new_tokens=16,
+                        **sampling_kwargs(1.0, 0, 1.0, spec["inverse_cdf"]),
+                        pad_token_id=ours_tok.pad_token_id,
+                        eos_token_id=ours_tok.eos_token_id,
+                    )
+                    if fast is None
+                    else fast(padded["input_ids"], padded["attention_mask"], 16, None, ours_tok.pad_token_id)
+                ),  # ppo.py's rollout on CUDA (no EOS: 16 tokens)
+                "trl": lambda: trainer.generate(
+                    queries,
+                    batch_size=batch,
+                    return_prompt=False,
+                    min_new_tokens=16,
+                    max_new_tokens=16,
+                    top_k=0,
+                    top_p=1.0,
+                    do_sample=True,
+                    pad_token_id=trl_tok.eos_token_id,
+                ),
+            }
+            for impl in ("ours", "trl")[:: 1 if r % 2 == 0 else -1]:  # A B B A ...
                 t0 = clock()
                 with torch.no_grad(), autocast:
                     calls[impl]()
@@ -388,10 +547,20 @@ def rollouts(spec, env, tmp) -> dict:
 
 # DDPO on the tiny Stable Diffusion: 2 x 8 images per epoch, 10 DDIM steps (eta 1, guidance 5), LoRA rank 4 on the
 # UNet attention, PPO over batches of 4 with per-prompt advantages, JPEG compressibility as the reward
-DDPO_SETTINGS = dict(sample_num_steps=10, sample_eta=1.0, sample_guidance_scale=5.0, sample_batch_size=8,
-                     sample_num_batches_per_epoch=2, train_batch_size=4, train_learning_rate=1e-2, train_clip_range=1e-2,
-                     train_cfg=True, per_prompt_stat_tracking=True, per_prompt_stat_tracking_buffer_size=16,
-                     per_prompt_stat_tracking_min_count=16)
+DDPO_SETTINGS = dict(
+    sample_num_steps=10,
+    sample_eta=1.0,
+    sample_guidance_scale=5.0,
+    sample_batch_size=8,
+    sample_num_batches_per_epoch=2,
+    train_batch_size=4,
+    train_learning_rate=1e-2,
+    train_clip_range=1e-2,
+    train_cfg=True,
+    per_prompt_stat_tracking=True,
+    per_prompt_stat_tracking_buffer_size=16,
+    per_prompt_stat_tracking_min_count=16,
+)
 
 
 # Critic-free online RL: one optimizer step per generation batch of 128 completions (GRPO: 16 prompts x 8, RLOO:
@@ -402,13 +571,40 @@ ONLINE = {"grpo": dict(prompts=16, num_generations=8, beta=0.0), "rloo": dict(pr
 
 def online_ours(spec, env, tmp, tag, flags=()):
     log_dir, setting = os.path.join(tmp, "runs", tag), ONLINE[spec["algo"]]
-    run_ours(f"{spec['algo']}.py", ["--model-name", env["model"], "--dataset-name", env["files"]["arith"],
-                                    "--total-prompts", (spec["warmup"] + spec["steps"]) * setting["prompts"],
-                                    "--batch-size", setting["prompts"], "--num-generations", setting["num_generations"],
-                                    "--beta", setting["beta"], "--mini-batch-size", 32, "--gradient-accumulation-steps", 4,
-                                    "--max-completion-length", 16, "--eval-samples", 16, "--log-freq", 10**6,
-                                    "--output-dir", os.path.join(tmp, "out"), "--log-dir", log_dir, *sampler_flag(spec),
-                                    *flags], tmp)
+    run_ours(
+        f"{spec['algo']}.py",
+        [
+            "--model-name",
+            env["model"],
+            "--dataset-name",
+            env["files"]["arith"],
+            "--total-prompts",
+            (spec["warmup"] + spec["steps"]) * setting["prompts"],
+            "--batch-size",
+            setting["prompts"],
+            "--num-generations",
+            setting["num_generations"],
+            "--beta",
+            setting["beta"],
+            "--mini-batch-size",
+            32,
+            "--gradient-accumulation-steps",
+            4,
+            "--max-completion-length",
+            16,
+            "--eval-samples",
+            16,
+            "--log-freq",
+            10**6,
+            "--output-dir",
+            os.path.join(tmp, "out"),
+            "--log-dir",
+            log_dir,
+            *sampler_flag(spec),
+            *flags,
+        ],
+        tmp,
+    )
     return dict(step=scalars(log_dir, "time/step"))
 
 
@@ -421,22 +617,49 @@ def online_trl(spec, env, tmp, tag, flags=()):
 
     setting, name = ONLINE[spec["algo"]], spec["algo"].upper()
     timer = step_timer()
-    config = getattr(trl, f"{name}Config")(**trl_common(spec, tmp), per_device_train_batch_size=32,
-                                           gradient_accumulation_steps=4, num_generations=setting["num_generations"],
-                                           beta=setting["beta"], max_completion_length=16, learning_rate=1e-4)
-    getattr(trl, f"{name}Trainer")(model=env["model"], reward_funcs=exact_match, args=config, callbacks=[timer],
-                                   processing_class=env["tokenizer"],
-                                   train_dataset=load_dataset("json", data_files=env["files"]["arith"], split="train"),
-                                   ).train()
+    config = getattr(trl, f"{name}Config")(
+        **trl_common(spec, tmp),
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=4,
+        num_generations=setting["num_generations"],
+        beta=setting["beta"],
+        max_completion_length=16,
+        learning_rate=1e-4,
+    )
+    getattr(trl, f"{name}Trainer")(
+        model=env["model"],
+        reward_funcs=exact_match,
+        args=config,
+        callbacks=[timer],
+        processing_class=env["tokenizer"],
+        train_dataset=load_dataset("json", data_files=env["files"]["arith"], split="train"),
+    ).train()
     return dict(step=timer.times)
 
 
 def ddpo_ours(spec, env, tmp, tag, flags=()):
     log_dir = os.path.join(tmp, "runs", tag)
     settings = [x for k, v in DDPO_SETTINGS.items() if not isinstance(v, bool) for x in ("--" + k.replace("_", "-"), v)]
-    run_ours("ddpo.py", ["--pretrained-model", env["pipeline"], "--num-epochs", spec["warmup"] + spec["steps"], *settings,
-                         "--eval-samples", 0, "--save-freq", 0, "--output-dir", os.path.join(tmp, "out"),
-                         "--log-dir", log_dir, *flags], tmp)
+    run_ours(
+        "ddpo.py",
+        [
+            "--pretrained-model",
+            env["pipeline"],
+            "--num-epochs",
+            spec["warmup"] + spec["steps"],
+            *settings,
+            "--eval-samples",
+            0,
+            "--save-freq",
+            0,
+            "--output-dir",
+            os.path.join(tmp, "out"),
+            "--log-dir",
+            log_dir,
+            *flags,
+        ],
+        tmp,
+    )
     return dict(step=scalars(log_dir, "time/epoch"))
 
 
@@ -445,9 +668,16 @@ def ddpo_trl(spec, env, tmp, tag, flags=()):
 
     from ddpo import PROMPT_FNS, jpeg_compressibility
 
-    config = DDPOConfig(num_epochs=spec["warmup"] + spec["steps"], mixed_precision="bf16" if spec["bf16"] else "no",
-                        log_with=None, save_freq=10**6, allow_tf32=True, seed=1, **DDPO_SETTINGS,
-                        project_kwargs=dict(project_dir=os.path.join(tmp, "trl_ddpo"), automatic_checkpoint_naming=True))
+    config = DDPOConfig(
+        num_epochs=spec["warmup"] + spec["steps"],
+        mixed_precision="bf16" if spec["bf16"] else "no",
+        log_with=None,
+        save_freq=10**6,
+        allow_tf32=True,
+        seed=1,
+        **DDPO_SETTINGS,
+        project_kwargs=dict(project_dir=os.path.join(tmp, "trl_ddpo"), automatic_checkpoint_naming=True),
+    )
     pipeline = DefaultDDPOStableDiffusionPipeline(env["pipeline"], use_lora=True)
     trainer = DDPOTrainer(config, jpeg_compressibility, PROMPT_FNS["animals"], pipeline)
     times, global_step = [], 0
@@ -458,9 +688,15 @@ def ddpo_trl(spec, env, tmp, tag, flags=()):
     return dict(step=times)
 
 
-RUNS = {"sft": (trainer_ours, trainer_trl), "rm": (trainer_ours, trainer_trl), "dpo": (trainer_ours, trainer_trl),
-        "ppo": (ppo_ours, ppo_trl), "ddpo": (ddpo_ours, ddpo_trl), "grpo": (online_ours, online_trl),
-        "rloo": (online_ours, online_trl)}
+RUNS = {
+    "sft": (trainer_ours, trainer_trl),
+    "rm": (trainer_ours, trainer_trl),
+    "dpo": (trainer_ours, trainer_trl),
+    "ppo": (ppo_ours, ppo_trl),
+    "ddpo": (ddpo_ours, ddpo_trl),
+    "grpo": (online_ours, online_trl),
+    "rloo": (online_ours, online_trl),
+}
 
 
 def worker(spec: dict) -> dict:
@@ -493,15 +729,21 @@ def worker(spec: dict) -> dict:
         config = AutoConfig.from_pretrained(env["model"])
         with torch.device("meta"):  # the layers' weight matrices, counted without allocating them
             shapes = AutoModelForCausalLM.from_config(config)
-        block_weights = sum(p.numel() for n, p in shapes.named_parameters()
-                            if p.dim() == 2 and not any(k in n for k in ("wte", "wpe", "embed_tokens", "lm_head")))
-        results = {"ours": {}, "trl": {}, "dims": [config.num_hidden_layers, config.hidden_size, config.vocab_size,
-                                                   block_weights]}
+        block_weights = sum(
+            p.numel()
+            for n, p in shapes.named_parameters()
+            if p.dim() == 2 and not any(k in n for k in ("wte", "wpe", "embed_tokens", "lm_head"))
+        )
+        results = {
+            "ours": {},
+            "trl": {},
+            "dims": [config.num_hidden_layers, config.hidden_size, config.vocab_size, block_weights],
+        }
         for r in range(spec["rounds"]):  # A B B A ...: neither side always runs first
-            for impl, fn in (("ours", ours), ("trl", theirs))[::1 if r % 2 == 0 else -1]:
+            for impl, fn in (("ours", ours), ("trl", theirs))[:: 1 if r % 2 == 0 else -1]:
                 out = fn(spec, env, tmp, f"{impl}_{r}")
                 for key, values in out.items():
-                    results[impl].setdefault(key, []).extend(values[spec["warmup"]:])
+                    results[impl].setdefault(key, []).extend(values[spec["warmup"] :])
         if spec["algo"] == "ppo" and spec.get("rollout_batch_sizes"):
             results["rollouts"] = rollouts(spec, env, tmp)
         return results
@@ -512,17 +754,22 @@ def worker(spec: dict) -> dict:
 
 def spawn(spec: dict) -> dict:
     path = [TRL_PATHS[PEER[spec["algo"]]], ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_MIXED_PRECISION="bf16" if spec["bf16"] else "no")  # our scripts' Accelerator reads it
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(path),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        ACCELERATE_MIXED_PRECISION="bf16" if spec["bf16"] else "no",
+    )  # our scripts' Accelerator reads it
     if spec.get("memory"):  # glibc's default policy (any MALLOC_* variable turns keep_freed_memory off)
         env["MALLOC_MMAP_MAX_"] = "65536"
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True)
     marker = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
     if proc.returncode or not marker:
         raise RuntimeError(f"benchmark worker {spec} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(marker[-1][len("BENCH_RESULT "):])
+    return json.loads(marker[-1][len("BENCH_RESULT ") :])
 
 
 def dialogue_piece(tok, rng, n: int) -> str:
@@ -532,7 +779,7 @@ def dialogue_piece(tok, rng, n: int) -> str:
     if not hasattr(dialogue_piece, "ids"):
         dialogue_piece.ids = tok("\n".join(load_data("builtin:chatterbot-dialogue")["text"]))["input_ids"]
     start = rng.randrange(len(dialogue_piece.ids) - n)
-    return tok.decode(dialogue_piece.ids[start: start + n])
+    return tok.decode(dialogue_piece.ids[start : start + n])
 
 
 def sft_texts(seq_length: int):
@@ -562,10 +809,19 @@ def preference_pairs(seq_length: int = 128):
     tok = load_tokenizer("builtin:tiny-gpt2")
     if seq_length > 128:
         rng, half = random.Random(1), seq_length // 2 - 16  # re-tokenising a decoded piece can add a token or two
-        rows = [dict(prompt=dialogue_piece(tok, rng, half), chosen=" " + dialogue_piece(tok, rng, half),
-                     rejected=" " + dialogue_piece(tok, rng, half)) for _ in range(512)]
+        rows = [
+            dict(
+                prompt=dialogue_piece(tok, rng, half),
+                chosen=" " + dialogue_piece(tok, rng, half),
+                rejected=" " + dialogue_piece(tok, rng, half),
+            )
+            for _ in range(512)
+        ]
         return Dataset.from_list(rows)
-    fits = lambda row: all(len(tok(row["prompt"] + " " + row[c])["input_ids"]) < 120 for c in ("chosen", "rejected"))  # noqa: E731
+
+    def fits(row):
+        return all(len(tok(row["prompt"] + " " + row[c])["input_ids"]) < 120 for c in ("chosen", "rejected"))
+
     return load_data("builtin:vader-preferences").filter(fits).select(range(512))
 
 
@@ -578,8 +834,10 @@ def mean_tokens(algo: str, seq_length: int = 128) -> float:
         return statistics.mean(min(seq_length, len(tok(t)["input_ids"]) + 1) for t in sft_texts(seq_length)["text"])
     if algo in ("rm", "dpo"):  # chosen and rejected, each with its EOS
         d = preference_pairs(seq_length)
-        return statistics.mean(len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]) + 2
-                               for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"]))
+        return statistics.mean(
+            len(tok(p + " " + c)["input_ids"]) + len(tok(p + " " + r)["input_ids"]) + 2
+            for p, c, r in zip(d["prompt"], d["chosen"], d["rejected"])
+        )
     if algo == "ddpo":  # images, not tokens
         return math.nan
     if algo in ONLINE:  # a completion: its prompt and 16 new tokens
@@ -632,8 +890,16 @@ def main(args: Args) -> None:
     args.model = args.model if args.model != "auto" else "gpt2-124m" if cuda else "tiny"
     args.bf16 = cuda if args.bf16 is None else args.bf16
     peak = peak_tflops(args)
-    base = dict(rounds=args.rounds, warmup=args.warmup, steps=args.steps, model=args.model, bf16=args.bf16,
-                inverse_cdf=args.inverse_cdf_sampling, fast_generation=args.fast_generation, seq_length=args.seq_length)
+    base = dict(
+        rounds=args.rounds,
+        warmup=args.warmup,
+        steps=args.steps,
+        model=args.model,
+        bf16=args.bf16,
+        inverse_cdf=args.inverse_cdf_sampling,
+        fast_generation=args.fast_generation,
+        seq_length=args.seq_length,
+    )
     samples = {"sft": 16, "rm": 16, "dpo": 8, "ddpo": 16, "grpo": 128, "rloo": 128}  # grpo / rloo: completions
     rows, extras = [], []
     for algo in args.algos:
@@ -646,25 +912,41 @@ def main(args: Args) -> None:
             result = spawn(spec)
             ours, trl = (statistics.median(result[k]["step"]) for k in ("ours", "trl"))
             batch, tokens = config["batch_size"], mean_tokens(algo, args.seq_length)
-            row = dict(algo=algo, batch=batch, ours=ours, trl=trl, ratio=ours / trl, tokens=tokens,
-                       target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo])
+            row = dict(
+                algo=algo,
+                batch=batch,
+                ours=ours,
+                trl=trl,
+                ratio=ours / trl,
+                tokens=tokens,
+                target=TARGET[algo][batch] if algo == "ppo" else TARGET[algo],
+            )
             median = {k: {phase: statistics.median(v) for phase, v in result[k].items()} for k in ("ours", "trl")}
-            row["tflops"] = {phase: {k: flops / median[k][phase] / 1e12 for k in ("ours", "trl")}
-                             for phase, flops in step_flops(algo, batch, tokens, result["dims"]).items()}
+            row["tflops"] = {
+                phase: {k: flops / median[k][phase] / 1e12 for k in ("ours", "trl")}
+                for phase, flops in step_flops(algo, batch, tokens, result["dims"]).items()
+            }
             row["peak"] = peak
             if algo == "ppo":  # phase shares of the median step
                 row["share"] = {k: m["generation"] / m["step"] for k, m in median.items()}
                 row["share_fb"] = {k: m["forward_backward"] / m["step"] for k, m in median.items()}
             if "rollouts" in result:
-                extras.append((f"rollout tokens/s (16 new tokens, median of {args.rollout_rounds} A/B rounds)",
-                               result["rollouts"]))
+                extras.append(
+                    (f"rollout tokens/s (16 new tokens, median of {args.rollout_rounds} A/B rounds)", result["rollouts"])
+                )
             if args.memory:
-                peak_mb = lambda impl, flags=(): spawn(dict(spec, rollout_batch_sizes=None, rounds=1,  # noqa: E731
-                                                         memory=[impl, list(flags)]))["peak_mb"]
+
+                def peak_mb(impl, flags=()):
+                    return spawn(dict(spec, rollout_batch_sizes=None, rounds=1, memory=[impl, list(flags)]))["peak_mb"]
+
                 row["memory"] = {impl: peak_mb(impl) for impl in ("ours", "trl")}
                 for flags, trl_has_it in MEMORY_VARIANTS.get(algo, []) if i == 0 else []:
-                    extras.append((f"{algo} peak memory with {' '.join(flags)}",
-                                   {"ours": peak_mb("ours", flags), "trl": peak_mb("trl", flags) if trl_has_it else None}))
+                    extras.append(
+                        (
+                            f"{algo} peak memory with {' '.join(flags)}",
+                            {"ours": peak_mb("ours", flags), "trl": peak_mb("trl", flags) if trl_has_it else None},
+                        )
+                    )
                     print(f"[bench] {extras[-1]}", flush=True)
             rows.append(row)
             print(format_row(row), flush=True)
@@ -675,20 +957,34 @@ def main(args: Args) -> None:
             f.write(text)
 
 
-MODEL_TEXT = {"tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, GPT-2's 50257-token vocabulary)",
-              "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)",
-              "qwen2-0.5b": "a randomly initialised Qwen2-0.5B-shaped model (24 layers, 896 wide, 14 / 2 heads, "
-                            "151936-token vocabulary, 494M parameters)"}
+MODEL_TEXT = {
+    "tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, GPT-2's 50257-token vocabulary)",
+    "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)",
+    "qwen2-0.5b": "a randomly initialised Qwen2-0.5B-shaped model (24 layers, 896 wide, 14 / 2 heads, "
+    "151936-token vocabulary, 494M parameters)",
+}
 
 
 def format_row(row: dict) -> str:
-    per_s = lambda t: row["batch"] / t  # noqa: E731
+    def per_s(t):
+        return row["batch"] / t
+
     mem = row.get("memory", {})
     target = "n/a" if row["target"] is None else f"<= {row['target']} ({'met' if row['ratio'] <= row['target'] else 'missed'})"
-    cells = [row["algo"], row["batch"], f"{row['ours']:.3f}", f"{row['trl']:.3f}", f"{row['ratio']:.2f}",
-             f"{per_s(row['ours']):.1f}", f"{per_s(row['trl']):.1f}", f"{per_s(row['ours']) * row['tokens']:.0f}",
-             f"{per_s(row['trl']) * row['tokens']:.0f}", f"{mem.get('ours', float('nan')):.0f}",
-             f"{mem.get('trl', float('nan')):.0f}", target]
+    cells = [
+        row["algo"],
+        row["batch"],
+        f"{row['ours']:.3f}",
+        f"{row['trl']:.3f}",
+        f"{row['ratio']:.2f}",
+        f"{per_s(row['ours']):.1f}",
+        f"{per_s(row['trl']):.1f}",
+        f"{per_s(row['ours']) * row['tokens']:.0f}",
+        f"{per_s(row['trl']) * row['tokens']:.0f}",
+        f"{mem.get('ours', float('nan')):.0f}",
+        f"{mem.get('trl', float('nan')):.0f}",
+        target,
+    ]
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -698,10 +994,13 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     lines = [
-        "# Benchmarks: this repository vs TRL", "",
+        "# Benchmarks: this repository vs TRL",
+        "",
         f"Date: {datetime.date.today()}. Machine: {device}, {platform.platform()}; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}.", "",
-        f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
+        f"transformers {transformers.__version__}.",
+        "",
+        f"Command: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`",
+        "",
         f"Model: {MODEL_TEXT[args.model]} saved to a folder, both sides loading it with from_pretrained; "
         f"{'bf16 mixed precision' if args.bf16 else 'fp32'}. {args.rounds} rounds of ours and TRL (A B B A) in one process "
         "per row; "
@@ -712,26 +1011,36 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
         f"with --gradient-checkpointing, measured for memory below), so both sides do the same work. GRPO / RLOO: one "
         f"optimizer step per generation batch of 128 completions (GRPO 16 prompts x 8, dapo loss, beta 0; RLOO 64 x 2, "
         f"beta 0.05 with a reference model), 16 new tokens, micro-batches of 32, an exact-match reward, no vLLM; a "
-        f"sample is a completion.", "",
+        f"sample is a completion.",
+        "",
         "| algorithm | batch | ours s/step | TRL s/step | ours/TRL | ours samples/s | TRL samples/s | ours tokens/s "
         "| TRL tokens/s | ours peak MB | TRL peak MB | target |",
         "|-|-|-|-|-|-|-|-|-|-|-|-|",
-        *[format_row(r) for r in rows], "",
+        *[format_row(r) for r in rows],
+        "",
     ]
     for row in rows:
         if "share" in row:
-            lines.append(f"- PPO batch {row['batch']}: generation takes {row['share']['ours']:.0%} of our step and "
-                         f"{row['share']['trl']:.0%} of TRL's; forward/backward passes {row['share_fb']['ours']:.0%} "
-                         f"and {row['share_fb']['trl']:.0%}.")
+            lines.append(
+                f"- PPO batch {row['batch']}: generation takes {row['share']['ours']:.0%} of our step and "
+                f"{row['share']['trl']:.0%} of TRL's; forward/backward passes {row['share_fb']['ours']:.0%} "
+                f"and {row['share_fb']['trl']:.0%}."
+            )
     for row in rows:
         for phase, tflops in row["tflops"].items():
-            mfu = lambda v: "" if row["peak"] is None else f" (MFU {v / row['peak']:.1%})"  # noqa: E731
-            lines.append(f"- {row['algo']} batch {row['batch']}, {phase.replace('_', '/')}: ours {tflops['ours']:.3g} "
-                         f"TFLOP/s{mfu(tflops['ours'])}, TRL {tflops['trl']:.3g} TFLOP/s{mfu(tflops['trl'])}")
+
+            def mfu(v, peak=row["peak"]):
+                return "" if peak is None else f" (MFU {v / peak:.1%})"
+
+            lines.append(
+                f"- {row['algo']} batch {row['batch']}, {phase.replace('_', '/')}: ours {tflops['ours']:.3g} "
+                f"TFLOP/s{mfu(tflops['ours'])}, TRL {tflops['trl']:.3g} TFLOP/s{mfu(tflops['trl'])}"
+            )
     for name, values in extras:
         if "rollout" in name:
-            lines.append(f"- {name}: " + "; ".join(f"batch {b}: ours {v['ours']:.0f}, TRL {v['trl']:.0f}"
-                                                   for b, v in values.items()))
+            lines.append(
+                f"- {name}: " + "; ".join(f"batch {b}: ours {v['ours']:.0f}, TRL {v['trl']:.0f}" for b, v in values.items())
+            )
         else:
             trl = "n/a" if values["trl"] is None else f"{values['trl']:.0f} MB"
             lines.append(f"- {name}: ours {values['ours']:.0f} MB, TRL {trl}")

@@ -47,8 +47,9 @@ class Args:
     """tokens sampled per prompt (every variant samples all of them: EOS is never drawn by a random model in practice)"""
     model: Literal["gpt2-124m", "qwen2-0.5b", "tiny"] = "gpt2-124m"
     """randomly initialised GPT-2 small (124M), a Qwen2-0.5B-shaped model (494M), or a 2-layer 64-wide GPT-2"""
-    variants: list[str] = field(default_factory=lambda: ["hf-sample-fp32", "hf-sample-autocast", "ours-eager", "hf-static",
-                                                         "fast", "trl-0.8.6"])
+    variants: list[str] = field(
+        default_factory=lambda: ["hf-sample-fp32", "hf-sample-autocast", "ours-eager", "hf-static", "fast", "trl-0.8.6"]
+    )
     """which variants to time"""
     rounds: int = 5
     """timed rounds"""
@@ -66,9 +67,17 @@ def build(args: Args, device: str):
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
     torch.manual_seed(0)
     if args.model == "qwen2-0.5b":  # Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         model = Qwen2ForCausalLM(config)
     else:
         small = dict(n_layer=2, n_embd=64, n_head=4) if args.model == "tiny" else {}
@@ -81,8 +90,11 @@ def main(args: Args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, prompts = build(args, device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {n_params / 1e6:.0f}M parameters on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
-          f", torch {torch.__version__}, {args.new_tokens} new tokens", flush=True)
+    print(
+        f"{args.model}: {n_params / 1e6:.0f}M parameters on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
+        f", torch {torch.__version__}, {args.new_tokens} new tokens",
+        flush=True,
+    )
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     T, pad, eos = args.new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id
     common_kwargs = dict(max_new_tokens=T, pad_token_id=pad, eos_token_id=eos)
@@ -100,18 +112,22 @@ def main(args: Args) -> None:
         B = len(batch["input_ids"])
         if B not in trl_trainer:
             value_model = AutoModelForCausalLMWithValueHead(model)
-            trl_trainer[B] = PPOTrainer(PPOConfig(batch_size=B, mini_batch_size=B, exp_name="bench"), value_model,
-                                        tokenizer=tokenizer)
+            trl_trainer[B] = PPOTrainer(
+                PPOConfig(batch_size=B, mini_batch_size=B, exp_name="bench"), value_model, tokenizer=tokenizer
+            )
         queries = [ids[m.bool()] for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
-        return trl_trainer[B].generate(queries, batch_size=B, return_prompt=False, max_new_tokens=T, top_k=0,
-                                       top_p=1.0, do_sample=True, pad_token_id=pad)
+        return trl_trainer[B].generate(
+            queries, batch_size=B, return_prompt=False, max_new_tokens=T, top_k=0, top_p=1.0, do_sample=True, pad_token_id=pad
+        )
 
     calls = {
         "hf-sample-fp32": (contextlib.nullcontext, lambda b: model.generate(**b, do_sample=True, top_k=0, **common_kwargs)),
         "hf-sample-autocast": (lambda: autocast, lambda b: model.generate(**b, do_sample=True, top_k=0, **common_kwargs)),
         "ours-eager": (lambda: autocast, lambda b: model.generate(**b, **sampling_kwargs(1.0, 0, 1.0), **common_kwargs)),
-        "hf-static": (lambda: autocast, lambda b: model.generate(**b, **sampling_kwargs(1.0, 0, 1.0), **common_kwargs,
-                                                               cache_implementation="static")),
+        "hf-static": (
+            lambda: autocast,
+            lambda b: model.generate(**b, **sampling_kwargs(1.0, 0, 1.0), **common_kwargs, cache_implementation="static"),
+        ),
         "fast": (lambda: autocast, fast_generate),
         "trl-0.8.6": (contextlib.nullcontext, trl_generate),
     }
@@ -141,7 +157,7 @@ def main(args: Args) -> None:
         times = {v: [] for v in variants}
         for r in range(args.warmup + args.rounds):
             batch = batch_of(B, r)
-            order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotate the order every round
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate the order every round
             for v in order:
                 seconds = timed(v, batch)
                 if r >= args.warmup:
@@ -171,12 +187,16 @@ def main(args: Args) -> None:
                 call(batch)
                 torch.cuda.synchronize() if device == "cuda" else None
             events = prof.key_averages()
-            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
-                                                                 "cudaLaunchKernelExC"))
+            launches = sum(
+                e.count
+                for e in events
+                if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaLaunchKernelExC")
+            )
             gpu_us = sum(e.self_device_time_total for e in events) if device == "cuda" else 0
             cpu_us = max(e.cpu_time_total for e in events)
-            print(f"\n== profile {v}, batch {B}: {launches} launches, GPU busy {gpu_us / 1e3:.1f} ms, "
-                  f"CPU {cpu_us / 1e3:.1f} ms")
+            print(
+                f"\n== profile {v}, batch {B}: {launches} launches, GPU busy {gpu_us / 1e3:.1f} ms, CPU {cpu_us / 1e3:.1f} ms"
+            )
             sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
             print(events.table(sort_by=sort, row_limit=12, max_name_column_width=60))
 
@@ -187,12 +207,17 @@ def main(args: Args) -> None:
         with torch.no_grad(), autocast:
             tokens, logprobs = FastGenerator(model, compile=device == "cuda")(ids, mask, T, None, pad, return_logprobs=True)
             full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
-            logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full_mask,
-                           position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits[:, ids.shape[1] - 1: -1]
+            logits = model(
+                input_ids=torch.cat([ids, tokens], 1),
+                attention_mask=full_mask,
+                position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
+            ).logits[:, ids.shape[1] - 1 : -1]
         recomputed = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
         diff = (recomputed - logprobs).abs()
-        print(f"\nlog-probs of {B}x{T} sampled tokens, fast path vs training forward (bf16 autocast): "
-              f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}, mean log-prob {logprobs.mean():.3f}")
+        print(
+            f"\nlog-probs of {B}x{T} sampled tokens, fast path vs training forward (bf16 autocast): "
+            f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}, mean log-prob {logprobs.mean():.3f}"
+        )
 
 
 if __name__ == "__main__":

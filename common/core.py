@@ -72,12 +72,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_weight += (dlogits.to(ctx.dtype).T @ h).to(acc)
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0)
-        return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
-                None, None, None)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype),
+            None if bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
-                     chunk_size: int = 1024) -> torch.Tensor:
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None, chunk_size: int = 1024
+) -> torch.Tensor:
     """log p(labels) under softmax(hidden @ weight.T + bias): [N, H], [V, H], [N] -> [N], as
     `logprobs_from_logits(F.linear(hidden, weight, bias), labels)`, without the [N, V] logits: the LM head runs on
     chunk_size rows at a time and again in backward, so memory is O(chunk_size * V). Under autocast the projection
@@ -116,8 +123,10 @@ class LogitMask:
     def __init__(self, allowed: dict[int, list[int]], vocab_size: int):
         for token, nexts in allowed.items():
             if not nexts or not all(0 <= t < vocab_size for t in [int(token), *nexts]):
-                raise UsageError(f"logit mask: token {token} -> {nexts}: every token needs at least one allowed next "
-                                 f"token, and every id must be in [0, {vocab_size}).")
+                raise UsageError(
+                    f"logit mask: token {token} -> {nexts}: every token needs at least one allowed next "
+                    f"token, and every id must be in [0, {vocab_size})."
+                )
         self.allowed = {int(k): torch.tensor(v, dtype=torch.long) for k, v in allowed.items()}
 
     @classmethod
@@ -161,8 +170,11 @@ class InverseCDFSampler(LogitsProcessor):
 
 def warpers(temperature: float, top_k: int, top_p: float) -> list:
     """HF's temperature / top-k / top-p logits warpers, in HF's order, leaving out those that change nothing."""
-    return ([TemperatureLogitsWarper(temperature)] if temperature != 1 else []) + (
-        [TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+    return (
+        ([TemperatureLogitsWarper(temperature)] if temperature != 1 else [])
+        + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+        + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+    )
 
 
 def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True, processors=()) -> dict:
@@ -171,10 +183,13 @@ def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: b
     distribution of `do_sample=True`, whose torch.multinomial draws an exponential variate per vocabulary entry (on CPU,
     3/4 of a rollout at a 50k vocabulary)."""
     if not inverse_cdf:
-        return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                    logits_processor=LogitsProcessorList(processors))  # HF runs them before its warpers
-    return dict(do_sample=False, logits_processor=LogitsProcessorList(
-        [*processors, *warpers(temperature, top_k, top_p), InverseCDFSampler()]))
+        return dict(
+            do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=LogitsProcessorList(processors)
+        )  # HF runs them before its warpers
+    return dict(
+        do_sample=False,
+        logits_processor=LogitsProcessorList([*processors, *warpers(temperature, top_k, top_p), InverseCDFSampler()]),
+    )
 
 
 def _cast_update(update, dtype, key_states, value_states, *args, **kwargs):
@@ -193,8 +208,9 @@ class FastGenerator:
     (optimizers update them in place; FSDP / ZeRO-3 resharding does not: use `generate` there). With `compile=False`
     the same loop runs eagerly (on CPU, for tests)."""
 
-    def __init__(self, model, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, bucket: int = 64,
-                 compile: bool = True):
+    def __init__(
+        self, model, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, bucket: int = 64, compile: bool = True
+    ):
         self.model, self.temperature, self.bucket = model, temperature, bucket
         self.warpers = LogitsProcessorList(warpers(temperature, top_k, top_p))
         self.caches = {}
@@ -210,20 +226,35 @@ class FastGenerator:
 
     def _forward(self, token, position, mask, cache) -> torch.Tensor:
         """The next logits [B, V] after one token per row [B] at `position` [B]."""
-        return self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                          past_key_values=cache, use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | None, pad_token_id: int, return_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        pad_token_id: int,
+        return_logprobs: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Responses [B, T] to left-padded prompts [B, P] (T <= max_new_tokens: it stops early once every row has an
         EOS; tokens after a row's first EOS are `pad_token_id`, as `generate` returns them) and, with
         `return_logprobs`, their log-probs [B, T] (else None)."""
         B, P = input_ids.shape
         # one dtype for keys and values: the autocast dtype, in which attention runs (under autocast Qwen2's rotary
         # embedding yields float32 keys beside bf16 values, and a static cache holds one dtype)
-        dtype = torch.get_autocast_dtype(input_ids.device.type) if torch.is_autocast_enabled(input_ids.device.type) \
+        dtype = (
+            torch.get_autocast_dtype(input_ids.device.type)
+            if torch.is_autocast_enabled(input_ids.device.type)
             else self.model.dtype
+        )
         length = -(-(P + max_new_tokens) // self.bucket) * self.bucket
         fits = [(b * n, b, n) for b, n, d in self.caches if d == dtype and B <= b <= 8 * B and n >= length]
         _, batch, length = min(fits) if fits else (0, B, length)
@@ -234,14 +265,22 @@ class FastGenerator:
                 layer.update = functools.partial(_cast_update, layer.update, dtype)
         else:
             cache.reset()
-        input_ids = F.pad(torch.cat([input_ids, input_ids[:1].expand(batch - B, -1)]),
-                          (length - max_new_tokens - P, 0), value=pad_token_id)
-        prompt_mask = F.pad(torch.cat([attention_mask, attention_mask[:1].expand(batch - B, -1)]),
-                            (length - max_new_tokens - P, 0), value=0)
+        input_ids = F.pad(
+            torch.cat([input_ids, input_ids[:1].expand(batch - B, -1)]), (length - max_new_tokens - P, 0), value=pad_token_id
+        )
+        prompt_mask = F.pad(
+            torch.cat([attention_mask, attention_mask[:1].expand(batch - B, -1)]), (length - max_new_tokens - P, 0), value=0
+        )
         # one mask for every step: the positions not yet written are hidden by causality
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], 1)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         token, logprob = self._draw(logits, return_logprobs)
         position = prompt_mask.sum(1)  # the position of the first response token (left padding: real tokens only)
         tokens, logprobs = [token], [logprob]
@@ -398,13 +437,16 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def check_args(args, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
-               fractions: tuple[str, ...] = ()) -> None:
-    """A one-line error for the first numeric flag out of its range: `positive` ones > 0, `non_negative` >= 0,
-    `fractions` strictly between 0 and 1 (None values are skipped: they mean "off")."""
-    for names, ok, wanted in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
-                              (fractions, lambda v: 0 < v < 1, "between 0 and 1")):
-        for name in names:
+def check_args(args, positive: str = "", non_negative: str = "", fractions: str = "") -> None:
+    """A one-line error for the first numeric flag out of its range: the fields named in `positive` (space-separated)
+    must be > 0, in `non_negative` >= 0, in `fractions` strictly between 0 and 1 (None values are skipped: they mean
+    "off")."""
+    for names, ok, wanted in (
+        (positive, lambda v: v > 0, "> 0"),
+        (non_negative, lambda v: v >= 0, ">= 0"),
+        (fractions, lambda v: 0 < v < 1, "between 0 and 1"),
+    ):
+        for name in names.split():
             value = getattr(args, name)
             if value is not None and not ok(value):
                 raise UsageError(f"--{name.replace('_', '-')} {value}: it must be {wanted}.")

@@ -36,8 +36,10 @@ def located(load, name: str, what: str):
     except (OSError, ConnectionError) as error:  # transformers and datasets raise these for a missing repo or file
         if os.path.exists(name):
             raise
-        raise UsageError(f"{what} {name!r}: no such file or folder here, nor a hub id that can be reached from here "
-                         f"({type(error).__name__}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})") from error
+        raise UsageError(
+            f"{what} {name!r}: no such file or folder here, nor a hub id that can be reached from here "
+            f"({type(error).__name__}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})"
+        ) from error
 
 
 def load_config(name: str):
@@ -80,14 +82,19 @@ def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_p
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
-        raise UsageError(f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
-                           f"{'no CUDA GPU' if not torch.cuda.is_available() else 'no bitsandbytes'}. Drop the flag "
-                           "to train in full precision.")
+        raise UsageError(
+            f"{flag} needs a CUDA GPU and bitsandbytes (pip install bitsandbytes); this machine has "
+            f"{'no CUDA GPU' if not torch.cuda.is_available() else 'no bitsandbytes'}. Drop the flag "
+            "to train in full precision."
+        )
     from accelerate import PartialState
     from transformers import BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_8bit=True) if load_in_8bit else BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    config = (
+        BitsAndBytesConfig(load_in_8bit=True)
+        if load_in_8bit
+        else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    )
     return dict(quantization_config=config, device_map={"": PartialState().local_process_index})
 
 
@@ -95,8 +102,10 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
     """The tokenizer of a model name; a clear error when it has no pad token (add one, do not reuse EOS)."""
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")
     if os.path.isdir(name) and not any(os.path.isfile(os.path.join(name, f)) for f in tokenizer_files):
-        raise UsageError(f"no tokenizer files in the folder {name!r}: save the tokenizer beside the model "
-                         "(tokenizer.save_pretrained(folder))")
+        raise UsageError(
+            f"no tokenizer files in the folder {name!r}: save the tokenizer beside the model "
+            "(tokenizer.save_pretrained(folder))"
+        )
     tokenizer = builtin_tokenizer() if is_builtin(name) else located(AutoTokenizer.from_pretrained, name, "tokenizer")
     if tokenizer.pad_token is None:
         raise UsageError(
@@ -142,25 +151,31 @@ def reward_model_text(prompt: str | None, response: str, eos_token: str | None, 
 
 def is_conversation(value) -> bool:
     """A list of chat messages, [{"role": ..., "content": ...}, ...] (TRL's conversational format)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                           for m in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
+    )
 
 
-def check_columns(dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments",
-                  numeric: tuple[str, ...] = ()) -> None:
+def check_columns(
+    dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments", numeric: tuple[str, ...] = ()
+) -> None:
     """A clear error naming the missing columns and the ones the dataset has, a column of chat messages, or a value of
     the wrong kind (text columns hold strings; the `numeric` ones numbers) with its column and row."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
-        raise UsageError(f"The dataset has no column {missing} (it has {dataset.column_names}); "
-                         f"rename them or point {flag_hint} at the right ones.")
+        raise UsageError(
+            f"The dataset has no column {missing} (it has {dataset.column_names}); "
+            f"rename them or point {flag_hint} at the right ones."
+        )
     if len(dataset) == 0:
         raise UsageError("The dataset is empty.")
     chat = [c for c in columns if is_conversation(dataset[0][c])]
     if chat:
-        raise UsageError(f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
-                         "script reads text: render each conversation into a string first, e.g. with "
-                         "tokenizer.apply_chat_template(messages, tokenize=False).")
+        raise UsageError(
+            f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
+            "script reads text: render each conversation into a string first, e.g. with "
+            "tokenizer.apply_chat_template(messages, tokenize=False)."
+        )
     for column in columns:
         kind = (int, float) if column in numeric else str
         for row, value in enumerate(dataset[column]):

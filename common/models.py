@@ -84,8 +84,9 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         self.pretrained_model.save_pretrained(save_directory, **kwargs)
-        save_file({k: v.contiguous() for k, v in self.v_head.state_dict().items()},
-                  os.path.join(save_directory, VALUE_HEAD_FILE))
+        save_file(
+            {k: v.contiguous() for k, v in self.v_head.state_dict().items()}, os.path.join(save_directory, VALUE_HEAD_FILE)
+        )
 
     def load_reward_adapter(self, path: str, base_model_name: str, adapter_name: str = "reward") -> None:
         """Load a reward adapter (LoRA + score head, as `reward_modeling.py --use-peft` saves it) as a second, frozen
@@ -96,12 +97,15 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
             raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
         with open(os.path.join(path, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
+
         def canonical(name: str) -> str:  # a local folder by its real path, a hub id as it is
             return os.path.realpath(name) if os.path.exists(name) else name
 
         if canonical(base) != canonical(base_model_name):
-            raise UsageError(f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
-                             "they must share the base model (or use --reward-model with a full reward model).")
+            raise UsageError(
+                f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
+                "they must share the base model (or use --reward-model with a full reward model)."
+            )
         peft_model.load_adapter(path, adapter_name, is_trainable=False)
         weights = load_file(os.path.join(path, "adapter_model.safetensors"))
         score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
@@ -125,8 +129,9 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         peft_model = peft_model_of(self)
         peft_model.set_adapter(self.reward_adapter)
         try:
-            hidden = peft_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                                logits_to_keep=1).hidden_states[-1]
+            hidden = peft_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
+            ).hidden_states[-1]
         finally:
             peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
         last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
@@ -210,21 +215,29 @@ def load_reward_model(name: str, label: str | None = None) -> tuple[torch.nn.Mod
     the single logit of a one-label head). A folder whose classification head would be freshly initialised (a causal
     LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
     if is_random_builtin(name):
-        raise UsageError(f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
-                         "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py).")
+        raise UsageError(
+            f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
+            "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py)."
+        )
     model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
     if info["missing_keys"]:
-        raise UsageError(f"--reward-model {name} has no trained classification head (its checkpoint lacks "
-                         f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
-                         "reward_modeling.py.")
+        raise UsageError(
+            f"--reward-model {name} has no trained classification head (its checkpoint lacks "
+            f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
+            "reward_modeling.py."
+        )
     labels = model.config.id2label if model.config.num_labels > 1 else {}
     if label is None:
         if model.config.num_labels != 1:
-            raise UsageError(f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
-                             "pass --reward-label with the one to maximise (a name or an index).")
+            raise UsageError(
+                f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
+                "pass --reward-label with the one to maximise (a name or an index)."
+            )
         return model.eval(), 0
     index = model.config.label2id.get(label, int(label) if label.isdigit() else None)
     if index is None or not 0 <= index < model.config.num_labels:
-        raise UsageError(f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
-                         "pass one of their names or indices.")
+        raise UsageError(
+            f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
+            "pass one of their names or indices."
+        )
     return model.eval(), index

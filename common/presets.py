@@ -78,16 +78,41 @@ def builtin_tokenizer() -> PreTrainedTokenizerBase:
 
 def builtin_config(name: str, **kwargs):
     tokenizer = builtin_tokenizer()
-    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
+    special = dict(
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     if name == "builtin:tiny-gpt2":  # kwargs override the preset's sizes
-        return GPT2Config(**dict(vocab_size=len(tokenizer), n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                                 tie_word_embeddings=False, **special) | kwargs)
+        return GPT2Config(
+            **dict(
+                vocab_size=len(tokenizer),
+                n_positions=256,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                tie_word_embeddings=False,
+                **special,
+            )
+            | kwargs
+        )
     if name == "builtin:tiny-t5":
-        return T5Config(**dict(vocab_size=len(tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                               decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **special) | kwargs)
-    raise UsageError(f"Unknown built-in model {name!r}: choose builtin:tiny-chat, builtin:tiny-chat-rm, builtin:tiny-gpt2 "
-                     "or builtin:tiny-t5.")
+        return T5Config(
+            **dict(
+                vocab_size=len(tokenizer),
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                decoder_start_token_id=tokenizer.pad_token_id,
+                tie_word_embeddings=False,
+                **special,
+            )
+            | kwargs
+        )
+    raise UsageError(
+        f"Unknown built-in model {name!r}: choose builtin:tiny-chat, builtin:tiny-chat-rm, builtin:tiny-gpt2 "
+        "or builtin:tiny-t5."
+    )
 
 
 def random_model(name: str, auto_class, seed: int = 0, **kwargs):
@@ -145,16 +170,23 @@ def builtin_dataset(name: str, seed: int = 0) -> Dataset:
         return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs(openers_only=True)})})
     if name == "builtin:chatterbot-dialogue":
         pairs = chatterbot_pairs()
-        return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [" " + c for _, c in pairs],
-                                  "text": [f"{p} {c}" for p, c in pairs]})
+        return Dataset.from_dict(
+            {
+                "prompt": [p for p, _ in pairs],
+                "completion": [" " + c for _, c in pairs],
+                "text": [f"{p} {c}" for p, c in pairs],
+            }
+        )
     if name == "builtin:vader-preferences":
         return Dataset.from_list(vader_preferences(seed))
     if name == "builtin:chatterbot-mixed-replies":  # offline RL data: every utterance with its reply and a random one
         rng, pairs = random.Random(seed), chatterbot_pairs()
         rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
         return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
-    raise UsageError(f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
-                     "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies.")
+    raise UsageError(
+        f"Unknown built-in dataset {name!r}: choose builtin:chatterbot-prompts, "
+        "builtin:chatterbot-dialogue, builtin:vader-preferences or builtin:chatterbot-mixed-replies."
+    )
 
 
 def tiny_sd_pipeline(name: str, seed: int = 0):
@@ -171,21 +203,62 @@ def tiny_sd_pipeline(name: str, seed: int = 0):
         raise UsageError(f"Unknown built-in pipeline {name!r}: choose builtin:tiny-sd.")
     alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>
     vocab = {t: i for i, t in enumerate(["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet])}
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", bos_token="<|startoftext|>",
-                              eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=77)
+    tokenizer = CLIPTokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=77,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                                    num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
-                                                    eos_token_id=1, pad_token_id=1))
-        unet = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=16, norm_num_groups=8,
-                                    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                                    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32)
-        vae = AutoencoderKL(block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8, sample_size=32)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(vocab),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        )
+        unet = UNet2DConditionModel(
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            sample_size=16,
+            norm_num_groups=8,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+        )
+        vae = AutoencoderKL(
+            block_out_channels=(32, 64),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4,
+            norm_num_groups=8,
+            sample_size=32,
+        )
     # Stable Diffusion's scheduler config (set_alpha_to_one=False, steps_offset=1)
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)
-    return StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet.eval(),
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        unet=unet.eval(),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )

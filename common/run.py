@@ -106,13 +106,18 @@ class RunLogger:
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=config, name=run_name, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=config,
+                name=run_name,
+                save_code=True,
+            )
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(os.path.join(getattr(args, "log_dir", "runs"), run_name))
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                             "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -134,8 +139,7 @@ class RunLogger:
             table.add_row(*(c if len(c) <= max_chars else f"{c[:half]} … {c[-half:]}" for c in cells))
         Console().print(table)
         markdown = "|" + "|".join(columns) + "|\n|" + "-|" * len(columns) + "\n"
-        markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|"
-                              for row in rows)
+        markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|" for row in rows)
         self.writer.add_text(title, markdown, step)
 
     def image(self, title: str, image, step: int) -> None:
@@ -201,8 +205,10 @@ def read_checkpoint(path: str) -> dict:
     renames is finished or undone; a clear error when `path` is no checkpoint."""
     recover_directory(path)
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise UsageError(f"--resume-from {path}: not a checkpoint folder (no trainer_state.json); pass one of the "
-                         "folders the --save-* flags write, e.g. {output_dir}_checkpoints/step_N.")
+        raise UsageError(
+            f"--resume-from {path}: not a checkpoint folder (no trainer_state.json); pass one of the "
+            "folders the --save-* flags write, e.g. {output_dir}_checkpoints/step_N."
+        )
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
 
@@ -220,12 +226,15 @@ def recover_directory(path: str) -> None:
     parent, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(parent):
         return
+
     def ours(folder: str, kind: str) -> bool:  # .KIND-NAME- and mkdtemp's 8 characters: not .KIND-NAME-2-...
-        rest = folder[len(f".{kind}-{name}-"):]
+        rest = folder[len(f".{kind}-{name}-") :]
         return folder.startswith(f".{kind}-{name}-") and len(rest) == 8 and "-" not in rest
 
-    leftovers = {kind: sorted((os.path.join(parent, d) for d in os.listdir(parent) if ours(d, kind)), key=os.path.getmtime)
-                 for kind in ("tmp", "new", "old")}
+    leftovers = {
+        kind: sorted((os.path.join(parent, d) for d in os.listdir(parent) if ours(d, kind)), key=os.path.getmtime)
+        for kind in ("tmp", "new", "old")
+    }
     if not os.path.exists(path) and (leftovers["new"] or leftovers["old"]):
         with contextlib.suppress(FileNotFoundError):  # every rank recovers: another may have renamed it first
             os.rename((leftovers["new"] or leftovers["old"]).pop(), path)
@@ -243,14 +252,37 @@ def write_model_card(directory: str, args, algorithm: str, metrics: dict[str, fl
     base = config.get("model_name") or config.get("pretrained_model")
     world = config.get("world_size") or int(os.environ.get("WORLD_SIZE", 1))
     launcher = f"accelerate launch --num_processes {world}" if world > 1 else "python"
-    lines = ["---", f"library_name: {library}", f"tags: [{algorithm}, rlhf]", "---", "",
-             f"# {os.path.basename(os.path.normpath(config.get('output_dir', directory)))}", "",
-             f"Trained with `{algorithm}.py` ({algorithm.upper()}).", "",
-             f"- base model: `{base}`", f"- dataset: `{config.get('dataset_name') or config.get('prompt_fn')}`", "",
-             "## Final metrics", "", "| metric | value |", "|-|-|",
-             *[f"| {k} | {v:.4g} |" for k, v in metrics.items()], "",
-             "## Command", "", "```bash", f"{launcher} {shlex.join(sys.argv)}", "```", "",
-             "## Hyperparameters", "", "| name | value |", "|-|-|",
-             *[f"| {k} | {v} |" for k, v in config.items()], ""]
+    lines = [
+        "---",
+        f"library_name: {library}",
+        f"tags: [{algorithm}, rlhf]",
+        "---",
+        "",
+        f"# {os.path.basename(os.path.normpath(config.get('output_dir', directory)))}",
+        "",
+        f"Trained with `{algorithm}.py` ({algorithm.upper()}).",
+        "",
+        f"- base model: `{base}`",
+        f"- dataset: `{config.get('dataset_name') or config.get('prompt_fn')}`",
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "|-|-|",
+        *[f"| {k} | {v:.4g} |" for k, v in metrics.items()],
+        "",
+        "## Command",
+        "",
+        "```bash",
+        f"{launcher} {shlex.join(sys.argv)}",
+        "```",
+        "",
+        "## Hyperparameters",
+        "",
+        "| name | value |",
+        "|-|-|",
+        *[f"| {k} | {v} |" for k, v in config.items()],
+        "",
+    ]
     with open(os.path.join(directory, "README.md"), "w") as f:
         f.write("\n".join(lines))

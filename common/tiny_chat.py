@@ -29,8 +29,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 # Bump a version when its recipe changes: the cache then builds the new one beside the old
-FOLDERS = {"builtin:tiny-chat": "tiny-chat-v1", "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
-           "builtin:tiny-arith": "tiny-arith-v2"}
+FOLDERS = {
+    "builtin:tiny-chat": "tiny-chat-v1",
+    "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
+    "builtin:tiny-arith": "tiny-arith-v2",
+}
 ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
 
@@ -60,8 +63,11 @@ def pretrained_folder(name: str) -> str:
                 tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
                 try:
                     start = time.time()
-                    builders = {"builtin:tiny-chat": build_tiny_chat, "builtin:tiny-chat-rm": build_tiny_chat_rm,
-                                "builtin:tiny-arith": build_tiny_arith}
+                    builders = {
+                        "builtin:tiny-chat": build_tiny_chat,
+                        "builtin:tiny-chat-rm": build_tiny_chat_rm,
+                        "builtin:tiny-arith": build_tiny_arith,
+                    }
                     builders[name](tmp)
                     os.chmod(tmp, 0o755)
                     shutil.rmtree(folder, ignore_errors=True)
@@ -98,8 +104,15 @@ def _fit(name: str, model, batches, loss_of, optimizer, scheduler, steps: int, f
     tokenizer.save_pretrained(folder)
 
 
-def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_size: int = 16, lr: float = 2e-3,
-                    seed: int = 0, max_steps: int | None = None) -> None:
+def build_tiny_chat(
+    folder: str,
+    epochs: int = 5,
+    block_size: int = 64,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    seed: int = 0,
+    max_steps: int | None = None,
+) -> None:
     """Train builtin:tiny-chat into `folder`: the dialogue, each "utterance reply<eos>", packed into blocks of
     `block_size` tokens, `epochs` passes of AdamW with a cosine schedule (`max_steps`: stop early, for tests)."""
     from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
@@ -107,8 +120,9 @@ def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_si
     from common.presets import builtin_tokenizer, chatterbot_pairs
 
     tokenizer = builtin_tokenizer()
-    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   pad_token_id=tokenizer.pad_token_id)
+    special = dict(
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     generator = _seeded(seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **CHAT_SIZES, **special))
     texts = [f"{prompt} {reply}" for prompt, reply in chatterbot_pairs()]
@@ -117,18 +131,33 @@ def build_tiny_chat(folder: str, epochs: int = 5, block_size: int = 64, batch_si
     steps = min(epochs * (len(blocks) // batch_size), max_steps or 10**9)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=steps // 20, num_training_steps=steps)
-    print(f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
-          f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 3 minutes on 2 CPU cores)",
-          flush=True)
+    print(
+        f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
+        f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 3 minutes on 2 CPU cores)",
+        flush=True,
+    )
     per_epoch = len(blocks) // batch_size
-    batches = (b for _ in range(epochs) for b in blocks[torch.randperm(len(blocks), generator=generator)].split(batch_size)[
-        :per_epoch])  # a reshuffle per epoch, drawn when the epoch starts
-    _fit("builtin:tiny-chat", model, batches, lambda batch: model(input_ids=batch, labels=batch).loss, optimizer,
-         scheduler, steps, folder, tokenizer)
+    batches = (
+        b
+        for _ in range(epochs)
+        for b in blocks[torch.randperm(len(blocks), generator=generator)].split(batch_size)[:per_epoch]
+    )  # a reshuffle per epoch, drawn when the epoch starts
+    _fit(
+        "builtin:tiny-chat",
+        model,
+        batches,
+        lambda batch: model(input_ids=batch, labels=batch).loss,
+        optimizer,
+        scheduler,
+        steps,
+        folder,
+        tokenizer,
+    )
 
 
-def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: float = 3e-4, max_length: int = 128,
-                       seed: int = 0) -> None:
+def build_tiny_chat_rm(
+    folder: str, epochs: int = 2, batch_size: int = 16, lr: float = 3e-4, max_length: int = 128, seed: int = 0
+) -> None:
     """Train builtin:tiny-chat-rm into `folder`: tiny-chat with a one-logit score head on the VADER preference pairs,
     each text "prompt response<eos>" (the format reward_modeling.py trains and ppo.py scores)."""
     from transformers import AutoModelForSequenceClassification, get_scheduler
@@ -147,22 +176,33 @@ def build_tiny_chat_rm(folder: str, epochs: int = 2, batch_size: int = 16, lr: f
     steps = epochs * (len(rows) // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)
-    print(f"builtin:tiny-chat-rm: training a reward model from builtin:tiny-chat on {len(rows):,} VADER-ranked pairs "
-          f"({steps} steps, once; about 30 seconds on 2 CPU cores)", flush=True)
+    print(
+        f"builtin:tiny-chat-rm: training a reward model from builtin:tiny-chat on {len(rows):,} VADER-ranked pairs "
+        f"({steps} steps, once; about 30 seconds on 2 CPU cores)",
+        flush=True,
+    )
+
     def pair_loss(indices) -> torch.Tensor:  # Bradley-Terry: -log sigmoid(r_chosen - r_rejected)
-        batch = tokenizer([texts["chosen"][i] for i in indices] + [texts["rejected"][i] for i in indices],
-                          padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        batch = tokenizer(
+            [texts["chosen"][i] for i in indices] + [texts["rejected"][i] for i in indices],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
         chosen, rejected = model(**batch).logits[:, 0].chunk(2)
         return -F.logsigmoid(chosen - rejected).mean()
 
-    batches = (i for _ in range(epochs) for i in torch.randperm(len(rows), generator=generator).split(batch_size)[
-        : steps // epochs])
+    batches = (
+        i for _ in range(epochs) for i in torch.randperm(len(rows), generator=generator).split(batch_size)[: steps // epochs]
+    )
     model.config.id2label, model.config.label2id = {0: "reward"}, {"reward": 0}
     _fit("builtin:tiny-chat-rm", model, batches, pair_loss, optimizer, scheduler, steps, folder, builtin_tokenizer())
 
 
-def build_tiny_arith(folder: str, problems: int = 2000, epochs: int = 8, batch_size: int = 32, lr: float = 1e-3,
-                     seed: int = 0) -> None:
+def build_tiny_arith(
+    folder: str, problems: int = 2000, epochs: int = 8, batch_size: int = 32, lr: float = 1e-3, seed: int = 0
+) -> None:
     """Train builtin:tiny-arith into `folder`: builtin:tiny-chat fine-tuned on `problems` reasoning-gym problems of
     ARITH_TASK (generated with seed 10_000 + seed: not grpo.py's training or evaluation draws), each
     "question answer<eos>" with the loss on " answer<eos>" only, AdamW with a linear decay."""
@@ -184,14 +224,24 @@ def build_tiny_arith(folder: str, problems: int = 2000, epochs: int = 8, batch_s
     steps = epochs * (len(examples) // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
-    print(f"builtin:tiny-arith: fine-tuning builtin:tiny-chat on {len(examples):,} reasoning-gym {task} problems "
-          f"({steps} steps, once; about three minutes on 2 CPU cores)", flush=True)
+    print(
+        f"builtin:tiny-arith: fine-tuning builtin:tiny-chat on {len(examples):,} reasoning-gym {task} problems "
+        f"({steps} steps, once; about three minutes on 2 CPU cores)",
+        flush=True,
+    )
+
     def answer_loss(indices) -> torch.Tensor:  # next-token loss on " answer<eos>" only
         ids, labels = zip(*(examples[i] for i in indices))
         input_ids = pad_right(list(ids), tokenizer.pad_token_id)
-        return model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                     labels=pad_right(list(labels), -100)).loss
+        return model(
+            input_ids=input_ids,
+            attention_mask=(input_ids != tokenizer.pad_token_id).long(),
+            labels=pad_right(list(labels), -100),
+        ).loss
 
-    batches = (i for _ in range(epochs) for i in torch.randperm(len(examples), generator=generator).split(batch_size)[
-        : steps // epochs])
+    batches = (
+        i
+        for _ in range(epochs)
+        for i in torch.randperm(len(examples), generator=generator).split(batch_size)[: steps // epochs]
+    )
     _fit("builtin:tiny-arith", model, batches, answer_loss, optimizer, scheduler, steps, folder, tokenizer)

@@ -34,8 +34,20 @@ RUNS = {
     "sft": ["--max-steps", "4"],
     "reward_modeling": ["--max-steps", "4"],
     "ilql": ["--max-steps", "4", "--eval-samples", "8"],
-    "ddpo": ["--num-epochs", "1", "--sample-num-steps", "3", "--sample-batch-size", "2", "--sample-num-batches-per-epoch",
-             "1", "--train-batch-size", "2", "--eval-samples", "2"],
+    "ddpo": [
+        "--num-epochs",
+        "1",
+        "--sample-num-steps",
+        "3",
+        "--sample-batch-size",
+        "2",
+        "--sample-num-batches-per-epoch",
+        "1",
+        "--train-batch-size",
+        "2",
+        "--eval-samples",
+        "2",
+    ],
 }
 
 
@@ -52,8 +64,15 @@ class Args:
 def run(script: str, folder: str) -> None:
     """`python {script}.py` with its fixed flags, the model saved to {folder}/{script}."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
-    command = [sys.executable, f"{script}.py", *RUNS[script], "--output-dir", os.path.join(folder, script),
-               "--log-dir", os.path.join(folder, "runs")]
+    command = [
+        sys.executable,
+        f"{script}.py",
+        *RUNS[script],
+        "--output-dir",
+        os.path.join(folder, script),
+        "--log-dir",
+        os.path.join(folder, "runs"),
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{script}.py failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
@@ -61,9 +80,11 @@ def run(script: str, folder: str) -> None:
 
 def weights(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of every .safetensors file under `folder`, keyed by file and tensor name."""
-    return {f"{os.path.relpath(path, folder)}:{name}": tensor
-            for path in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True))
-            for name, tensor in load_file(path).items()}
+    return {
+        f"{os.path.relpath(path, folder)}:{name}": tensor
+        for path in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True))
+        for name, tensor in load_file(path).items()
+    }
 
 
 def differences(reference: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[str]:
@@ -97,8 +118,11 @@ if __name__ == "__main__":
             continue
         found = differences(weights(os.path.join(args.folder, script)), weights(os.path.join(scratch, script)))
         changed += [script] if found else []
-        print(f"{script}: " + (f"{len(found)} differences, e.g. {found[:3]}" if found else "the same weights, bit for bit")
-              + f" ({time.time() - start:.0f}s)")
+        print(
+            f"{script}: "
+            + (f"{len(found)} differences, e.g. {found[:3]}" if found else "the same weights, bit for bit")
+            + f" ({time.time() - start:.0f}s)"
+        )
     if not args.record:
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"parity: {'changed: ' + ', '.join(changed) if changed else 'every script trains the same weights'}")

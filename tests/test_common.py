@@ -65,8 +65,9 @@ def test_inverse_cdf_sampling_draws_from_the_warped_policy():
         top_probs = top.values / top.values.sum()  # top-p acts on the top-k renormalised
         keep = top_probs.cumsum(0) - top_probs < 0.6  # and keeps the tokens before their mass passes 0.6
         expected = torch.zeros_like(probs).index_put_((top.indices[keep],), top_probs[keep])
-        tokens = model.generate(prompt.repeat(4000, 1), max_new_tokens=1, pad_token_id=0,
-                                **sampling_kwargs(0.7, 20, 0.6, inverse_cdf=True))[:, -1]
+        tokens = model.generate(
+            prompt.repeat(4000, 1), max_new_tokens=1, pad_token_id=0, **sampling_kwargs(0.7, 20, 0.6, inverse_cdf=True)
+        )[:, -1]
     frequencies = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
     assert set(tokens.tolist()) <= set(top.indices[keep].tolist()) and 1 < keep.sum() < 20
     assert torch.allclose(frequencies, expected / expected.sum(), atol=0.03), (frequencies[top.indices], top_probs)
@@ -91,35 +92,48 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     equal cache lengths), also for a smaller batch run in the cache a larger one built."""
     model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
-    prompts = tokenizer(["Hello, how are you?", "What is", "Tell me a story about a robot who learns"],
-                        padding=True, return_tensors="pt")
+    prompts = tokenizer(
+        ["Hello, how are you?", "What is", "Tell me a story about a robot who learns"], padding=True, return_tensors="pt"
+    )
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     assert (mask == 0).any(1).sum() == 2  # two rows padded
     pad = tokenizer.pad_token_id
-    for temperature, top_k, top_p, eos, bucket in [(1.0, 0, 1.0, False, 1), (0.7, 20, 0.9, False, 1),
-                                                   (1.0, 0, 1.0, True, 1), (0.7, 20, 0.9, True, 64)]:
+    for temperature, top_k, top_p, eos, bucket in [
+        (1.0, 0, 1.0, False, 1),
+        (0.7, 20, 0.9, False, 1),
+        (1.0, 0, 1.0, True, 1),
+        (0.7, 20, 0.9, True, 64),
+    ]:
         eos_id = None
         if eos:  # an EOS that the first row draws: a token of its unconstrained sample
             torch.manual_seed(3)
             eos_id = int(FastGenerator(model, bucket=1, compile=False)(ids, mask, 20, None, pad)[0][0, 4])
         torch.manual_seed(3)
-        tokens, logprobs = FastGenerator(model, temperature, top_k, top_p, bucket, compile=False)(ids, mask, 20, eos_id, pad,
-                                                                                                  return_logprobs=True)
+        tokens, logprobs = FastGenerator(model, temperature, top_k, top_p, bucket, compile=False)(
+            ids, mask, 20, eos_id, pad, return_logprobs=True
+        )
         assert len(tokens) == 3 and tokens.shape[1] in ((16, 20) if eos else (20,))  # it stops early once all ended
         if bucket == 1:
             torch.manual_seed(3)
             with torch.no_grad():
-                expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, pad_token_id=pad,
-                                          eos_token_id=eos_id, cache_implementation="static",
-                                          **sampling_kwargs(temperature, top_k, top_p))[:, ids.shape[1]:]
+                expected = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=20,
+                    pad_token_id=pad,
+                    eos_token_id=eos_id,
+                    cache_implementation="static",
+                    **sampling_kwargs(temperature, top_k, top_p),
+                )[:, ids.shape[1] :]
             assert torch.equal(tokens[:, : expected.shape[1]], expected), (tokens, expected)
-            assert (tokens[:, expected.shape[1]:] == pad).all()
+            assert (tokens[:, expected.shape[1] :] == pad).all()
         if eos and bucket == 1:
             assert tokens[0, 4] == eos_id and (tokens[0, 5:] == pad).all()
         full = torch.cat([mask, torch.ones_like(tokens)], 1)
         with torch.no_grad():
-            logits = model(input_ids=torch.cat([ids, tokens], 1), attention_mask=full,
-                           position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits[:, ids.shape[1] - 1: -1]
+            logits = model(
+                input_ids=torch.cat([ids, tokens], 1), attention_mask=full, position_ids=(full.cumsum(1) - 1).clamp(min=0)
+            ).logits[:, ids.shape[1] - 1 : -1]
         drawn = tokens != pad if eos else torch.ones_like(tokens, dtype=torch.bool)
         assert torch.allclose(logprobs_from_logits(logits / temperature, tokens)[drawn], logprobs[drawn], atol=1e-5)
     # a smaller batch with shorter prompts runs in the cache already built (rows added, then dropped)
@@ -129,8 +143,9 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     assert list(generator.caches) == [(3, 64, torch.float32)] and tokens.shape == logprobs.shape == (2, 20)
     full = torch.cat([mask[1:, -4:], torch.ones_like(tokens)], 1)
     with torch.no_grad():
-        logits = model(input_ids=torch.cat([ids[1:, -4:], tokens], 1), attention_mask=full,
-                       position_ids=(full.cumsum(1) - 1).clamp(min=0)).logits[:, 3:-1]
+        logits = model(
+            input_ids=torch.cat([ids[1:, -4:], tokens], 1), attention_mask=full, position_ids=(full.cumsum(1) - 1).clamp(min=0)
+        ).logits[:, 3:-1]
     assert torch.allclose(logprobs_from_logits(logits, tokens), logprobs, atol=1e-5)
 
 

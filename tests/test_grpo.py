@@ -63,11 +63,27 @@ def test_grpo_loss_aggregations_by_hand(beta, sequence):
     losses = per_token_by_hand(beta=beta, sequence=sequence)
     level = "sequence" if sequence else "token"
     sums = [sum(row) for row in losses]
-    expected = {"grpo": (sums[0] / 3 + sums[1] / 2) / 2, "bnpo": sum(sums) / 5, "dr_grpo": sum(sums) / (2 * 4),
-                "dapo": sum(sums) / 10}
+    expected = {
+        "grpo": (sums[0] / 3 + sums[1] / 2) / 2,
+        "bnpo": sum(sums) / 5,
+        "dr_grpo": sum(sums) / (2 * 4),
+        "dapo": sum(sums) / 10,
+    }
     for loss_type, value in expected.items():
-        loss, stats = grpo_loss(LOGPROBS, OLD, REF, ADVANTAGES, MASK, beta, 0.2, 0.2, loss_type, 4, level,
-                                num_items_in_batch=10.0 if loss_type == "dapo" else None)
+        loss, stats = grpo_loss(
+            LOGPROBS,
+            OLD,
+            REF,
+            ADVANTAGES,
+            MASK,
+            beta,
+            0.2,
+            0.2,
+            loss_type,
+            4,
+            level,
+            num_items_in_batch=10.0 if loss_type == "dapo" else None,
+        )
         assert loss.item() == pytest.approx(value, rel=1e-5), loss_type
     assert ("kl" in stats) == (beta > 0)
 
@@ -118,24 +134,60 @@ def test_verifier_and_reward_checks():
 
 def test_bad_input_fails_before_generation(tmp_path):
     (tmp_path / "rewards.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n")
-    for flags, message in ((["--num-generations", "1"], "at least 2 completions"),
-                           (["--batch-size", "3", "--mini-batch-size", "5"], "is not divisible by"),
-                           (["--dataset-name", "reasoning-gym:no_such_task"], "reasoning_gym.factory.DATASETS"),
-                           (["--reward-funcs", f"{tmp_path / 'rewards.py'}:short"], "returned list of length 1 for 2"),
-                           (["--reward-funcs", "nope"], "Unknown reward function 'nope'"),
-                           (["--task-config", "{bad"], "is not JSON")):
+    for flags, message in (
+        (["--num-generations", "1"], "at least 2 completions"),
+        (["--batch-size", "3", "--mini-batch-size", "5"], "is not divisible by"),
+        (["--dataset-name", "reasoning-gym:no_such_task"], "reasoning_gym.factory.DATASETS"),
+        (["--reward-funcs", f"{tmp_path / 'rewards.py'}:short"], "returned list of length 1 for 2"),
+        (["--reward-funcs", "nope"], "Unknown reward function 'nope'"),
+        (["--task-config", "{bad"], "is not JSON"),
+    ):
         assert message in run_failing([GRPO, *flags], tmp_path), flags
 
 
-TINY = ["--total-prompts", "8", "--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "8",
-        "--gradient-accumulation-steps", "2", "--eval-samples", "8", "--train-size", "64", "--log-freq", "1"]
+TINY = [
+    "--total-prompts",
+    "8",
+    "--batch-size",
+    "4",
+    "--num-generations",
+    "4",
+    "--mini-batch-size",
+    "8",
+    "--gradient-accumulation-steps",
+    "2",
+    "--eval-samples",
+    "8",
+    "--train-size",
+    "64",
+    "--log-freq",
+    "1",
+]
 
 
-@pytest.mark.parametrize("flags", [["--loss-type", "grpo", "--beta", "0.1", "--importance-sampling-level", "sequence"],
-                                   ["--loss-type", "dr_grpo", "--scale-rewards", "none", "--use-peft", "--beta", "0.1"],
-                                   ["--epsilon-high", "0.28", "--mask-truncated-completions", "--drop-zero-std-groups",
-                                    "--overlong-buffer", "2", "--reward-funcs", "verifier", "format",
-                                    "--reward-weights", "1", "0.5", "--num-iterations", "2"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--loss-type", "grpo", "--beta", "0.1", "--importance-sampling-level", "sequence"],
+        ["--loss-type", "dr_grpo", "--scale-rewards", "none", "--use-peft", "--beta", "0.1"],
+        [
+            "--epsilon-high",
+            "0.28",
+            "--mask-truncated-completions",
+            "--drop-zero-std-groups",
+            "--overlong-buffer",
+            "2",
+            "--reward-funcs",
+            "verifier",
+            "format",
+            "--reward-weights",
+            "1",
+            "0.5",
+            "--num-iterations",
+            "2",
+        ],
+    ],
+)
 def test_options_run(tmp_path, flags):
     out = run_script([GRPO, *TINY, *flags], tmp_path)
     assert "grpo: 2 updates" in out
@@ -167,8 +219,10 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     score = reward_model_function(str(tmp_path / "rm"), None, torch.device("cpu"))
     scores = score(["What is 2 + 3?", "Hi"], [" 5", " there you"], ended=[True, False])
     with torch.no_grad():
-        expected = [classifier(**tokenizer(text, return_tensors="pt")).logits[0, 0].item()
-                    for text in ("What is 2 + 3? 5" + tokenizer.eos_token, "Hi there you")]
+        expected = [
+            classifier(**tokenizer(text, return_tensors="pt")).logits[0, 0].item()
+            for text in ("What is 2 + 3? 5" + tokenizer.eos_token, "Hi there you")
+        ]
     assert scores == pytest.approx(expected, abs=1e-5) and scores[0] != scores[1]
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
     tokenizer.save_pretrained(tmp_path / "lm")
@@ -181,8 +235,9 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
     """Each rank generates for its own prompts; the groups' rewards are gathered for the advantages; the gradients are
     averaged, and the script checks that both ranks end with the same weights."""
-    out = run_script([*ddp_launch(), GRPO, *TINY, "--total-prompts", "16", "--scale-rewards", "batch"], tmp_path,
-                     timeout=300, **DDP_ENV)
+    out = run_script(
+        [*ddp_launch(), GRPO, *TINY, "--total-prompts", "16", "--scale-rewards", "batch"], tmp_path, timeout=300, **DDP_ENV
+    )
     assert "grpo: 2 updates" in out and "weights identical on 2 ranks" in out
 
 
@@ -190,10 +245,32 @@ def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question):
     measured, the held-out reward rises 0.078 -> 0.750 in 40 updates. With the advantage sign flipped it falls to
     0.000; with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
-    (tmp_path / "rewards.py").write_text("def seven(prompts, completions, **columns):\n"
-                                         "    return [float(c.strip() == '7') for c in completions]\n")
-    out = run_script([GRPO, "--reward-funcs", "rewards.py:seven", "--total-prompts", "320", "--batch-size", "8",
-                      "--mini-batch-size", "32", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-4",
-                      "--eval-samples", "64", "--eval-freq", "0", "--log-freq", "1000"], tmp_path)
+    (tmp_path / "rewards.py").write_text(
+        "def seven(prompts, completions, **columns):\n    return [float(c.strip() == '7') for c in completions]\n"
+    )
+    out = run_script(
+        [
+            GRPO,
+            "--reward-funcs",
+            "rewards.py:seven",
+            "--total-prompts",
+            "320",
+            "--batch-size",
+            "8",
+            "--mini-batch-size",
+            "32",
+            "--gradient-accumulation-steps",
+            "2",
+            "--learning-rate",
+            "1e-4",
+            "--eval-samples",
+            "64",
+            "--eval-freq",
+            "0",
+            "--log-freq",
+            "1000",
+        ],
+        tmp_path,
+    )
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]

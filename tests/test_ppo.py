@@ -213,9 +213,7 @@ TINY = [
 
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 2 updates, checkpoint, resume for 2 more (same weights, bit for bit)."""
-    straight_out = run_script(
-        [PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path
-    )
+    straight_out = run_script([PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path)
     checkpoint = tmp_path / "straight_checkpoints" / "update_2"
     assert (checkpoint / "trainer_state.json").exists()
     out = run_script(
@@ -362,8 +360,9 @@ def test_health_check_warns_on_reward_hacking():
     assert top_token_share(torch.tensor([[5, 5, 6, 0], [7, 8, 9, 0]]), pad_token_id=0).item() == pytest.approx(2 / 6)
     # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; one phrase in every response: 1 of 3
     assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75 and distinct_bigrams(["so fine"] * 3) == pytest.approx(1 / 3)
-    line, warning = health_check(5.0, 6.0, top_share=0.1, distinct_words=0.9, distinct_2=0.72, start_distinct_2=0.93,
-                                 start_top_share=0.08)
+    line, warning = health_check(
+        5.0, 6.0, top_share=0.1, distinct_words=0.9, distinct_2=0.72, start_distinct_2=0.93, start_top_share=0.08
+    )
     assert "KL to the reference 5.00 nats" in line and "distinct-2 0.72 (0.93 at the start)" in line and warning is None
     assert "token 10% of response tokens (8% at the start)" in line
     assert "left its reference" in health_check(190.0, 6.0, 0.1, 0.9, 0.9, 0.9, 0.08)[1]

@@ -156,8 +156,18 @@ def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs
     """2 ranks x 4 pairs per step; --normalize-reward sums the training rewards of both ranks' shards, so the saved
     model scores the whole training split at mean 0 and std 1."""
     out = run_script(
-        [*ddp_launch(), RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--num-epochs", "1", "--batch-size", "4",
-         "--normalize-reward"],
+        [
+            *ddp_launch(),
+            RM,
+            *RANDOM_MODEL,
+            "--dataset-name",
+            pairs_file,
+            "--num-epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--normalize-reward",
+        ],
         tmp_path,
         **DDP_ENV,
     )
@@ -175,8 +185,18 @@ def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs
 def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
-    common = [RM, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "8", "--gradient-accumulation-steps", "2",
-              "--max-steps", "4"]  # 36 training pairs: 4 micro-batches an epoch, 2 optimizer steps
+    common = [
+        RM,
+        *RANDOM_MODEL,
+        "--dataset-name",
+        pairs_file,
+        "--batch-size",
+        "8",
+        "--gradient-accumulation-steps",
+        "2",
+        "--max-steps",
+        "4",
+    ]  # 36 training pairs: 4 micro-batches an epoch, 2 optimizer steps
     out, checkpoint = check_resume(common, ["--save-steps", "3"], "step_3", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "reward model: 1 steps" in out
     assert AutoModelForSequenceClassification.from_pretrained(checkpoint).num_labels == 1

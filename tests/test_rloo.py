@@ -15,8 +15,16 @@ RLOO = os.path.join(ROOT, "rloo.py")
 def test_rloo_advantages_by_hand():
     """Each reward minus the mean of the other k - 1 of its group; an unscorable reward (NaN) is in no baseline."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, math.nan, 1.0, 0.0])
-    expected = [1 - 1 / 3, 0 - 2 / 3, 0.5 - 0.5, 0.5 - 0.5,  # group 1: (0 + .5 + .5) / 3, (1 + .5 + .5) / 3, ...
-                2 - 0.5, 0.0, 1 - 1.0, 0 - 1.5]  # group 2: baselines over the 2 scorable others; NaN -> 0
+    expected = [
+        1 - 1 / 3,
+        0 - 2 / 3,
+        0.5 - 0.5,
+        0.5 - 0.5,  # group 1: (0 + .5 + .5) / 3, (1 + .5 + .5) / 3, ...
+        2 - 0.5,
+        0.0,
+        1 - 1.0,
+        0 - 1.5,
+    ]  # group 2: baselines over the 2 scorable others; NaN -> 0
     assert rloo_advantages(rewards, 4).tolist() == pytest.approx(expected)
     full = torch.tensor([3.0, 1.0, 0.0, 2.0])  # all scorable: k / (k - 1) * (r - group mean)
     assert rloo_advantages(full, 4).tolist() == pytest.approx([4 / 3 * (r - 1.5) for r in full.tolist()])
@@ -63,21 +71,55 @@ def test_rloo_loss_by_hand():
 
 def test_bad_input_fails_before_generation(tmp_path):
     (tmp_path / "rewards.py").write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(prompts)\n")
-    for flags, message in ((["--num-generations", "1"], "at least 2"),
-                           (["--batch-size", "3", "--mini-batch-size", "5"], "is not divisible by"),
-                           (["--dataset-name", "reasoning-gym:no_such_task"], "reasoning_gym.factory.DATASETS"),
-                           (["--reward-funcs", f"{tmp_path / 'rewards.py'}:nan"], "must be a finite number or None"),
-                           (["--reward-clip-range", "1", "0"], "min < max")):
+    for flags, message in (
+        (["--num-generations", "1"], "at least 2"),
+        (["--batch-size", "3", "--mini-batch-size", "5"], "is not divisible by"),
+        (["--dataset-name", "reasoning-gym:no_such_task"], "reasoning_gym.factory.DATASETS"),
+        (["--reward-funcs", f"{tmp_path / 'rewards.py'}:nan"], "must be a finite number or None"),
+        (["--reward-clip-range", "1", "0"], "min < max"),
+    ):
         assert message in run_failing([RLOO, *flags], tmp_path), flags
 
 
-TINY = ["--total-prompts", "8", "--batch-size", "4", "--num-generations", "2", "--mini-batch-size", "4",
-        "--gradient-accumulation-steps", "2", "--eval-samples", "8", "--train-size", "64", "--log-freq", "1"]
+TINY = [
+    "--total-prompts",
+    "8",
+    "--batch-size",
+    "4",
+    "--num-generations",
+    "2",
+    "--mini-batch-size",
+    "4",
+    "--gradient-accumulation-steps",
+    "2",
+    "--eval-samples",
+    "8",
+    "--train-size",
+    "64",
+    "--log-freq",
+    "1",
+]
 
 
-@pytest.mark.parametrize("flags", [[], ["--normalize-advantages", "--num-iterations", "2", "--mask-truncated-completions",
-                                        "--reward-funcs", "verifier", "format", "--reward-clip-range", "0", "1.5"],
-                                   ["--use-peft", "--num-generations", "4", "--beta", "0"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        [
+            "--normalize-advantages",
+            "--num-iterations",
+            "2",
+            "--mask-truncated-completions",
+            "--reward-funcs",
+            "verifier",
+            "format",
+            "--reward-clip-range",
+            "0",
+            "1.5",
+        ],
+        ["--use-peft", "--num-generations", "4", "--beta", "0"],
+    ],
+)
 def test_options_run(tmp_path, flags):
     out = run_script([RLOO, *TINY, *flags], tmp_path)
     assert "rloo: 2 updates" in out
@@ -106,14 +148,16 @@ def test_reward_model_is_one_more_reward_function(tmp_path):
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
     run_script([RLOO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
-    assert "2 --reward-weights for 3 rewards" in run_failing([RLOO, "--reward-funcs", "verifier", "format",
-                                                              "--reward-model", str(tmp_path / "rm"),
-                                                              "--reward-weights", "1", "1"], tmp_path)
+    assert "2 --reward-weights for 3 rewards" in run_failing(
+        [RLOO, "--reward-funcs", "verifier", "format", "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "1"],
+        tmp_path,
+    )
 
 
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
-    out = run_script([*ddp_launch(), RLOO, *TINY, "--total-prompts", "16", "--normalize-advantages"], tmp_path,
-                     timeout=300, **DDP_ENV)
+    out = run_script(
+        [*ddp_launch(), RLOO, *TINY, "--total-prompts", "16", "--normalize-advantages"], tmp_path, timeout=300, **DDP_ENV
+    )
     assert "rloo: 2 updates" in out and "weights identical on 2 ranks" in out
 
 
@@ -121,10 +165,30 @@ def test_rloo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question): the
     held-out reward rises 0.078 -> 0.578 in 40 updates (measured). With the advantage sign flipped it falls to 0.000;
     with the ratio detached the loss has no gradient and the run stops with an error: both fail this test."""
-    (tmp_path / "rewards.py").write_text("def seven(prompts, completions, **columns):\n"
-                                         "    return [float(c.strip() == '7') for c in completions]\n")
-    out = run_script([RLOO, "--reward-funcs", "rewards.py:seven", "--total-prompts", "1280", "--batch-size", "32",
-                      "--mini-batch-size", "32", "--gradient-accumulation-steps", "2", "--eval-samples", "64",
-                      "--eval-freq", "0", "--log-freq", "1000"], tmp_path)
+    (tmp_path / "rewards.py").write_text(
+        "def seven(prompts, completions, **columns):\n    return [float(c.strip() == '7') for c in completions]\n"
+    )
+    out = run_script(
+        [
+            RLOO,
+            "--reward-funcs",
+            "rewards.py:seven",
+            "--total-prompts",
+            "1280",
+            "--batch-size",
+            "32",
+            "--mini-batch-size",
+            "32",
+            "--gradient-accumulation-steps",
+            "2",
+            "--eval-samples",
+            "64",
+            "--eval-freq",
+            "0",
+            "--log-freq",
+            "1000",
+        ],
+        tmp_path,
+    )
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]

@@ -111,8 +111,21 @@ def test_resume_continues_where_it_stopped(tmp_path):
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
     rows = [dict(text=f"Question {i}? An answer of {i} words.") for i in range(20)]
     (tmp_path / "texts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    common = [SFT, "--dataset-name", str(tmp_path / "texts.jsonl"), "--eval-fraction", "0.2", "--batch-size", "4",
-              "--gradient-accumulation-steps", "2", "--max-steps", "4", "--num-sample-generations", "0"]  # 2 steps/epoch
+    common = [
+        SFT,
+        "--dataset-name",
+        str(tmp_path / "texts.jsonl"),
+        "--eval-fraction",
+        "0.2",
+        "--batch-size",
+        "4",
+        "--gradient-accumulation-steps",
+        "2",
+        "--max-steps",
+        "4",
+        "--num-sample-generations",
+        "0",
+    ]  # 2 steps/epoch
     out, checkpoint = check_resume(common, ["--save-steps", "3"], "step_3", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "sft: 1 steps" in out and AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer == 2
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "3", "--resume-from", checkpoint], tmp_path)
