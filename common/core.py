@@ -7,6 +7,7 @@ All masks are float or bool tensors of the same shape as the values they mask.
 
 import functools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -206,7 +207,8 @@ class FastGenerator:
     sizes a decoding step costs about the same), else in a new one of the batch's size whose length is rounded up to
     `bucket` tokens (prompts are padded on the left to fill it). Parameters must stay where they are in memory
     (optimizers update them in place; FSDP / ZeRO-3 resharding does not: use `generate` there). With `compile=False`
-    the same loop runs eagerly (on CPU, for tests)."""
+    the same loop runs eagerly (on CPU, for tests), as it does from then on where compiling fails (no working Triton or C
+    compiler): a warning says so, and the rollouts stay correct, only slower."""
 
     def __init__(
         self, model, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, bucket: int = 64, compile: bool = True
@@ -287,7 +289,21 @@ class FastGenerator:
         for t in range(1, max_new_tokens):
             if eos_token_id is not None and t % 16 == 0 and (torch.stack(tokens, 1)[:B] == eos_token_id).any(1).all():
                 break
-            logits = self.forward(token, position + (t - 1), mask, cache)
+            try:
+                logits = self.forward(token, position + (t - 1), mask, cache)
+            except torch._dynamo.exc.BackendCompilerFailed as error:  # raised before the step ran: the cache is intact
+                if self.forward == self._forward:
+                    raise
+                cause = getattr(error, "inner_exception", None) or error  # the backend's own error
+                reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                print(
+                    f"warning: compiling the decoding step failed ({reason}); rollouts decode eagerly from here on "
+                    "(pass --no-fast-generation to sample with HF generate instead)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.forward = self._forward
+                logits = self.forward(token, position + (t - 1), mask, cache)
             token, logprob = self._draw(logits, return_logprobs)  # before the next replay overwrites the logits
             tokens.append(token)
             logprobs.append(logprob)

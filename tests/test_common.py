@@ -149,6 +149,27 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     assert torch.allclose(logprobs_from_logits(logits, tokens), logprobs, atol=1e-5)
 
 
+def test_fast_generator_decodes_eagerly_when_compiling_fails(capsys):
+    """Where torch.compile cannot build the decoding step (no working Triton or C compiler), the first rollout does not
+    raise: it warns once and decodes the same tokens eagerly. Without the fallback the backend's error would surface."""
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
+    prompts = tokenizer(["Hello, how are you?", "What is"], padding=True, return_tensors="pt")
+    ids, mask, pad = prompts["input_ids"], prompts["attention_mask"], tokenizer.pad_token_id
+    torch.manual_seed(3)
+    expected, _ = FastGenerator(model, bucket=1, compile=False)(ids, mask, 6, None, pad)
+    generator = FastGenerator(model, bucket=1, compile=False)
+    generator.forward = torch.compile(generator._forward, backend=failing_backend, dynamic=False)
+    torch.manual_seed(3)
+    tokens, _ = generator(ids, mask, 6, None, pad)
+    assert torch.equal(tokens, expected) and generator.forward == generator._forward
+    assert capsys.readouterr().err.count("warning: compiling the decoding step failed") == 1
+
+
 def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
     mask = LogitMask({1: [2, 3]}, vocab_size=5)
     torch.manual_seed(0)
