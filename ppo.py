@@ -610,6 +610,8 @@ if __name__ == "__main__":
 
     stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
 
+    # the log-probs of the forward passes see what sampling saw: logits / temperature, the logit mask
+    forward_kwargs = dict(temperature=args.temperature, decoder_start_token_id=decoder_start, logit_mask=logit_mask)
     # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
     sampling = sampling_kwargs(
         args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, [logit_mask] if logit_mask is not None else []
@@ -846,18 +848,10 @@ if __name__ == "__main__":
         with torch.no_grad():
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
-                inputs = (
-                    queries[mb],
-                    query_mask[mb],
-                    responses[mb],
-                    response_mask[mb],
-                    args.temperature,
-                    decoder_start,
-                    logit_mask,
-                )
-                logits, value = forward(unwrapped, *inputs)
+                inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
+                logits, value = forward(unwrapped, *inputs, **forward_kwargs)
                 with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs)
+                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **forward_kwargs)
                 old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
                 ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
                 values.append(value)
@@ -886,14 +880,7 @@ if __name__ == "__main__":
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(
-                        model,
-                        queries[mb],
-                        query_mask[mb],
-                        responses[mb],
-                        response_mask[mb],
-                        args.temperature,
-                        decoder_start,
-                        logit_mask,
+                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **forward_kwargs
                     )
                     logprobs = logprobs_from_logits(logits, responses[mb])
                     pg_loss, vf_loss, stats = ppo_loss(
