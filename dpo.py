@@ -77,6 +77,11 @@ class Args:
     (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
     random), or an encoder-decoder model (e.g. builtin:tiny-t5, t5-small: the prompt goes to the encoder, responses are
     the labels)"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
+    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
+    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
+    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -398,7 +403,10 @@ if __name__ == "__main__":
 
     # ---- models ----
     model = load_pretrained(
-        args.model_name, AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM, **quantization
+        args.model_name,
+        AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM,
+        dtype=args.dtype,
+        **quantization,
     )
     if args.disable_dropout:
         for module in model.modules():

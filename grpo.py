@@ -79,6 +79,11 @@ class Args:
     model_name: str = "builtin:tiny-arith"
     """the policy: a hub id, a local folder, or builtin:tiny-arith (builtin:tiny-chat after a short SFT pass on the
     default task's answers, built on first use: a warm start that already answers some problems right)"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
+    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
+    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
+    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
     dataset_name: str = "reasoning-gym:chain_sum"
     """reasoning-gym:<task> (seeded train and held-out problems, scored by the task's own verifier), or a hub id /
     local json/jsonl/csv/parquet file with a prompt column and an answer column"""
@@ -341,10 +346,10 @@ def resolve_reward(spec: str):
     return getattr(module, name)
 
 
-def reward_model_function(name: str, label: str | None, device: torch.device):
+def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32"):
     """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on
     "prompt completion<eos>" (the EOS only after a completion that ended), the text reward_modeling.py trains on."""
-    model, index = load_reward_model(name, label)
+    model, index = load_reward_model(name, label, dtype)
     model, tokenizer = model.to(device), load_tokenizer(name, padding_side="right")
 
     @torch.no_grad()
@@ -449,7 +454,7 @@ if __name__ == "__main__":
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     if args.reward_model is not None:
-        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, args.reward_label, device)))
+        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, args.reward_label, device, args.dtype)))
     # every reward function on two real rows before any generation: a wrong length or a non-number fails now
     probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
     for spec, func in reward_funcs:
@@ -465,7 +470,7 @@ if __name__ == "__main__":
     )
 
     # ---- models ----
-    model = load_pretrained(args.model_name, AutoModelForCausalLM)
+    model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
     context = context_length(model.config)
     if context and args.max_prompt_length + args.max_completion_length > context:
         raise UsageError(

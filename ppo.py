@@ -90,6 +90,11 @@ class Args:
     """policy: a hub id, a local folder, or a built-in preset (builtin:tiny-chat: a small GPT-2 pretrained on the built-in
     dialogue, built on first use; builtin:tiny-gpt2, builtin:tiny-t5: random); encoder-decoder models (T5) are detected
     from their config"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
+    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
+    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
+    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
     dataset_name: str = "builtin:chatterbot-prompts"
     """prompts: a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-prompts"""
     dataset_split: str = "train"
@@ -545,7 +550,9 @@ if __name__ == "__main__":
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
     # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
     # from the checkpoint's accelerate state below
-    model = wrapper_class.from_pretrained(args.model_name, value_head_kwargs=dict(init=args.value_head_init), **quantization)
+    model = wrapper_class.from_pretrained(
+        args.model_name, value_head_kwargs=dict(init=args.value_head_init), dtype=args.dtype, **quantization
+    )
     # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
     decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
     context = context_length(model.config)
@@ -573,7 +580,7 @@ if __name__ == "__main__":
     reward_model = reward_tokenizer = None
     reward_index = 0  # the logit of the reward model that is the reward
     if args.reward_model is not None and args.reward_adapter is None:
-        reward_model, reward_index = load_reward_model(args.reward_model, args.reward_label)
+        reward_model, reward_index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
         reward_tokenizer = load_tokenizer(args.reward_model, padding_side="right")
     if args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
         model.load_reward_adapter(args.reward_adapter, base_model_name=args.model_name)

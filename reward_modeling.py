@@ -16,6 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,11 @@ class Args:
     """backbone: a hub id, a local folder (e.g. an encoder such as all-MiniLM-L6-v2), or a built-in preset
     (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
     random)"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
+    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
+    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
+    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -273,7 +279,9 @@ if __name__ == "__main__":
         return (shard, 1.0) if shard else (pairs[:1], 0.0)
 
     # ---- model and optimiser ----
-    model = load_pretrained(args.model_name, AutoModelForSequenceClassification, num_labels=1, **quantization)
+    model = load_pretrained(
+        args.model_name, AutoModelForSequenceClassification, num_labels=1, dtype=args.dtype, **quantization
+    )
     model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last non-pad token with it
     if args.disable_dropout:
         for module in model.modules():

@@ -15,6 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from accelerate import Accelerator
@@ -69,6 +70,11 @@ class Args:
     # Model and data
     model_name: str = "builtin:tiny-gpt2"
     """a hub id, a local folder, or builtin:tiny-gpt2"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
+    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
+    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
+    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
     dataset_name: str = "builtin:chatterbot-dialogue"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-dialogue"""
     dataset_split: str = "train"
@@ -292,7 +298,7 @@ if __name__ == "__main__":
         return collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
 
     # ---- model and optimiser ----
-    model = load_pretrained(args.model_name, AutoModelForCausalLM, **quantization)
+    model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype, **quantization)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if quantization:

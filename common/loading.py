@@ -53,12 +53,16 @@ def context_length(config) -> int | None:
     return getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
 
 
-def load_pretrained(name: str, auto_class, seed: int = 0, **kwargs):
-    """`auto_class.from_pretrained(name)`, or for a random built-in name a tiny model initialised with `seed`."""
+def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dtype = "float32", **kwargs):
+    """`auto_class.from_pretrained(name)` with its weights in `dtype`, or for a random built-in name a tiny model
+    initialised with `seed`. float32 by default, as TRL loads models to train: transformers 5 keeps a checkpoint's dtype,
+    and most hub checkpoints are bf16, where Adam's small updates round away (a step of 1e-5 against a weight of 0.02 is
+    below bf16's precision of 1 part in 256). "auto": the checkpoint's dtype."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if is_random_builtin(name):
-        return random_model(name, auto_class, seed, **kwargs)
+        return random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
     # (model, info) with output_loading_info=True
-    loaded = located(lambda n: auto_class.from_pretrained(n, **kwargs), resolve(name), "model")
+    loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
     if is_builtin(name):  # peft records it as the adapter's base model
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         model.config.name_or_path = model.name_or_path = name

@@ -210,16 +210,16 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     return ref_model.eval()
 
 
-def load_reward_model(name: str, label: str | None = None) -> tuple[torch.nn.Module, int]:
-    """A trained sequence classifier and the index of the logit that is the reward (`label`: a name or an index; None:
-    the single logit of a one-label head). A folder whose classification head would be freshly initialised (a causal
-    LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
+def load_reward_model(name: str, label: str | None = None, dtype: str = "float32") -> tuple[torch.nn.Module, int]:
+    """A trained sequence classifier in `dtype` and the index of the logit that is the reward (`label`: a name or an
+    index; None: the single logit of a one-label head). A folder whose classification head would be freshly initialised
+    (a causal LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
     if is_random_builtin(name):
         raise UsageError(
             f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
             "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py)."
         )
-    model, info = load_pretrained(name, AutoModelForSequenceClassification, output_loading_info=True)
+    model, info = load_pretrained(name, AutoModelForSequenceClassification, dtype=dtype, output_loading_info=True)
     if info["missing_keys"]:
         raise UsageError(
             f"--reward-model {name} has no trained classification head (its checkpoint lacks "

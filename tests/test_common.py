@@ -34,6 +34,7 @@ from common import (
     lm_token_logprobs,
     load_data,
     load_pretrained,
+    load_reward_model,
     load_tokenizer,
     logprobs_from_logits,
     masked_mean,
@@ -168,6 +169,34 @@ def test_fast_generator_decodes_eagerly_when_compiling_fails(capsys):
     tokens, _ = generator(ids, mask, 6, None, pad)
     assert torch.equal(tokens, expected) and generator.forward == generator._forward
     assert capsys.readouterr().err.count("warning: compiling the decoding step failed") == 1
+
+
+def test_bf16_checkpoints_load_in_float32_where_a_training_step_moves_the_weights(tmp_path):
+    """Most hub checkpoints are bf16 and transformers 5 keeps a checkpoint's dtype: the scripts load in float32 (TRL's
+    default), since one Adam step at a usual learning rate leaves nearly every bf16 weight where it was. dtype="auto"
+    keeps bf16, and so do the value-head model and the reward-model loader when asked for bfloat16."""
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).to(torch.bfloat16).save_pretrained(tmp_path / "lm")
+    rm = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
+    rm.to(torch.bfloat16).save_pretrained(tmp_path / "rm")
+
+    def moved_by_one_adam_step(model) -> float:
+        weight = model.transformer.h[0].mlp.c_fc.weight
+        before = weight.detach().clone()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+        model(input_ids=torch.arange(1, 9)[None], labels=torch.arange(1, 9)[None]).loss.backward()
+        optimizer.step()
+        return (weight.detach() != before).float().mean().item()
+
+    default, auto = (
+        load_pretrained(str(tmp_path / "lm"), AutoModelForCausalLM),
+        load_pretrained(str(tmp_path / "lm"), AutoModelForCausalLM, dtype="auto"),
+    )
+    assert {p.dtype for p in default.parameters()} == {torch.float32} and auto.dtype == torch.bfloat16
+    assert moved_by_one_adam_step(default) > 0.99 and moved_by_one_adam_step(auto) < 0.2
+    assert AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "lm")).pretrained_model.dtype == torch.float32
+    assert load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM, dtype="bfloat16").dtype == torch.bfloat16
+    assert load_reward_model(str(tmp_path / "rm"))[0].dtype == torch.float32
+    assert load_reward_model(str(tmp_path / "rm"), dtype="bfloat16")[0].dtype == torch.bfloat16
 
 
 def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):

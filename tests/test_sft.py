@@ -106,6 +106,23 @@ def test_sft_options_run(tmp_path):
     run_script([SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion"], tmp_path)
 
 
+def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
+    """--model-name of a bf16 checkpoint (most hub models): the run loads and saves float32 weights (TRL's default, where
+    transformers 5 alone would keep bf16 and Adam's updates would round away); --dtype bfloat16 keeps bf16."""
+    from safetensors.torch import load_file
+
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "bf16")
+    for flags, dtype in [([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)]:
+        out = tmp_path / f"out_{dtype}"
+        run_script(
+            [SFT, "--model-name", str(tmp_path / "bf16"), "--max-steps", "2", "--num-sample-generations", "0"]
+            + ["--output-dir", str(out), *flags],
+            tmp_path,
+        )
+        assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {dtype}
+
+
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
