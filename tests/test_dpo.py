@@ -21,7 +21,12 @@ from common import load_tokenizer
 from dpo import dpo_loss, get_batch_logps, tokenize_pair, tokenize_pair_seq2seq
 
 DPO = os.path.join(ROOT, "dpo.py")
-sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+
+
+def sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
 PC, PR, RC, RR = torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5])  # h = 1
 
 
@@ -82,7 +87,10 @@ def test_get_batch_logps_encoder_decoder_is_not_shifted():
 
 def test_tokenize_pair_seq2seq_prompt_to_encoder_answers_to_labels():
     tokenizer = load_tokenizer("builtin:tiny-gpt2")  # adds no special tokens: EOS is appended to the answers
-    ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+
+    def ids(text):
+        return tokenizer(text)["input_ids"]
+
     eos = tokenizer.eos_token_id
     prompt = " ".join(f"w{i}" for i in range(20))
     out = tokenize_pair_seq2seq(tokenizer, prompt, "Yes indeed", "No", max_prompt_length=6, max_target_length=8)
@@ -168,8 +176,8 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
     out_live = run_script([*common, "--output-dir", "live"], tmp_path)
     out_pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs"], tmp_path)
-    summary = lambda out: out.split("eval reward accuracy ")[1].split("; model")[0]  # noqa: E731
-    assert summary(out_live) == summary(out_pre)
+    summaries = [out.split("eval reward accuracy ")[1].split("; model")[0] for out in (out_live, out_pre)]
+    assert summaries[0] == summaries[1]
     live, pre = load_file(tmp_path / "live" / "model.safetensors"), load_file(tmp_path / "pre" / "model.safetensors")
     assert "| precompute_ref_log_probs | True |" in check_model_card(tmp_path / "pre", "dpo")
     assert all(torch.allclose(live[k], pre[k], atol=1e-6) for k in live)

@@ -58,7 +58,10 @@ def test_ilql_loss_matches_the_terms_written_out(beta):
 
 
 def test_expectile_asymmetry_and_two_q_minimum():
-    one = lambda x: torch.tensor([[[x]]])  # noqa: E731 - one action, a vocabulary of one token
+
+    def one(x):  # one action, a vocabulary of one token
+        return torch.tensor([[[x]]])
+
     common = dict(
         actions=torch.tensor([[0]]),
         rewards=torch.zeros(1, 1),
@@ -69,7 +72,10 @@ def test_expectile_asymmetry_and_two_q_minimum():
         awac_scale=0.0,
     )
     # target Qs 1 and 3: the minimum, 1, is what V regresses on
-    target = lambda x: torch.tensor([[x]])  # noqa: E731
+
+    def target(x):
+        return torch.tensor([[x]])
+
     _, below = ilql_loss(one(0.0), [one(0.0)], [target(1.0), target(3.0)], torch.tensor([[0.0, 5.0]]), **common)
     _, above = ilql_loss(one(0.0), [one(0.0)], [target(3.0), target(1.0)], torch.tensor([[2.0, 5.0]]), **common)
     assert below["losses/loss_v"].item() == pytest.approx(0.9 * 1.0)  # V under Q: weight tau
