@@ -46,6 +46,7 @@ from common import (
     check_args,
     check_scores,
     cli,
+    end_run,
     exact_div,
     load_pipeline,
     read_checkpoint,
@@ -652,8 +653,4 @@ if __name__ == "__main__":
         f"eval reward {first_eval:.3f} -> {last_eval:.3f}; "
         f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}"
     )
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

@@ -36,6 +36,7 @@ from common import (
     cli,
     context_length,
     create_reference_model,
+    end_run,
     lm_token_logprobs,
     load_checkpoint,
     load_config,
@@ -619,8 +620,4 @@ if __name__ == "__main__":
         f"{last_eval['eval/rewards/accuracies']:.3f}, margin {first_eval['eval/rewards/margins']:.3f} -> "
         f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}"
     )
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

@@ -40,6 +40,7 @@ from common import (
     cli,
     context_length,
     create_reference_model,
+    end_run,
     exact_div,
     load_checkpoint,
     load_data,
@@ -780,6 +781,4 @@ if __name__ == "__main__":
             f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
             "start): the policy collapsed onto a few answers; lower --learning-rate"
         )
-    logger.close()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

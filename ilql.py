@@ -36,6 +36,7 @@ from common import (
     check_scores,
     cli,
     context_length,
+    end_run,
     load_checkpoint,
     load_config,
     load_data,
@@ -542,8 +543,4 @@ if __name__ == "__main__":
         f"{first_eval['eval/reward_beta_0']:.3f} -> {last_eval['eval/reward_beta_0']:.3f}, beta={args.gen_beta:g} "
         f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}"
     )
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

@@ -44,6 +44,7 @@ from common import (
     clip_by_value,
     context_length,
     create_reference_model,
+    end_run,
     entropy_from_logits,
     exact_div,
     kl_estimate,
@@ -994,8 +995,4 @@ if __name__ == "__main__":
         first_eval["eval/top_token_share"],
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

@@ -34,6 +34,7 @@ from common import (
     check_columns,
     cli,
     context_length,
+    end_run,
     load_checkpoint,
     load_config,
     load_data,
@@ -448,8 +449,4 @@ if __name__ == "__main__":
         f"loss {first_eval['eval/loss']:.3f} "
         f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}"
     )
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

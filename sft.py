@@ -32,6 +32,7 @@ from common import (
     chunkable_head,
     cli,
     context_length,
+    end_run,
     is_conversation,
     lm_token_logprobs,
     load_checkpoint,
@@ -450,8 +451,4 @@ if __name__ == "__main__":
         f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
         f"model saved to {args.output_dir}"
     )
-    logger.close()
-    # every rank leaves together and the process group is torn down in order: a rank that exits while another still
-    # talks to its store makes gloo abort the other one
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator, logger)  # every rank leaves together

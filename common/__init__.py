@@ -54,6 +54,7 @@ from common.run import (
     RunLogger,
     atomic_directory,
     cli,
+    end_run,
     load_checkpoint,
     read_checkpoint,
     save_checkpoint,

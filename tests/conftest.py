@@ -116,8 +116,8 @@ RANDOM_MODEL = ["--model-name", "builtin:tiny-gpt2"]
 
 # Real 2-process DDP over gloo on CPU: accelerate needs ACCELERATE_USE_CPU, or each process runs alone. One thread per
 # rank: two ranks of two threads each on two cores oversubscribe the machine (a serial run would otherwise hand them
-# its own default of one thread per core)
-DDP_ENV = dict(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+# its own default of one thread per core). PYTHONFAULTHANDLER: a rank that aborts prints where it was
+DDP_ENV = dict(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
 @pytest.fixture()
