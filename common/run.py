@@ -163,8 +163,8 @@ class RunLogger:
 def end_run(accelerator: Accelerator, logger: RunLogger) -> None:
     """The last line of every script: the logger closed, every rank past one last barrier, the process group destroyed
     by every rank together; then a run of several processes leaves at once (os._exit) instead of through interpreter
-    exit, where torch's distributed objects are destroyed in no fixed order: about one CPU run in 50 ended with
-    "terminate called without an active exception" (SIGABRT, a failed launch) after everything had been saved."""
+    exit, where about one 2-process CPU run in a hundred aborted after everything had been saved ("terminate called
+    without an active exception" from a C++ destructor, no Python frame left: a failed launch)."""
     logger.close()
     accelerator.wait_for_everyone()
     several = accelerator.num_processes > 1
