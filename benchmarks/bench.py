@@ -215,23 +215,18 @@ def trl_common(spec: dict, tmp: str) -> dict:
     )
 
 
-def setup(spec: dict, tmp: str) -> dict:
-    """The shared model folder and data files (the preference pairs cut to 512: precomputing reference log-probs
-    goes over the whole dataset)."""
-    from transformers import AutoModelForCausalLM
+def random_model(name: str, tokenizer):
+    """A randomly initialised policy of the named shape on GPT-2's tokenizer (generation.py builds the same ones):
+    tiny (builtin:tiny-gpt2, 2 layers x 64), gpt2-124m (GPT2Config's defaults are GPT-2 small: 12 layers, 768 wide,
+    12 heads) or qwen2-0.5b (Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-    from common import load_data, load_pretrained, load_tokenizer
+    from common import load_pretrained
 
-    model_dir = os.path.join(tmp, "model")
-    tokenizer = load_tokenizer("builtin:tiny-gpt2")
-    if spec["model"] == "gpt2-124m":  # GPT2Config's defaults are GPT-2 small: 12 layers, 768 wide, 12 heads
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)  # GPT-2's BPE + pad
-        GPT2LMHeadModel(config).save_pretrained(model_dir)
-    elif spec["model"] == "qwen2-0.5b":  # Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if name == "gpt2-124m":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **special))
+    if name == "qwen2-0.5b":
         config = Qwen2Config(
             vocab_size=151936,
             hidden_size=896,
@@ -240,13 +235,22 @@ def setup(spec: dict, tmp: str) -> dict:
             num_attention_heads=14,
             num_key_value_heads=2,
             tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.eos_token_id,
+            **special,
         )
-        Qwen2ForCausalLM(config).save_pretrained(model_dir)
-    else:
-        load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(model_dir)
+        return Qwen2ForCausalLM(config)
+    return load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+
+
+def setup(spec: dict, tmp: str) -> dict:
+    """The shared model folder and data files (the preference pairs cut to 512: precomputing reference log-probs
+    goes over the whole dataset)."""
+
+    from common import load_data, load_tokenizer
+
+    model_dir = os.path.join(tmp, "model")
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    random_model(spec["model"], tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     files = {}
     for name in ("chatterbot-dialogue", "vader-preferences", "chatterbot-prompts"):

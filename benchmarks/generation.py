@@ -62,26 +62,11 @@ class Args:
 
 
 def build(args: Args, device: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from bench import random_model
 
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
     torch.manual_seed(0)
-    if args.model == "qwen2-0.5b":  # Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary
-        config = Qwen2Config(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        model = Qwen2ForCausalLM(config)
-    else:
-        small = dict(n_layer=2, n_embd=64, n_head=4) if args.model == "tiny" else {}
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **small))
+    model = random_model(args.model, tokenizer)
     prompts = load_data("builtin:chatterbot-prompts")["prompt"]
     return model.eval().to(device), tokenizer, prompts
 
