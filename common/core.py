@@ -295,10 +295,10 @@ class FastGenerator:
                 if self.forward == self._forward:
                     raise
                 cause = getattr(error, "inner_exception", None) or error  # the backend's own error
-                reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                reason = (str(cause).strip().splitlines() or [""])[0]
                 print(
-                    f"warning: compiling the decoding step failed ({reason}); rollouts decode eagerly from here on "
-                    "(pass --no-fast-generation to sample with HF generate instead)",
+                    f"warning: compiling the decoding step failed ({type(cause).__name__}: {reason}); rollouts decode "
+                    "eagerly from here on (pass --no-fast-generation to sample with HF generate instead)",
                     file=sys.stderr,
                     flush=True,
                 )
