@@ -40,19 +40,9 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from common import (
-    UsageError,
-    atomic_directory,
-    check_args,
-    check_scores,
-    cli,
-    end_run,
-    exact_div,
-    load_pipeline,
-    read_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.core import UsageError, check_args, check_scores, exact_div
+from common.loading import load_pipeline
+from common.run import atomic_directory, cli, end_run, read_checkpoint, start_run, write_model_card
 
 
 @dataclass

@@ -27,32 +27,20 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
-from common import (
-    UsageError,
-    atomic_directory,
-    check_args,
+from common.core import UsageError, check_args, pad_right, weight_decay_groups
+from common.loading import (
     check_columns,
-    chunkable_head,
-    cli,
     context_length,
-    create_reference_model,
-    end_run,
-    lm_token_logprobs,
-    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
-    pad_right,
-    peft_model_of,
     quantization_kwargs,
-    reference_context,
-    save_checkpoint,
-    start_run,
     train_eval_split,
-    weight_decay_groups,
-    write_model_card,
 )
+from common.models import create_reference_model, peft_model_of, reference_context
+from common.performance import chunkable_head, lm_token_logprobs
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -74,15 +62,11 @@ class Args:
 
     # Model and data
     model_name: str = "builtin:tiny-chat"
-    """the policy (and reference) to start from: a hub id, a local folder (e.g. outputs/sft), a built-in preset
-    (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
-    random), or an encoder-decoder model (e.g. builtin:tiny-t5, t5-small: the prompt goes to the encoder, responses are
-    the labels)"""
+    """the policy (and reference): a hub id, a local folder (e.g. outputs/sft) or a built-in (builtin:tiny-chat, built
+    on first use); encoder-decoder models (builtin:tiny-t5, t5-small) get the prompt in the encoder"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
-    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
-    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
-    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
+    """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
+    `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"

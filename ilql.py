@@ -27,29 +27,18 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common import (
-    LogitMask,
-    UsageError,
-    atomic_directory,
-    check_args,
+from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right
+from common.loading import (
     check_columns,
-    check_scores,
-    cli,
     context_length,
-    end_run,
-    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
-    masked_mean,
-    pad_right,
-    peft_model_of,
-    save_checkpoint,
-    start_run,
     train_eval_split,
-    write_model_card,
 )
+from common.models import peft_model_of
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 HEADS_FILE = "ilql_heads.safetensors"
 

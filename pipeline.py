@@ -26,8 +26,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from common import logprobs_from_logits, reward_model_text
-from common.presets import chatterbot_pairs, vader_preferences
+from common.core import logprobs_from_logits
+from common.loading import reward_model_text
+from presets.data import chatterbot_pairs, vader_preferences
 
 
 @dataclass
@@ -40,10 +41,8 @@ class Args:
     seed: int = 1
     """seed of every stage, of the data split and of the evaluation samples"""
     base_model: str = "builtin:tiny-chat"
-    """the pretrained model the SFT stage starts from: a hub id, a local folder or a built-in preset. builtin:tiny-chat
-    speaks (it was pretrained on all of the built-in dialogue, so it has seen the held-out prompts' conversations,
-    though no stage of the pipeline trains on them); builtin:tiny-gpt2 starts from random weights, and half a minute of
-    SFT then writes near word salad, where neither the reward model nor VADER finds much to score"""
+    """the pretrained model the SFT stage starts from: a hub id, a local folder or a built-in (builtin:tiny-chat speaks;
+    builtin:tiny-gpt2 starts from random weights, see the README)"""
     heldout_prompts: int = 64
     """distinct prompts removed from all training data and used only for the final comparison"""
     samples_per_prompt: int = 4

@@ -13,6 +13,7 @@ Usage:
 """
 
 import copy
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,53 +21,53 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, DistributedType
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from common import (
+from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
-    AutoModelForCausalLMWithValueHead,
-    AutoModelForSeq2SeqLMWithValueHead,
-    FastGenerator,
     FixedKLController,
     LogitMask,
     RunningMoments,
     UsageError,
-    atomic_directory,
     check_args,
-    check_columns,
     check_scores,
-    cli,
     clip_by_value,
-    context_length,
-    create_reference_model,
-    end_run,
     entropy_from_logits,
     exact_div,
     kl_estimate,
-    load_checkpoint,
-    load_config,
-    load_data,
-    load_reward_model,
-    load_tokenizer,
     logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
-    peft_model_of,
-    quantization_kwargs,
-    reference_context,
-    reward_model_text,
-    sampling_kwargs,
-    save_checkpoint,
-    start_run,
-    train_eval_split,
-    write_model_card,
 )
+from common.loading import (
+    check_columns,
+    context_length,
+    load_config,
+    load_data,
+    load_tokenizer,
+    quantization_kwargs,
+    reward_model_text,
+    train_eval_split,
+)
+from common.models import (
+    REWARD_NORMALIZATION_FILE,
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    create_reference_model,
+    load_reward_model,
+    peft_model_of,
+    reference_context,
+)
+from common.performance import FastGenerator, sampling_kwargs
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -88,14 +89,11 @@ class Args:
 
     # Model and data
     model_name: str = "builtin:tiny-chat"
-    """policy: a hub id, a local folder, or a built-in preset (builtin:tiny-chat: a small GPT-2 pretrained on the built-in
-    dialogue, built on first use; builtin:tiny-gpt2, builtin:tiny-t5: random); encoder-decoder models (T5) are detected
-    from their config"""
+    """the policy: a hub id, a local folder, or a built-in (builtin:tiny-chat: a small GPT-2 pretrained on the built-in
+    dialogue, built on first use); encoder-decoder models (T5) are detected from their config"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
-    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
-    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
-    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
+    """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
+    `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
     dataset_name: str = "builtin:chatterbot-prompts"
     """prompts: a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-prompts"""
     dataset_split: str = "train"
@@ -103,24 +101,19 @@ class Args:
     query_column: str = "prompt"
     """the dataset column holding the query text"""
     eval_fraction: float = 0.1
-    """fraction of the prompts held out for evaluation (74 of the 749 built-in prompts)"""
+    """fraction of the prompts held out for evaluation"""
     max_query_length: int = 48
     """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries)"""
     truncate_queries: bool = False
     """keep the last `max_query_length` tokens of long queries instead of stopping with an error"""
     reward_model: str | None = "builtin:tiny-chat-rm"
-    """a sequence-classification reward model: a hub id, a local folder (e.g. the output of reward_modeling.py), or
-    builtin:tiny-chat-rm (tiny-chat trained on the built-in VADER preference pairs, built on first use). None scores
-    with `reward_fn` in this file (VADER sentiment of the response): too sparse a signal for the default policy, whose
-    chat replies hold few sentiment words, where the reward model separates its responses"""
+    """a sequence-classification reward model: a hub id, a local folder (from reward_modeling.py), or
+    builtin:tiny-chat-rm (built on first use); None: `reward_fn` in this file (VADER sentiment)"""
     reward_label: str | None = None
-    """which logit of the reward model is the reward: a label name (e.g. POSITIVE, TRL's gpt2-sentiment recipe with a
-    2-label classifier) or an index; None: the model must have a single-logit head"""
+    """which logit of the reward model is the reward: a label name (e.g. POSITIVE) or an index; None: a single logit"""
     reward_adapter: str | None = None
-    """instead of --reward-model: a LoRA reward adapter saved by `reward_modeling.py --use-peft`
-    ({output_dir}/reward_adapter), loaded as a second adapter on the policy's base model, so one copy of the base
-    weights is policy, reference (adapters off) and reward model (TRL's multi-adapter RL). Needs --use-peft and the
-    reward model's base model as --model-name; replaces --reward-model"""
+    """instead of --reward-model: a LoRA reward adapter from `reward_modeling.py --use-peft`, loaded on the policy's base
+    model, so one copy of the base weights is policy, reference and reward model (TRL's multi-adapter RL)"""
     reward_batch_size: int = 64
     """batch size of the reward model's forward passes"""
 
@@ -137,14 +130,11 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling (1.0: off)"""
     inverse_cdf_sampling: bool = True
-    """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
-    torch.multinomial draws one exponential variate per vocabulary entry (on CPU, most of a rollout at GPT-2's 50k
-    vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
+    """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
+    (common/performance.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
-    """on CUDA, sample rollouts with `common.FastGenerator`: a static KV cache, each decoding step's forward one compiled
-    CUDA graph, the same distribution as the inverse-CDF `generate` (each new batch shape compiles first: 15-30 s on an
-    H100). For decoder-only policies sampled by inverse CDF without a logit mask, quantisation, FSDP or DeepSpeed;
-    --no-fast-generation, and on CPU: HF `generate`"""
+    """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; decoder-only policies without a logit
+    mask, quantisation, FSDP or DeepSpeed); --no-fast-generation: HF `generate`"""
     stop_sequences: list[str] = field(default_factory=list)
     """responses are truncated after the first of these strings (trlX `stop_sequences`), as after an EOS"""
     missing_eos_penalty: float | None = None
@@ -152,9 +142,8 @@ class Args:
     generation_batch_size: int | None = None
     """queries per `generate` call (None: the whole batch at once)"""
     logit_mask: str | None = None
-    """trlX's logit mask: a JSON file of allowed transitions, {"token id": [ids allowed next], ...}, or trlX's dense
-    [vocab][vocab] booleans (True: forbidden). Applied in generation and in the policy's and the reference's
-    log-probs, so forbidden tokens are never sampled and carry zero probability"""
+    """trlX's logit mask: a JSON file {"token id": [ids allowed next], ...} (or trlX's dense [vocab][vocab] booleans),
+    applied in sampling and in the policy's and the reference's log-probs"""
 
     # PPO (defaults: TRL 0.8 PPOConfig, except the learning rate and the controller's horizon, sized for the default)
     total_episodes: int = 960
@@ -168,10 +157,8 @@ class Args:
     ppo_epochs: int = 4
     """optimisation epochs over each batch of rollouts"""
     learning_rate: float = 7e-5
-    """Adam learning rate. TRL's default 1.41e-5 suits GPT-2-sized models (use it there); on the small default policy
-    it raises the held-out reward slowly (seed 1: -0.81 -> -0.04 in the default 60 updates, KL 2.0), 7e-5 faster
-    (seeds 1-3: -0.81 -> 0.34, -0.65 -> 0.39, -0.57 -> 0.06) with the KL below its target; at 1e-4 the replies of some
-    seeds converge on a few phrases the reward model likes (seed 2: distinct-2 0.95 -> 0.63, the health warning)"""
+    """Adam learning rate (TRL: 1.41e-5, for GPT-2-sized models; the small default policy learns faster at 7e-5, see
+    the README)"""
     lr_anneal: bool = False
     """if toggled, the learning rate decays linearly to 0 over the run"""
     adam_eps: float = 1e-5
@@ -185,9 +172,8 @@ class Args:
     target: float = 6.0
     """target KL of the adaptive controller"""
     horizon: float = 320
-    """horizon of the adaptive controller: each update moves kl_coef by at most a factor 1 +- 0.2 * batch / horizon.
-    lm-human-preferences' 10000 was meant for batches of 256-512 (2-5% per update); with the default 16 episodes per
-    update it would stay put (0.03% per update), so 320 gives the same 5% per update. Scale it with the batch"""
+    """horizon of the adaptive controller: each update moves kl_coef by at most a factor 1 +- 0.2 * batch / horizon
+    (lm-human-preferences: 10000 for batches of 512; scale it with the batch)"""
     kl_penalty: Literal["kl", "abs", "mse", "k3", "full"] = "kl"
     """per-token KL estimate in the reward: kl (logp - ref), abs, mse (0.5 * diff^2), k3, full (exact, over the
     vocabulary: keeps [batch, response_len, vocab] tensors)"""
@@ -242,8 +228,8 @@ class Args:
     log_freq: int = 5
     """log a table of sample generations every this many updates"""
     log_ref_responses: bool = False
-    """with each sample table, also answer its queries with the reference model and show those responses and
-    scores beside the policy's (TRL's generate_ref_response); logs env/ref_reward_mean"""
+    """with each sample table, also answer its queries with the reference model and show those responses and scores
+    (TRL's generate_ref_response); logs env/ref_reward_mean"""
     eval_freq: int = 20
     """evaluate on the held-out prompts every this many updates (and at the end); 0: only at the end"""
     eval_samples: int = 64
@@ -257,9 +243,8 @@ class Args:
     resume_from: str | None = None
     """a checkpoint folder to resume from (model, optimizer, scheduler, KL controller, RNG, step)"""
     save_best: bool = False
-    """keep the policy whose rollout batch had the highest mean reward (the reward function's or reward model's raw
-    score) in {output_dir}_best, saved before that batch's update (TRL's push_to_hub_if_best). With --push-to-hub,
-    each new best is uploaded instead of the final model"""
+    """keep the policy whose rollout batch had the highest mean raw score in {output_dir}_best, saved before that
+    batch's update (TRL's push_to_hub_if_best); with --push-to-hub, upload each new best instead of the final model"""
     compare_steps: int = 1
     """with --save-best, compare the batch reward with the best so far every this many updates"""
     push_to_hub: bool = False
@@ -289,59 +274,6 @@ def metric_fn(queries: list[str], responses: list[str]) -> dict[str, list[float]
         "distinct_words": [len(set(r.split())) / max(1, len(r.split())) for r in responses],
         "vader_sentiment": reward_fn(queries, responses),
     }  # the labeller behind builtin:tiny-chat-rm's preferences
-
-
-def top_token_share(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """The share of the most frequent token among all response tokens [B, T] (padding left out): a collapse into one
-    repeated word shows as a share near 1; varied replies stay low."""
-    tokens = responses[responses != pad_token_id]
-    return tokens.unique(return_counts=True)[1].max() / len(tokens) if len(tokens) else torch.tensor(0.0)
-
-
-def distinct_bigrams(texts: list[str]) -> float:
-    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): low when many responses
-    repeat one phrase, even where each response is varied within itself."""
-    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
-    return len(set(bigrams)) / max(1, len(bigrams))
-
-
-def health_check(
-    final_kl: float,
-    target: float,
-    top_share: float,
-    distinct_words: float,
-    distinct_2: float,
-    start_distinct_2: float,
-    start_top_share: float,
-) -> tuple[str, str | None]:
-    """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
-    responses collapsed into one token (over 30% of response tokens), responses filling up with one token (its share
-    tripled, to over 20%: e.g. whitespace padding a reward model happens to like), or responses that repeat each other
-    (distinct-2 below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model
-    likes) mean reward hacking, not learning."""
-    line = (
-        f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
-        f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
-        f"start), the most frequent token {top_share:.0%} of response tokens ({start_top_share:.0%} at the start)"
-    )
-    advice = (
-        "a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise --init-kl-coef"
-    )
-    if final_kl > 3 * target:
-        return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
-    if top_share > 0.3:
-        return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
-    if top_share > max(0.2, 3 * start_top_share):
-        return line, (
-            f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
-            f"the start); {advice}"
-        )
-    if distinct_2 < 0.7 * start_distinct_2:
-        return line, (
-            f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
-            f"the start); {advice}"
-        )
-    return line, None
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef, kl_penalty="kl"):
@@ -483,213 +415,30 @@ def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=())
     return responses.masked_fill(mask == 0, pad_token_id), mask, ended
 
 
-if __name__ == "__main__":
-    args = cli(Args)
-    check_args(
-        args,
-        positive=(
-            "total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
-            "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples "
-            "log_freq compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
-        ),
-        non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
-        fractions="eval_fraction",
-    )
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 < args.top_p <= 1):
-        raise UsageError(
-            f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], top_p in (0, 1]."
-        )
+def main(args: Args) -> None:
+    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
+    check(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    device = accelerator.device
-    args.world_size = accelerator.num_processes
-
-    # ---- sizes, checked before anything expensive ----
-    exact_div(
-        args.batch_size,
-        args.mini_batch_size * args.gradient_accumulation_steps,
-        "batch_size / (mini_batch_size * gradient_accumulation_steps)",
-    )
+    device, args.world_size = accelerator.device, accelerator.num_processes
+    step_size = args.mini_batch_size * args.gradient_accumulation_steps
+    exact_div(args.batch_size, step_size, "batch_size / (mini_batch_size * gradient_accumulation_steps)")
     args.num_updates = exact_div(
         args.total_episodes, args.batch_size * args.world_size, "total_episodes / (batch_size * world_size)"
     )
-    if not 1 <= args.min_new_tokens <= args.max_new_tokens:
-        raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
-    generation_batch_size = args.generation_batch_size or args.batch_size
-    exact_div(args.batch_size, generation_batch_size, "batch_size / generation_batch_size")
+    exact_div(args.batch_size, args.generation_batch_size or args.batch_size, "batch_size / generation_batch_size")
     run_name, logger = start_run(args, accelerator)
-
-    # ---- data: tokenised queries, a held-out split for evaluation (checked before any model is loaded) ----
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(dataset, [args.query_column], "--query-column")
-    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
-    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
-    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
-    if too_long and not args.truncate_queries:
-        raise UsageError(
-            f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
-            f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries."
-        )
-    if not all(train_queries) or not all(eval_queries):
-        accelerator.print(f"warning: {sum(not q for q in train_queries + eval_queries)} empty queries left out")
-    train_queries = [q[-args.max_query_length :] for q in train_queries if q]
-    eval_queries = [q[-args.max_query_length :] for q in eval_queries if q]
+    train_queries, eval_queries = load_queries(args, tokenizer, accelerator)
     per_update = args.batch_size * args.world_size
     batches_per_epoch = len(train_queries) // per_update
-    if batches_per_epoch == 0:
-        raise UsageError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
-    accelerator.print(
-        f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
-        f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
-        f"{len(train_queries) % per_update} queries (different ones each pass)"
-    )
-
-    # ---- models ----
-    is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
-    wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
-    # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
-    # from the checkpoint's accelerate state below
-    model = wrapper_class.from_pretrained(
-        args.model_name, value_head_kwargs=dict(init=args.value_head_init), dtype=args.dtype, **quantization
-    )
-    # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
-    decoder_start = model.config.decoder_start_token_id if is_encoder_decoder else None
-    context = context_length(model.config)
-    if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
-        raise UsageError(
-            f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
-            f"exceeds the model's context of {context} tokens: shorten one of them."
-        )
-    if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    if quantization:
-        model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
-    if args.use_peft and peft_model_of(model) is None:
-        lora = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
-        )
-        model.pretrained_model = get_peft_model(model.pretrained_model, lora)
-    ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
-    reward_model = reward_tokenizer = None
-    reward_index = 0  # the logit of the reward model that is the reward
-    if args.reward_model is not None and args.reward_adapter is None:
-        reward_model, reward_index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
-        reward_tokenizer = load_tokenizer(args.reward_model, padding_side="right")
-    if args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
-        model.load_reward_adapter(args.reward_adapter, base_model_name=args.model_name)
-        reward_tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accelerator.print(
-        f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
-        f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
-    )
-
-    reward_context = context_length(reward_model.config if reward_model is not None else None)
-    if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
-        texts = tokenizer.batch_decode(train_queries + eval_queries, skip_special_tokens=True)
-        longest = max(len(ids) for ids in reward_tokenizer(texts)["input_ids"])
-        if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
-            raise UsageError(
-                f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
-                f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
-                "--truncate-queries) or --max-new-tokens."
-            )
-
-    def batch_indices(update: int) -> list[int]:
-        """This rank's query indices for an update: a seeded reshuffle per data pass, so a resume continues exactly."""
-        epoch, i = divmod(update, batches_per_epoch)
-        order = torch.randperm(len(train_queries), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * args.world_size + accelerator.process_index) * args.batch_size
-        return order[start : start + args.batch_size].tolist()
-
-    def pad_left(queries: list[list[int]]):
-        batch = tokenizer.pad({"input_ids": queries}, return_tensors="pt")
-        return batch["input_ids"].to(device), batch["attention_mask"].to(device)
-
-    stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
-
-    # the log-probs of the forward passes see what sampling saw: logits / temperature, the logit mask
-    forward_kwargs = dict(temperature=args.temperature, decoder_start_token_id=decoder_start, logit_mask=logit_mask)
-    # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
-    sampling = sampling_kwargs(
-        args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, [logit_mask] if logit_mask is not None else []
-    )
-
-    fast_generator = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
-    if (
-        args.fast_generation
-        and device.type == "cuda"
-        and args.inverse_cdf_sampling
-        and not is_encoder_decoder
-        and logit_mask is None
-        and not quantization
-        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-    ):
-        fast_generator = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
-    accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
-
-    @torch.no_grad()
-    def generate(policy, queries, query_mask, max_new_tokens: int, fast: bool = True):
-        """Sample responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or
-        stop sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them. `fast`: the
-        policy's own samples, which `fast_generator` (when there is one) draws instead of `policy.generate`."""
-        outputs = []
-        for i in range(0, len(queries), generation_batch_size):
-            ids, mask = queries[i : i + generation_batch_size], query_mask[i : i + generation_batch_size]
-            with accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-                if fast and fast_generator is not None:  # the responses only
-                    out = fast_generator(ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
-                else:
-                    out = policy.generate(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        max_new_tokens=max_new_tokens,
-                        pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
-                        **sampling,
-                    )
-                    out = out[:, 1:] if decoder_start is not None else out[:, queries.shape[1] :]
-            outputs.append(out)
-        width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
-        responses = torch.cat(
-            [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id) for o in outputs]
-        )
-        return truncate_responses(responses, tokenizer.eos_token_id, tokenizer.pad_token_id, stop_token_ids)
-
-    @torch.no_grad()
-    def score(queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
-        """One score per (query, response): `reward_fn`, or the reward model's logit on the text as
-        reward_modeling.py trains it: "query response<eos>", the EOS only for responses that ended."""
-        if reward_tokenizer is None:
-            return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
-        eos = reward_tokenizer.eos_token
-        texts = [reward_model_text(q, r, eos, e) for q, r, e in zip(queries_text, responses_text, ended)]
-        scores = []
-        for i in range(0, len(texts), args.reward_batch_size):
-            batch = reward_tokenizer(texts[i : i + args.reward_batch_size], padding=True, return_tensors="pt").to(device)
-            with accelerator.autocast():
-                logits = reward_model(**batch).logits if reward_model is not None else unwrapped.compute_reward_score(**batch)
-            scores.append(logits[:, reward_index].float().cpu())
-        return check_scores(torch.cat(scores), len(texts), f"reward model {args.reward_model or args.reward_adapter}")
-
-    # ---- optimiser, KL controller, resume ----
+    model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, train_queries + eval_queries)
+    rollout = Rollout(args, tokenizer, model, accelerator, quantization)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
     )
-    optimizer_steps = (
-        args.num_updates * args.ppo_epochs * args.batch_size // (args.mini_batch_size * args.gradient_accumulation_steps)
-    )
+    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
     # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(
         "linear" if args.lr_anneal else "constant",
@@ -699,11 +448,8 @@ if __name__ == "__main__":
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    if ref_model is not None:
-        ref_model = ref_model.to(device)
-    if reward_model is not None:
-        reward_model = reward_model.to(device)
-    score(["Hello", "Hi"], [" there", " you"], [True, False])  # a bad reward (wrong length, NaN) fails before training
+    ref_model = ref_model.to(device) if ref_model is not None else None
+    scorer.ready(unwrapped)
     kl_ctl = (
         AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
         if args.adap_kl_ctrl
@@ -722,120 +468,30 @@ if __name__ == "__main__":
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
-    def checkpoint(path: str, update: int) -> None:
-        """Model + value head (from_pretrained format), optimizer, scheduler, RNG, KL controller, step, and the run's
-        first evaluation and reward / KL histories (the summary and the health line compare with the run's start)."""
-        state = dict(
-            update=update,
-            kl_coef=kl_ctl.value,
-            running_moments=running.__dict__,
-            best_reward=best_reward,
-            first_eval=first_eval,
-            reward_history=reward_history,
-            kl_history=kl_history,
-        )
-        save_checkpoint(accelerator, path, state, lambda tmp: (unwrapped.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-
-    def save_model(path: str, metrics: dict[str, float], final: bool) -> None:
-        """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically
-        by the main process; uploaded with --push-to-hub (the final model, or each new best with --save-best)."""
-        policy = unwrapped
-        if peft_model_of(unwrapped) is not None:  # LoRA merged into the base: loads with plain from_pretrained
-            # the final save merges in place; a best checkpoint merges a copy, so training goes on
-            merged = (unwrapped.pretrained_model if final else copy.deepcopy(unwrapped.pretrained_model)).merge_and_unload()
-            policy = wrapper_class(merged)
-            policy.v_head = unwrapped.v_head
-        with atomic_directory(path) as tmp:
-            policy.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "ppo", metrics)
-        if args.push_to_hub and final != args.save_best:
-            policy.pretrained_model.push_to_hub(args.hub_model_id or run_name)
-            tokenizer.push_to_hub(args.hub_model_id or run_name)
-
-    def reduce_mean(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Average scalar metrics over ranks in one collective and one device sync."""
-        names = list(metrics)
-        values = accelerator.reduce(torch.stack([metrics[k].float().to(device) for k in names]), "mean")
-        return dict(zip(names, values.tolist()))
-
-    @torch.no_grad()
-    @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-    def evaluate(update: int) -> dict[str, float]:
-        """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
-        torch.manual_seed(args.seed + accelerator.process_index)
-        queries, query_mask = pad_left(eval_queries)
-        unwrapped.eval()
-        responses, _, ended = generate(unwrapped, queries, query_mask, args.max_new_tokens)
-        queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
-        responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = score(queries_text, responses_text, ended.tolist())
-        metrics = {
-            "eval/reward_mean": scores.mean(),
-            "eval/reward_std": scores.std(),
-            "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
-            "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text)),
-        }
-        extra = metric_fn(queries_text, responses_text)
-        metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
-        metrics = reduce_mean(metrics)
-        logger.log(metrics, update)
-        logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
-        return metrics
-
-    @torch.no_grad()
-    @torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
-    def ref_responses(queries, query_mask, queries_text: list[str], max_new_tokens: int, update: int) -> dict:
-        """Reference-model responses to the logged queries and their scores, as sample-table columns."""
-        with reference_context(unwrapped, ref_model):
-            responses, _, ended = generate(
-                ref_model if ref_model is not None else unwrapped, queries, query_mask, max_new_tokens, fast=False
-            )
-        responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = score(queries_text, responses_text, ended.tolist())
-        logger.log(reduce_mean({"env/ref_reward_mean": scores.mean()}), update)
-        return {"ref response": responses_text, "ref score": scores.tolist()}
-
-    def clock() -> float:
-        """Wall time once the device has finished its queued work, so that phase times add up on a GPU too."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.time()
-
-    def save_best(update: int, raw_scores: torch.Tensor) -> float:
-        """TRL's push_to_hub_if_best: every compare_steps updates, if this batch's mean raw score (over ranks) is the
-        best so far, save the weights that produced it (those before this update's optimisation) to {output_dir}_best.
-        Returns the best batch reward so far."""
-        if not args.save_best or update % args.compare_steps:
-            return best_reward
-        batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
-        if batch_reward <= best_reward:
-            return best_reward
-        if accelerator.is_main_process:
-            save_model(f"{args.output_dir}_best", {"best/reward_mean": batch_reward, "best/update": update}, final=False)
-        return batch_reward
-
-    first_eval = evaluate(start_update)  # after a resume: logged at the resumed update, and the run's start kept
-    first_eval = state.get("first_eval", first_eval)
+    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, start_update)
+    first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     start_time = time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
         # ================================ the algorithm: phases 1-6 ================================
-        marks = [clock()]  # phase boundaries, for time/* (bookkeeping below)
+        marks = [clock(device)]  # phase boundaries, for time/* (bookkeeping below)
 
         # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
-        queries, query_mask = pad_left([train_queries[i] for i in batch_indices(update)])
+        epoch, i = divmod(update, batches_per_epoch)  # a seeded reshuffle per pass over the data: resumes are exact
+        order = torch.randperm(len(train_queries), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * args.world_size + accelerator.process_index) * args.batch_size
+        queries, query_mask = rollout.pad_left([train_queries[j] for j in order[start : start + args.batch_size].tolist()])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
-        responses, response_mask, ended = generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T] each
+        responses, response_mask, ended = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T] each
         mask = response_mask.float()
-        marks.append(clock())
+        marks.append(clock(device))
 
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
         queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
         responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        raw_scores = score(queries_text, responses_text, ended.tolist()).to(device)  # [B]
+        raw_scores = scorer(queries_text, responses_text, ended.tolist()).to(device)  # [B]
         scores = raw_scores.clone()
         if args.missing_eos_penalty is not None:
             scores[~ended] -= args.missing_eos_penalty
@@ -845,9 +501,10 @@ if __name__ == "__main__":
             scores = shifted / (running.std + torch.finfo(scores.dtype).eps)
         if args.score_clip is not None:
             scores = scores.clamp(-args.score_clip, args.score_clip)
-        marks.append(clock())
-        best_reward = save_best(update, raw_scores)  # plumbing (--save-best), before this update changes the weights
-        marks.append(clock())  # saving the best weights is not part of the step time
+        marks.append(clock(device))
+        if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
+            best_reward = save_best(args, accelerator, unwrapped, tokenizer, raw_scores, best_reward, update, run_name)
+        marks.append(clock(device))  # saving the best weights is not part of the step time
 
         # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
         #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
@@ -857,9 +514,11 @@ if __name__ == "__main__":
             for i in range(0, args.batch_size, args.mini_batch_size):
                 mb = slice(i, i + args.mini_batch_size)
                 inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
-                logits, value = forward(unwrapped, *inputs, **forward_kwargs)
+                logits, value = forward(unwrapped, *inputs, **rollout.forward_kwargs)
                 with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-                    ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **forward_kwargs)
+                    ref_logits, _ = forward(
+                        ref_model if ref_model is not None else unwrapped, *inputs, **rollout.forward_kwargs
+                    )
                 old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
                 ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
                 values.append(value)
@@ -879,7 +538,7 @@ if __name__ == "__main__":
             # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
             # loss then shows up as exploding ratios instead of passing silently
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
-        marks.append(clock())
+        marks.append(clock(device))
 
         # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss)
         model.train()
@@ -888,7 +547,7 @@ if __name__ == "__main__":
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(
-                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **forward_kwargs
+                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **rollout.forward_kwargs
                     )
                     logprobs = logprobs_from_logits(logits, responses[mb])
                     pg_loss, vf_loss, stats = ppo_loss(
@@ -919,7 +578,7 @@ if __name__ == "__main__":
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
-        marks.append(clock())
+        marks.append(clock(device))
 
         # ================================ bookkeeping: plumbing from here on ================================
         with torch.no_grad():
@@ -938,7 +597,7 @@ if __name__ == "__main__":
                     "ppo/epochs_done": torch.tensor(float(epochs_done)),
                 }
             )
-            metrics = reduce_mean(metrics)
+            metrics = reduce_mean(accelerator, metrics)
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
         kl_ctl.update(mean_kl, args.batch_size * args.world_size)  # towards its target KL (Ziegler et al. 2019)
@@ -961,19 +620,27 @@ if __name__ == "__main__":
         if (update + 1) % args.log_freq == 0:
             columns = {"query": queries_text, "response": responses_text, "score": raw_scores.tolist()}
             if args.log_ref_responses:
-                columns |= ref_responses(queries, query_mask, queries_text, max_new_tokens, update + 1)
+                columns |= ref_responses(
+                    rollout, scorer, unwrapped, ref_model, queries, query_mask, queries_text, max_new_tokens
+                )
+                logger.log(
+                    reduce_mean(accelerator, {"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}), update + 1
+                )
             logger.samples("samples", columns, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
-            evaluate(update + 1)
+            evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
-            folder = args.checkpoint_dir or f"{args.output_dir}_checkpoints"
-            checkpoint(os.path.join(folder, f"update_{update + 1}"), update + 1)
+            folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
+            # the run's first evaluation and histories too: the summary and the health line compare with its start
+            state = dict(update=update + 1, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
+            state |= dict(first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
-    last_eval = evaluate(args.num_updates)
+    last_eval = evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, args.num_updates)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_model(args.output_dir, last_eval, final=True)
+        save_model(args, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
     window = max(1, len(reward_history) // 10)
     final_kl = float(np.mean(kl_history[-window:]))
     accelerator.print(
@@ -996,3 +663,399 @@ if __name__ == "__main__":
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     end_run(accelerator, logger)  # every rank leaves together
+
+
+# ================================ plumbing: what the loop above calls ================================
+
+
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
+    check_args(
+        args,
+        positive=(
+            "total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
+            "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples "
+            "log_freq compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
+        ),
+        non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
+        fractions="eval_fraction",
+    )
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 < args.top_p <= 1):
+        raise UsageError(
+            f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], top_p in (0, 1]."
+        )
+    if not 1 <= args.min_new_tokens <= args.max_new_tokens:
+        raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
+
+
+def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[list[int]], list[list[int]]]:
+    """The training and held-out queries as token ids (checked before any model is loaded)."""
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    check_columns(dataset, [args.query_column], "--query-column")
+    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
+    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
+    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
+    if too_long and not args.truncate_queries:
+        raise UsageError(
+            f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
+            f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries."
+        )
+    if not all(train_queries) or not all(eval_queries):
+        accelerator.print(f"warning: {sum(not q for q in train_queries + eval_queries)} empty queries left out")
+    train_queries = [q[-args.max_query_length :] for q in train_queries if q]
+    eval_queries = [q[-args.max_query_length :] for q in eval_queries if q]
+    per_update = args.batch_size * args.world_size
+    if len(train_queries) < per_update:
+        raise UsageError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
+    accelerator.print(
+        f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
+        f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
+        f"{len(train_queries) % per_update} queries (different ones each pass)"
+    )
+    return train_queries, eval_queries
+
+
+def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: dict, queries: list[list[int]]):
+    """The policy with its value head (LoRA with --use-peft), the frozen reference (None with LoRA: the policy with its
+    adapter disabled), and the `Scorer` of responses."""
+    is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
+    wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
+    # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
+    # from the checkpoint's accelerate state
+    model = wrapper_class.from_pretrained(
+        args.model_name, value_head_kwargs=dict(init=args.value_head_init), dtype=args.dtype, **quantization
+    )
+    context = context_length(model.config)
+    if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
+        raise UsageError(
+            f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
+            f"exceeds the model's context of {context} tokens: shorten one of them."
+        )
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if quantization:
+        model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
+    if args.use_peft and peft_model_of(model) is None:
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
+        )
+        model.pretrained_model = get_peft_model(model.pretrained_model, lora)
+    ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
+    scorer = Scorer(args, model, accelerator)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator.print(
+        f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
+        f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
+    )
+    reward_context = context_length(scorer.reward_model.config if scorer.reward_model is not None else None)
+    if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
+        texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
+        longest = max(len(ids) for ids in scorer.tokenizer(texts)["input_ids"])
+        if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
+            raise UsageError(
+                f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
+                f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
+                "--truncate-queries) or --max-new-tokens."
+            )
+    return model, ref_model, scorer
+
+
+class Rollout:
+    """Left-padded queries and sampled responses of a policy (HF `generate` with the inverse-CDF draw, or on CUDA
+    `FastGenerator`), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
+    (temperature, decoder start, logit mask) that every forward pass must see too."""
+
+    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict):
+        self.args, self.tokenizer, self.accelerator = args, tokenizer, accelerator
+        self.batch = args.generation_batch_size or args.batch_size
+        # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
+        self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
+        self.stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
+        logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
+        self.forward_kwargs = dict(
+            temperature=args.temperature, decoder_start_token_id=self.decoder_start, logit_mask=logit_mask
+        )
+        # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
+        processors = [logit_mask] if logit_mask is not None else []
+        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, processors)
+        self.fast = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
+        if (
+            args.fast_generation
+            and accelerator.device.type == "cuda"
+            and args.inverse_cdf_sampling
+            and self.decoder_start is None
+            and logit_mask is None
+            and not quantization
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        ):
+            self.fast = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
+        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+
+    def pad_left(self, queries: list[list[int]]):
+        batch = self.tokenizer.pad({"input_ids": queries}, return_tensors="pt")
+        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
+
+    @torch.no_grad()
+    def generate(self, policy, queries, query_mask, max_new_tokens: int, fast: bool = True):
+        """Responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or stop
+        sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them. `fast`: the policy's
+        own samples, which `self.fast` (when there is one) draws instead of `policy.generate`."""
+        tokenizer, outputs = self.tokenizer, []
+        for i in range(0, len(queries), self.batch):
+            ids, mask = queries[i : i + self.batch], query_mask[i : i + self.batch]
+            with self.accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
+                if fast and self.fast is not None:  # the responses only
+                    out = self.fast(ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
+                else:
+                    out = policy.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=max_new_tokens,
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        **self.sampling,
+                    )
+                    out = out[:, 1:] if self.decoder_start is not None else out[:, queries.shape[1] :]
+            outputs.append(out)
+        width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
+        responses = torch.cat([F.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id) for o in outputs])
+        return truncate_responses(responses, tokenizer.eos_token_id, tokenizer.pad_token_id, self.stop_token_ids)
+
+
+class Scorer:
+    """One score per (query, response): `reward_fn`, a reward model's logit on the text as reward_modeling.py trains it
+    ("query response<eos>", the EOS only for responses that ended), or a `RewardAdapter` on the policy's base."""
+
+    def __init__(self, args: Args, model, accelerator: Accelerator):
+        self.args, self.accelerator, self.policy = args, accelerator, model
+        self.reward_model, self.tokenizer, self.index, self.adapter = None, None, 0, None
+        if args.reward_model is not None and args.reward_adapter is None:
+            self.reward_model, self.index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
+            self.tokenizer = load_tokenizer(args.reward_model, padding_side="right")
+        if args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
+            self.adapter = RewardAdapter(model, args.reward_adapter, base_model_name=args.model_name)
+            self.tokenizer = load_tokenizer(args.model_name, padding_side="right")
+
+    def ready(self, policy) -> None:
+        """On the accelerator's device, with the prepared policy: a bad reward (wrong length, NaN) fails here."""
+        device = self.accelerator.device
+        self.reward_model = self.reward_model.to(device) if self.reward_model is not None else None
+        if self.adapter is not None:
+            self.adapter.score = self.adapter.score.to(device)
+        self.policy = policy
+        self(["Hello", "Hi"], [" there", " you"], [True, False])
+
+    @torch.no_grad()
+    def __call__(self, queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
+        if self.tokenizer is None:
+            return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
+        eos, size = self.tokenizer.eos_token, self.args.reward_batch_size
+        texts = [reward_model_text(q, r, eos, e) for q, r, e in zip(queries_text, responses_text, ended)]
+        scores = []
+        for i in range(0, len(texts), size):
+            batch = self.tokenizer(texts[i : i + size], padding=True, return_tensors="pt").to(self.accelerator.device)
+            with self.accelerator.autocast():
+                logits = (
+                    self.reward_model(**batch).logits if self.reward_model is not None else self.adapter(self.policy, **batch)
+                )
+            scores.append(logits[:, self.index].float().cpu())
+        return check_scores(
+            torch.cat(scores), len(texts), f"reward model {self.args.reward_model or self.args.reward_adapter}"
+        )
+
+
+class RewardAdapter:
+    """TRL's multi-adapter RL: the LoRA reward adapter and score head that `reward_modeling.py --use-peft` saves, loaded
+    as a second, frozen adapter of the peft policy, so one copy of the base weights serves policy, reference (adapters
+    off) and reward model. Load it before the model is wrapped for distributed training."""
+
+    def __init__(self, model, path: str, base_model_name: str, adapter_name: str = "reward"):
+        peft_model = peft_model_of(model)
+        if peft_model is None:
+            raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = json.load(f)["base_model_name_or_path"]
+
+        def canonical(name: str) -> str:  # a local folder by its real path, a hub id as it is
+            return os.path.realpath(name) if os.path.exists(name) else name
+
+        if canonical(base) != canonical(base_model_name):
+            raise UsageError(
+                f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
+                "they must share the base model (or use --reward-model with a full reward model)."
+            )
+        peft_model.load_adapter(path, adapter_name, is_trainable=False)
+        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+        score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
+        if "weight" not in score:
+            raise UsageError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
+        self.score = torch.nn.Linear(score["weight"].shape[1], 1, bias="bias" in score).to(score["weight"])
+        self.score.load_state_dict(score)
+        self.score.requires_grad_(False)
+        self.gain, self.bias = 1.0, 0.0
+        normalization = os.path.join(path, REWARD_NORMALIZATION_FILE)  # reward_modeling.py --normalize-reward
+        if os.path.isfile(normalization):
+            with open(normalization) as f:
+                stats = json.load(f)
+            self.gain, self.bias = stats["gain"], stats["bias"]
+        self.name, self.policy_adapter = adapter_name, peft_model.active_adapter
+
+    @torch.no_grad()
+    def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Scores [B, 1] at each sequence's last real token, with the reward adapter on for this pass only (TRL's
+        `compute_reward_score`)."""
+        peft_model = peft_model_of(model)
+        peft_model.set_adapter(self.name)
+        try:
+            hidden = peft_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
+            ).hidden_states[-1]
+        finally:
+            peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
+        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
+        scores = self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype))
+        return scores * self.gain + self.bias
+
+
+@torch.no_grad()
+@torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
+def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_queries, logger, update: int) -> dict[str, float]:
+    """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
+    accelerator, tokenizer = rollout.accelerator, rollout.tokenizer
+    torch.manual_seed(args.seed + accelerator.process_index)
+    queries, query_mask = rollout.pad_left(eval_queries)
+    policy.eval()
+    responses, _, ended = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
+    queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
+    responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    scores = scorer(queries_text, responses_text, ended.tolist())
+    metrics = {
+        "eval/reward_mean": scores.mean(),
+        "eval/reward_std": scores.std(),
+        "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
+        "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text)),
+    }
+    extra = metric_fn(queries_text, responses_text)
+    metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
+    metrics = reduce_mean(accelerator, metrics)
+    logger.log(metrics, update)
+    logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
+    return metrics
+
+
+@torch.no_grad()
+@torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
+def ref_responses(rollout: Rollout, scorer: Scorer, policy, ref_model, queries, query_mask, queries_text, max_new_tokens):
+    """Reference-model responses to the logged queries and their scores, as sample-table columns."""
+    with reference_context(policy, ref_model):
+        responses, _, ended = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, fast=False)
+    responses_text = rollout.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return {"ref response": responses_text, "ref score": scorer(queries_text, responses_text, ended.tolist()).tolist()}
+
+
+def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_reward: float, update: int, run_name: str) -> float:
+    """TRL's push_to_hub_if_best: if this batch's mean raw score (over ranks) is the best so far, save the weights that
+    produced it (before this update's optimisation) to {output_dir}_best. Returns the best batch reward so far."""
+    batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
+    if batch_reward <= best_reward:
+        return best_reward
+    if accelerator.is_main_process:
+        metrics = {"best/reward_mean": batch_reward, "best/update": update}
+        save_model(args, policy, tokenizer, f"{args.output_dir}_best", metrics, final=False, run_name=run_name)
+    return batch_reward
+
+
+def save_model(args: Args, policy, tokenizer, path: str, metrics: dict, final: bool, run_name: str) -> None:
+    """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically by the
+    main process; uploaded with --push-to-hub (the final model, or each new best with --save-best)."""
+    if peft_model_of(policy) is not None:  # LoRA merged into the base: loads with plain from_pretrained
+        # the final save merges in place; a best checkpoint merges a copy, so training goes on
+        merged = (policy.pretrained_model if final else copy.deepcopy(policy.pretrained_model)).merge_and_unload()
+        v_head, policy = policy.v_head, type(policy)(merged)
+        policy.v_head = v_head
+    with atomic_directory(path) as tmp:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, args, "ppo", metrics)
+    if args.push_to_hub and final != args.save_best:
+        policy.pretrained_model.push_to_hub(args.hub_model_id or run_name)
+        tokenizer.push_to_hub(args.hub_model_id or run_name)
+
+
+def reduce_mean(accelerator: Accelerator, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Average scalar metrics over ranks in one collective and one device sync."""
+    names = list(metrics)
+    values = accelerator.reduce(torch.stack([metrics[k].float().to(accelerator.device) for k in names]), "mean")
+    return dict(zip(names, values.tolist()))
+
+
+def clock(device: torch.device) -> float:
+    """Wall time once the device has finished its queued work, so that phase times add up on a GPU too."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
+
+
+def top_token_share(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """The share of the most frequent token among all response tokens [B, T] (padding left out): a collapse into one
+    repeated word shows as a share near 1; varied replies stay low."""
+    tokens = responses[responses != pad_token_id]
+    return tokens.unique(return_counts=True)[1].max() / len(tokens) if len(tokens) else torch.tensor(0.0)
+
+
+def distinct_bigrams(texts: list[str]) -> float:
+    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): low when many responses
+    repeat one phrase, even where each response is varied within itself."""
+    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
+    return len(set(bigrams)) / max(1, len(bigrams))
+
+
+def health_check(
+    final_kl: float,
+    target: float,
+    top_share: float,
+    distinct_words: float,
+    distinct_2: float,
+    start_distinct_2: float,
+    start_top_share: float,
+) -> tuple[str, str | None]:
+    """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
+    responses collapsed into one token (over 30% of response tokens), responses filling up with one token (its share
+    tripled, to over 20%: e.g. whitespace padding a reward model happens to like), or responses that repeat each other
+    (distinct-2 below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model
+    likes) mean reward hacking, not learning."""
+    line = (
+        f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
+        f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
+        f"start), the most frequent token {top_share:.0%} of response tokens ({start_top_share:.0%} at the start)"
+    )
+    advice = (
+        "a reward gained this way is reward hacking, not learning: lower --learning-rate or --target, or raise --init-kl-coef"
+    )
+    if final_kl > 3 * target:
+        return line, f"warning: the policy has left its reference (KL {final_kl:.1f} > 3 x target {target:g}); {advice}"
+    if top_share > 0.3:
+        return line, f"warning: the responses collapsed (one token is {top_share:.0%} of them); {advice}"
+    if top_share > max(0.2, 3 * start_top_share):
+        return line, (
+            f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
+            f"the start); {advice}"
+        )
+    if distinct_2 < 0.7 * start_distinct_2:
+        return line, (
+            f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
+            f"the start); {advice}"
+        )
+    return line, None
+
+
+if __name__ == "__main__":
+    main(cli(Args))

@@ -26,29 +26,20 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
-from common import (
-    REWARD_NORMALIZATION_FILE,
-    UsageError,
-    atomic_directory,
-    check_args,
+from common.core import UsageError, check_args, weight_decay_groups
+from common.loading import (
     check_columns,
-    cli,
     context_length,
-    end_run,
-    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
-    peft_model_of,
     quantization_kwargs,
     reward_model_text,
-    save_checkpoint,
-    start_run,
     train_eval_split,
-    weight_decay_groups,
-    write_model_card,
 )
+from common.models import REWARD_NORMALIZATION_FILE, peft_model_of
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -74,10 +65,8 @@ class Args:
     (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
     random)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
-    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
-    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
-    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
+    """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
+    `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
     dataset_name: str = "builtin:vader-preferences"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:vader-preferences"""
     dataset_split: str = "train"
@@ -109,10 +98,8 @@ class Args:
     gradient_accumulation_steps: int = 1
     """forward/backward passes per optimizer step"""
     length_groups: int = 2
-    """the 2 x batch_size sequences of a batch are sorted by length and scored in this many forward passes, each padded
-    only to its own longest sequence: the same rewards and gradients with fewer pad tokens (three quarters of a batch
-    of the built-in pairs is padding when padded together). Each pass adds a gradient of the embedding matrix, so with
-    a small model and a large vocabulary 2 is about right; 1 is one padded pass (TRL's)"""
+    """a batch's 2 x batch_size sequences, sorted by length, run in this many forward passes, each padded to its own
+    longest: the same rewards and gradients with fewer pad tokens; 1: one padded pass (TRL's)"""
     num_epochs: int = 4
     """passes over the training pairs"""
     max_steps: int = -1
@@ -362,11 +349,6 @@ if __name__ == "__main__":
         model.train()
         return results
 
-    def write_model(folder: str) -> None:
-        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
-        accelerator.unwrap_model(model).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
     # ---- train ----
     first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
     first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
@@ -402,7 +384,8 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval}, write_model)
+            state = {"step": step + 1, "first_eval": first_eval}
+            save_checkpoint(accelerator, folder, state, accelerator.unwrap_model(model), tokenizer)
     last_eval = evaluate(total_steps)
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----

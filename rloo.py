@@ -14,9 +14,6 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
-import importlib
-import importlib.util
-import json
 import math
 import os
 import time
@@ -30,32 +27,12 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common import (
-    FastGenerator,
-    UsageError,
-    atomic_directory,
-    check_args,
-    check_columns,
-    cli,
-    context_length,
-    create_reference_model,
-    end_run,
-    exact_div,
-    load_checkpoint,
-    load_data,
-    load_pretrained,
-    load_reward_model,
-    load_tokenizer,
-    peft_model_of,
-    reference_context,
-    reward_model_text,
-    sampling_kwargs,
-    save_checkpoint,
-    start_run,
-    train_eval_split,
-    weight_decay_groups,
-    write_model_card,
-)
+from common.core import UsageError, check_args, exact_div, weight_decay_groups
+from common.loading import context_length, load_pretrained, load_tokenizer
+from common.models import create_reference_model, peft_model_of, reference_context
+from common.performance import FastGenerator, sampling_kwargs
+from common.rewards import extract_answer, load_rewards, load_task, score_completions
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -77,13 +54,11 @@ class Args:
 
     # Model and data
     model_name: str = "builtin:tiny-arith"
-    """the policy: a hub id, a local folder, or builtin:tiny-arith (builtin:tiny-chat after a short SFT pass on the
-    default task's answers, built on first use: a warm start that already answers some problems right)"""
+    """the policy: a hub id, a local folder, or a built-in (builtin:tiny-arith: a small GPT-2 warm-started on the default
+    task's answers, built on first use)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
-    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
-    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
-    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
+    """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
+    `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
     dataset_name: str = "reasoning-gym:chain_sum"
     """reasoning-gym:<task> (seeded train and held-out problems, scored by the task's own verifier), or a hub id /
     local json/jsonl/csv/parquet file with a prompt column and an answer column"""
@@ -106,13 +81,11 @@ class Args:
 
     # Rewards
     reward_funcs: list[str] = field(default_factory=lambda: ["verifier"])
-    """reward functions, summed with --reward-weights: verifier (reasoning-gym's score_answer, else an exact match
-    with the answer column), format (1 if the completion is one line that ends with EOS), or "module:function" /
-    "file.py:function", a callable (prompts, completions, **columns) -> list[float | None]"""
+    """reward functions, summed with --reward-weights: verifier (the task's answer check), format (one line ending with
+    EOS), or "module:function" / "file.py:function", a callable (prompts, completions, **columns) -> list[float | None]"""
     reward_model: str | None = None
-    """a reward model as one more reward function (TRL: a model in reward_funcs), logged as reward_model: a trained
-    sequence classifier (a hub id, a folder written by reward_modeling.py, builtin:tiny-chat-rm) scored on
-    "prompt completion<eos>" as reward_modeling.py trains it; its weight is the last of --reward-weights"""
+    """a trained sequence classifier as one more reward (hub id, folder from reward_modeling.py, builtin:tiny-chat-rm),
+    scored on "prompt completion<eos>"; its weight is the last of --reward-weights"""
     reward_label: str | None = None
     """which logit of --reward-model is the reward: a label name or an index; None: a single-logit head"""
     reward_weights: list[float] | None = None
@@ -161,13 +134,11 @@ class Args:
     top_k: int = 0
     """top-k sampling (0: off)"""
     inverse_cdf_sampling: bool = True
-    """draw each token by inverse CDF (`common.InverseCDFSampler`): the distribution of HF's `do_sample=True`, whose
-    torch.multinomial draws one exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at GPT-2's 50k
-    vocabulary); --no-inverse-cdf-sampling: HF's own sampling"""
+    """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
+    (common/performance.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
-    """on CUDA, sample completions with `common.FastGenerator`: a static KV cache, each decoding step's forward one compiled
-    CUDA graph, the same distribution as the inverse-CDF `generate` (each new batch shape compiles first: 15-30 s on an
-    H100). Not with FSDP or DeepSpeed; --no-fast-generation, --no-inverse-cdf-sampling and CPU use HF `generate`"""
+    """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
+    --no-fast-generation: HF `generate`"""
 
     # LoRA
     use_peft: bool = False
@@ -186,7 +157,7 @@ class Args:
     """held-out prompts per evaluation, one completion each, sampled as in training with a fixed seed"""
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
-    model): the policy in from_pretrained format (with LoRA: the adapter) beside accelerate's state"""
+    model): the policy in from_pretrained format beside accelerate's state"""
     resume_from: str | None = None
     """a checkpoint folder to resume from (policy, optimizer, scheduler, RNG, update)"""
     output_dir: str = "outputs/rloo"
@@ -221,116 +192,204 @@ def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
 
     logps, old_logps, advantages: [B], a sequence log-prob being the masked sum of its tokens' log-probs. Loss
     mean over sequences of -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old_logp).
-    Returns (loss, stats: the fraction of sequences clipped below, above, and in either region)."""
+    Returns (loss, stats: for the sequences clipped below, above and in either region, their [count, sequences], so
+    that the caller pools them over mini-batches and processes)."""
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages, clipped * advantages).mean()  # Schulman et al. 2017, eq. 7, per sequence
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+        n = torch.tensor(float(len(ratio)), device=ratio.device)
         stats = {
-            "clip_ratio/low_mean": low.mean(),
-            "clip_ratio/high_mean": high.mean(),
-            "clip_ratio/region_mean": torch.maximum(low, high).mean(),
+            "clip_ratio/low_mean": torch.stack([low.sum(), n]),
+            "clip_ratio/high_mean": torch.stack([high.sum(), n]),
+            "clip_ratio/region_mean": torch.stack([torch.maximum(low, high).sum(), n]),
         }
     return loss, stats
 
 
-def extract_answer(completion: str) -> str:
-    """The answer in a completion: its first line, stripped."""
-    return completion.strip().split("\n")[0].strip()
-
-
-def verifier(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float | None]:
-    """1 for a completion whose answer (`extract_answer`) the task accepts: reasoning-gym's own `score_answer` for a
-    reasoning-gym task (in [0, 1]; a `rg_entry` column carries the problem), else an exact match with the answer."""
-    if "rg_entry" in columns:
-        import reasoning_gym
-
-        scores = []
-        for completion, entry in zip(completions, columns["rg_entry"]):
-            entry = json.loads(entry)
-            score = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
-            scores.append(float(score(extract_answer(completion), entry)))
-        return scores
-    return [float(extract_answer(c) == str(a).strip()) for c, a in zip(completions, answer)]
-
-
-def format_reward(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float | None]:
-    """1 for a completion that is one non-empty line and ends with EOS (a clean, parseable answer), else 0."""
-    return [float(e and bool(c.strip()) and "\n" not in c.strip()) for c, e in zip(completions, ended)]
-
-
-REWARD_FUNCS = {"verifier": verifier, "format": format_reward}
-
-
-def resolve_reward(spec: str):
-    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"."""
-    if spec in REWARD_FUNCS:
-        return REWARD_FUNCS[spec]
-    if ":" not in spec:
-        raise UsageError(f"Unknown reward function {spec!r}: choose {sorted(REWARD_FUNCS)} or give 'module:function'.")
-    module_name, name = spec.rsplit(":", 1)
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise UsageError(f"--reward-funcs {spec}: no such file {module_name!r}.")
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    if not callable(getattr(module, name, None)):
-        raise UsageError(f"--reward-funcs {spec}: {module_name} has no function {name!r}.")
-    return getattr(module, name)
-
-
-def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32"):
-    """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on
-    "prompt completion<eos>" (the EOS only after a completion that ended), the text reward_modeling.py trains on."""
-    model, index = load_reward_model(name, label, dtype)
-    model, tokenizer = model.to(device), load_tokenizer(name, padding_side="right")
-
-    @torch.no_grad()
-    def reward_model(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float]:
-        texts = [reward_model_text(p, c, tokenizer.eos_token, e) for p, c, e in zip(prompts, completions, ended)]
-        batches = (
-            tokenizer(texts[i : i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64)
-        )
-        return [x for batch in batches for x in model(**batch).logits[:, index].float().tolist()]
-
-    return reward_model
-
-
-def check_rewards(values, n: int, name: str) -> list[float]:
-    """One number (or None) per completion, as floats with NaN for None; a one-line error otherwise."""
-    if not isinstance(values, (list, tuple)) or len(values) != n:
+def main(args: Args) -> None:
+    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
+    check(args)
+    accelerator = Accelerator()
+    device, world = accelerator.device, accelerator.num_processes
+    per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
+    step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
+    exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
+    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
+    sources = len(args.reward_funcs) + (args.reward_model is not None)
+    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)
+    if len(weights) != sources:
         raise UsageError(
-            f"reward function {name} returned {type(values).__name__} of length "
-            f"{len(values) if hasattr(values, '__len__') else '?'} for {n} completions: return a list with "
-            "one float (or None) each."
+            f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
+            "give one weight each."
         )
-    bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
-    if bad:
-        raise UsageError(f"reward function {name} returned {bad[0]!r}: every reward must be a finite number or None.")
-    return [math.nan if v is None else float(v) for v in values]
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    train_rows, eval_rows, overlap = load_task(args, tokenizer)
+    batches_per_epoch = len(train_rows) // (args.batch_size * world)
+    if batches_per_epoch == 0:
+        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
+    reward_funcs = load_rewards(args, train_rows, device)
+    accelerator.print(
+        f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
+        f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
+        f"{args.num_generations} completions"
+    )
+    model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
+    unwrapped = accelerator.unwrap_model(model)
+    sampler = Sampler(args, tokenizer, unwrapped, accelerator)
+    start_update, resumed = 0, {}
+    if args.resume_from:  # the reference above is the initial weights; the policy's come from the checkpoint
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_update = resumed["update"]
+        if start_update >= num_updates:
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
+                f"has {num_updates}: raise --total-prompts to train further."
+            )
+        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
+
+    def score(rows, texts, ended):
+        return score_completions(reward_funcs, rows, texts, ended.tolist(), device)
+
+    first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
+    first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
+    progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
+    for update in progress:
+        update_start = time.time()
+        # ================================ the algorithm ================================
+        # 1. generate: k completions of each of this rank's prompts, the k of a prompt side by side (group order)
+        epoch, i = divmod(update, batches_per_epoch)
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * world + accelerator.process_index) * args.batch_size
+        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
+        prompts, prompt_mask = sampler.pad_left(rows)
+        unwrapped.eval()
+        completions, mask, ended = sampler.generate(prompts, prompt_mask)  # [N, T], N = batch_size * k
+        completions_text = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        generate_time = time.time() - update_start
+
+        if args.mask_truncated_completions:  # a cut completion's tokens take no part in the loss (nor in its KL)
+            mask = mask * ended[:, None].float()
+
+        # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
+        #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
+        #    policy: the old log-probs are then the training forward's own, detached, and this pass is skipped
+        on_policy = args.num_iterations == 1 and step_size == len(rows)
+        old_logps = ref_logps = None
+        if not on_policy or args.beta > 0:
+            with torch.no_grad():
+                old_logps, ref_logps = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
+                for mb in torch.arange(len(rows), device=device).split(args.mini_batch_size):
+                    inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature)
+                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * mask[mb]).sum(1)
+                    if args.beta > 0:
+                        with reference_context(unwrapped, ref_model), accelerator.autocast():
+                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * mask[mb]).sum(1)
+
+        # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
+        #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
+        rewards_per_func = score(rows, completions_text, ended)  # [N, F]
+        scores = (rewards_per_func * weights).nansum(1)
+        scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
+        if args.reward_clip_range is not None:
+            scores = scores.clamp(*args.reward_clip_range)
+        kl = old_logps - ref_logps if args.beta > 0 else torch.zeros_like(scores)  # [N], first-order, per sequence
+        rewards = scores - args.beta * kl
+
+        # 4. leave-one-out advantages over every process's groups: A_i = r_i - mean of the other k - 1 rewards
+        all_rewards = accelerator.gather(rewards)  # [world * N]: --normalize-advantages uses the whole batch
+        all_advantages = rloo_advantages(all_rewards, args.num_generations, args.normalize_advantages)
+        local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
+        advantages = all_advantages[local]
+
+        # 5. optimise: num_iterations passes of the clipped sequence-level objective over shuffled mini-batches
+        model.train()
+        stats_list = []
+        for _ in range(args.num_iterations):
+            permutation = torch.randperm(len(rows), device=device)
+            for s in range(0, len(rows), step_size):
+                for mb in permutation[s : s + step_size].split(args.mini_batch_size):
+                    logprobs, entropy = per_token_logprobs(
+                        model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
+                    )
+                    logps = (logprobs * mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
+                    old = logps.detach() if old_logps is None else old_logps[mb]
+                    loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
+                    accelerator.backward(loss / args.gradient_accumulation_steps)  # the step's gradient: their mean
+                    stats_list.append(stats | {"entropy": torch.stack([(entropy * mask[mb]).sum(), mask[mb].sum()])})
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+
+        # ================================ bookkeeping ================================
+        all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
+        lengths = accelerator.gather(mask.sum(1))
+        is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
+        metrics = {
+            f"rewards/{spec}/{stat}": value
+            for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
+            for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
+        }
+        # each statistic over the processes per mini-batch (clip fractions per sequence, the entropy per token, TRL
+        # 1.x), then the mean over mini-batches
+        totals = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]), "sum")
+        step_stats = (totals[..., 0] / totals[..., 1].clamp(min=1.0)).mean(0)
+        metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
+        metrics |= {
+            "reward": all_scores.nanmean().item(),
+            "reward_std": nanstd(all_scores).item(),
+            "frac_reward_zero_std": is_std_zero.float().mean().item(),
+            "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),  # per token, as TRL logs it
+            "rewards/kl_penalized": all_rewards.nanmean().item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "time/generate": generate_time,
+            "time/step": time.time() - update_start,
+        }
+        logger.log(metrics, update + 1)
+        history.append((metrics["reward"], metrics["kl"]))
+        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")
+        if (update + 1) % args.log_freq == 0:
+            samples = {"prompt": [r["prompt"] for r in rows], "completion": completions_text}
+            logger.samples("samples", samples | {"reward": scores.tolist(), "advantage": advantages.tolist()}, update + 1)
+        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
+            evaluate(args, sampler, eval_rows, score, logger, update + 1)
+        if args.save_freq and (update + 1) % args.save_freq == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
+            state = {"update": update + 1, "first_eval": first_eval, "history": history}
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer)
+
+    # ---- final evaluation, save (plain from_pretrained format; LoRA merged) and summary ----
+    last_eval = evaluate(args, sampler, eval_rows, score, logger, num_updates)
+    save_final(args, accelerator, unwrapped, tokenizer, last_eval)
+    window, done = max(1, len(history) // 10), num_updates - start_update  # updates this process ran
+    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
+    accelerator.print(
+        f"rloo: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
+        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f} (KL per token {last[1]:.3f}); "
+        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
+        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
+        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else "")
+    )
+    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
+    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
+        accelerator.print(
+            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
+            "start): the policy collapsed onto a few answers; lower --learning-rate"
+        )
+    end_run(accelerator, logger)  # every rank leaves together
 
 
-def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[dict]:
-    """Seeded problems of a reasoning-gym task: prompt, answer, and the whole entry (for its verifier) as JSON."""
-    import reasoning_gym
-
-    try:
-        problems = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
-    except (KeyError, ValueError, TypeError) as error:
-        raise UsageError(
-            f"reasoning-gym:{task} with {config}: {error} (reasoning_gym.factory.DATASETS lists the "
-            "tasks; --task-config takes the task's options as JSON)."
-        ) from None
-    return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
-
-
-if __name__ == "__main__":
-    args = cli(Args)
+# ================================ plumbing: what the loop above calls ================================
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
@@ -349,66 +408,11 @@ if __name__ == "__main__":
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
         raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
-    accelerator = Accelerator()
-    device, world = accelerator.device, accelerator.num_processes
-    per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
-    exact_div(
-        per_process,
-        args.mini_batch_size * args.gradient_accumulation_steps,
-        "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)",
-    )
-    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
-    reward_funcs = [(spec, resolve_reward(spec)) for spec in args.reward_funcs]  # (name, function); the model below
-    sources = len(reward_funcs) + (args.reward_model is not None)
-    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)
-    if len(weights) != sources:
-        raise UsageError(
-            f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
-            "give one weight each."
-        )
-    run_name, logger = start_run(args, accelerator)
 
-    # ---- data: prompts, reference answers and every other column (for the reward functions) ----
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    if args.dataset_name.startswith("reasoning-gym:"):
-        task = args.dataset_name.split(":", 1)[1]
-        try:
-            config = json.loads(args.task_config)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"--task-config {args.task_config!r} is not JSON ({error.msg}).") from None
-        train_rows = reasoning_gym_rows(task, config, args.train_size, args.seed)
-        eval_rows = reasoning_gym_rows(task, config, args.eval_size, args.seed + 1)
-    else:
-        dataset = load_data(args.dataset_name, args.dataset_split)
-        check_columns(dataset, [args.prompt_column, args.answer_column], "--prompt-column / --answer-column")
-        dataset = dataset.rename_columns({args.prompt_column: "prompt", args.answer_column: "answer"})
-        train_data, eval_data = train_eval_split(dataset, args.eval_fraction, args.seed)
-        train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
-    eval_rows = eval_rows[: args.eval_samples]
-    overlap = len({r["prompt"] for r in eval_rows} & {r["prompt"] for r in train_rows}) / len(eval_rows)
-    for rows in (train_rows, eval_rows):
-        for row in rows:
-            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"][-args.max_prompt_length :]
-    batches_per_epoch = len(train_rows) // (args.batch_size * world)
-    if batches_per_epoch == 0:
-        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
-    if args.reward_model is not None:
-        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, args.reward_label, device, args.dtype)))
-    # every reward function on two real rows before any generation: a wrong length or a non-number fails now
-    probe = {k: [r[k] for r in train_rows[:2]] for k in train_rows[0] if k != "prompt_ids"}
-    for spec, func in reward_funcs:
-        check_rewards(
-            func(probe["prompt"], [" 0", " 1"], ended=[True, False], **{k: v for k, v in probe.items() if k != "prompt"}),
-            2,
-            spec,
-        )
-    accelerator.print(
-        f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
-        f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
-        f"{args.num_generations} completions"
-    )
 
-    # ---- models ----
+def load_models(args: Args, accelerator: Accelerator, num_updates: int):
+    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and constant schedule, and the frozen
+    reference (None at beta 0, or with LoRA: the adapter-disabled policy is the reference)."""
     model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
     context = context_length(model.config)
     if context and args.max_prompt_length + args.max_completion_length > context:
@@ -421,58 +425,56 @@ if __name__ == "__main__":
             module.p = 0.0
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    # the KL penalty needs a reference (beta 0: none at all); with LoRA the reference is the adapter-disabled policy
-    ref_model = create_reference_model(model) if args.beta > 0 else None
+    ref_model = create_reference_model(model) if args.beta > 0 else None  # the KL penalty needs one
     if ref_model is not None:
-        ref_model = ref_model.to(device)
+        ref_model = ref_model.to(accelerator.device)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    per_process = args.batch_size * args.num_generations
     steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
-    scheduler = get_scheduler("constant", optimizer, num_training_steps=num_updates * steps_per_update * world)
+    scheduler = get_scheduler(
+        "constant", optimizer, num_training_steps=num_updates * steps_per_update * accelerator.num_processes
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
-    start_update, resumed = 0, {}
-    if args.resume_from:  # the reference above is the initial weights; the policy's come from the checkpoint
-        resumed = load_checkpoint(accelerator, args.resume_from)
-        start_update = resumed["update"]
-        if start_update >= num_updates:
-            raise UsageError(
-                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
-                f"has {num_updates}: raise --total-prompts to train further."
-            )
-        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
+    return model, ref_model, optimizer, scheduler
 
-    def pad_left(rows: list[dict]):
-        batch = tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
-        return batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
-    sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
-    fast_generator = None
-    if (
-        args.fast_generation
-        and device.type == "cuda"
-        and args.inverse_cdf_sampling
-        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-    ):
-        fast_generator = FastGenerator(unwrapped, args.temperature, args.top_k, args.top_p)
-    accelerator.print(f"rollouts: {'compiled static-cache decoding' if fast_generator else 'HF generate'}")
+class Sampler:
+    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
+    `FastGenerator` (the same distribution)."""
+
+    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator):
+        self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
+        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
+        self.fast = None
+        if (
+            args.fast_generation
+            and accelerator.device.type == "cuda"
+            and args.inverse_cdf_sampling
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        ):
+            self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
+        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+
+    def pad_left(self, rows: list[dict]):
+        batch = self.tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
+        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
     @torch.no_grad()
-    def generate(prompts, prompt_mask):
+    def generate(self, prompts, prompt_mask):
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
-        with accelerator.autocast():
-            if fast_generator is not None:
-                completions = fast_generator(
-                    prompts, prompt_mask, args.max_completion_length, tokenizer.eos_token_id, tokenizer.pad_token_id
-                )[0]
+        tokenizer, length = self.tokenizer, self.args.max_completion_length
+        with self.accelerator.autocast():
+            if self.fast is not None:
+                completions = self.fast(prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
             else:
-                out = unwrapped.generate(
+                out = self.policy.generate(
                     input_ids=prompts,
                     attention_mask=prompt_mask,
-                    **sampling,
-                    max_new_tokens=args.max_completion_length,
+                    **self.sampling,
+                    max_new_tokens=length,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
                 )
@@ -480,225 +482,78 @@ if __name__ == "__main__":
         is_eos = completions == tokenizer.eos_token_id
         ended = is_eos.any(1)
         last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
-        mask = torch.arange(completions.shape[1], device=device)[None] <= last[:, None]
+        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
         return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended
 
-    def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, entropy: bool = False):
-        """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's
-        entropy [N, T] (for the logs; None otherwise)."""
-        input_ids = torch.cat([prompts, completions], 1)
-        attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
-        T = completions.shape[1]
-        logits = net(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1
-        ).logits[:, :-1]
-        if args.temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
-            logits = logits / args.temperature
-        logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
-        with torch.no_grad():
-            entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
-        return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
 
-    def score(rows: list[dict], completions_text: list[str], ended: list[bool]) -> torch.Tensor:
-        """Rewards [N, F] of each completion by each reward function (NaN where a function returned None)."""
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
-        prompts_text = [r["prompt"] for r in rows]
-        return torch.tensor(
-            [
-                check_rewards(f(prompts_text, completions_text, ended=ended, **columns), len(rows), spec)
-                for spec, f in reward_funcs
-            ],
-            device=device,
-        ).T
+def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
+    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
+    [N, T] (for the logs; None otherwise)."""
+    input_ids = torch.cat([prompts, completions], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
+    T = completions.shape[1]
+    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
+    logits = logits[:, :-1]
+    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
+    with torch.no_grad():
+        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
+    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
 
-    @torch.no_grad()
-    @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-    def evaluate(update: int) -> dict[str, float]:
-        """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
-        (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
-        torch.manual_seed(args.seed + accelerator.process_index)
-        unwrapped.eval()
-        share = eval_rows[accelerator.process_index :: world]
-        rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
-        totals = torch.zeros(3, device=device)
-        table = {"prompt": [], "completion": [], "answer": [], "score": []}
-        for i in range(0, len(rows), 64):
-            chunk = rows[i : i + 64]
-            completions, mask, ended = generate(*pad_left(chunk))
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            scores = score(chunk, texts, ended.tolist())[:, 0]
-            totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
-            table = {
-                "prompt": table["prompt"] + [r["prompt"] for r in chunk],
-                "completion": table["completion"] + texts,
-                "answer": table["answer"] + [r["answer"] for r in chunk],
-                "score": table["score"] + scores.tolist(),
-            }
-        totals = accelerator.reduce(totals, "sum")
-        answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
-        top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
-        metrics = {
-            "eval/reward": (totals[0] / totals[2]).item(),
-            "eval/completion_length": (totals[1] / totals[2]).item(),
-            "eval/top_answer_share": top_share.item(),
+
+@torch.no_grad()
+@torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
+def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger, update: int) -> dict[str, float]:
+    """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
+    (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
+    accelerator, device, world = sampler.accelerator, sampler.accelerator.device, sampler.accelerator.num_processes
+    torch.manual_seed(args.seed + accelerator.process_index)
+    sampler.policy.eval()
+    share = eval_rows[accelerator.process_index :: world]
+    rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
+    totals = torch.zeros(3, device=device)
+    table = {"prompt": [], "completion": [], "answer": [], "score": []}
+    for i in range(0, len(rows), 64):
+        chunk = rows[i : i + 64]
+        completions, mask, ended = sampler.generate(*sampler.pad_left(chunk))
+        texts = sampler.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        scores = score(chunk, texts, ended)[:, 0]
+        totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
+        table = {
+            "prompt": table["prompt"] + [r["prompt"] for r in chunk],
+            "completion": table["completion"] + texts,
+            "answer": table["answer"] + [r["answer"] for r in chunk],
+            "score": table["score"] + scores.tolist(),
         }
-        logger.log(metrics, update)
-        logger.samples("eval samples", table, update)
-        return metrics
+    totals = accelerator.reduce(totals, "sum")
+    answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
+    top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
+    metrics = {
+        "eval/reward": (totals[0] / totals[2]).item(),
+        "eval/completion_length": (totals[1] / totals[2]).item(),
+        "eval/top_answer_share": top_share.item(),
+    }
+    logger.log(metrics, update)
+    logger.samples("eval samples", table, update)
+    return metrics
 
-    def write_policy(folder: str) -> None:
-        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
-        unwrapped.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
 
-    first_eval, start_time = evaluate(start_update), time.time()  # after a resume: logged at the resumed update,
-    first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # and the run's start kept
-    progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
-    for update in progress:
-        update_start = time.time()
-        # ================================ the algorithm ================================
-        # 1. generate: k completions of each of this rank's prompts, the k of a prompt side by side (group order)
-        epoch, i = divmod(update, batches_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
-        prompts, prompt_mask = pad_left(rows)
-        unwrapped.eval()
-        completions, mask, ended = generate(prompts, prompt_mask)  # [N, T], N = batch_size * k
-        completions_text = tokenizer.batch_decode(completions, skip_special_tokens=True)
-        generate_time = time.time() - update_start
-
-        if args.mask_truncated_completions:  # a cut completion's tokens take no part in the loss (nor in its KL)
-            mask = mask * ended[:, None].float()
-
-        # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
-        #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
-        #    policy: the old log-probs are then the training forward's own, detached, and this pass is skipped
-        step_size = args.mini_batch_size * args.gradient_accumulation_steps
-        on_policy = args.num_iterations == 1 and step_size == len(rows)
-        old_logps = ref_logps = None
-        if not on_policy or args.beta > 0:
-            with torch.no_grad():
-                old_logps, ref_logps = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
-                for mb in torch.arange(len(rows), device=device).split(args.mini_batch_size):
-                    inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
-                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * mask[mb]).sum(1)
-                    if args.beta > 0:
-                        with reference_context(unwrapped, ref_model), accelerator.autocast():
-                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * mask[mb]).sum(1)
-
-        # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
-        #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
-        rewards_per_func = score(rows, completions_text, ended.tolist())  # [N, F]
-        scores = (rewards_per_func * weights).nansum(1)
-        scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*args.reward_clip_range)
-        kl = old_logps - ref_logps if args.beta > 0 else torch.zeros_like(scores)  # [N], first-order, per sequence
-        rewards = scores - args.beta * kl
-
-        # 4. leave-one-out advantages over every process's groups: A_i = r_i - mean of the other k - 1 rewards
-        all_rewards = accelerator.gather(rewards)  # [world * N]: --normalize-advantages uses the whole batch
-        all_advantages = rloo_advantages(all_rewards, args.num_generations, args.normalize_advantages)
-        local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
-        advantages = all_advantages[local]
-
-        # 5. optimise: num_iterations passes of the clipped sequence-level objective over shuffled mini-batches
-        model.train()
-        stats_list, entropies = [], []
-        for _ in range(args.num_iterations):
-            permutation = torch.randperm(len(rows), device=device)
-            for s in range(0, len(rows), step_size):
-                for mb in permutation[s : s + step_size].split(args.mini_batch_size):
-                    logprobs, entropy = per_token_logprobs(
-                        model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], entropy=True
-                    )
-                    logps = (logprobs * mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
-                    old = logps.detach() if old_logps is None else old_logps[mb]
-                    loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
-                    accelerator.backward(loss / args.gradient_accumulation_steps)  # the step's gradient: their mean
-                    stats_list.append(stats)
-                    entropies.append((entropy * mask[mb]).sum() / mask[mb].sum().clamp(min=1))
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-
-        # ================================ bookkeeping ================================
-        all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
-        lengths = accelerator.gather(mask.sum(1))
-        is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
-        metrics = {
-            f"rewards/{spec}/{stat}": value
-            for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
-            for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
-        }
-        step_stats = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]).mean(0), "mean")
-        metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
-        metrics |= {
-            "reward": all_scores.nanmean().item(),
-            "reward_std": nanstd(all_scores).item(),
-            "frac_reward_zero_std": is_std_zero.float().mean().item(),
-            "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),  # per token, as TRL logs it
-            "rewards/kl_penalized": all_rewards.nanmean().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
-            "entropy": accelerator.reduce(torch.stack(entropies).mean(), "mean").item(),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
-            "time/generate": generate_time,
-            "time/step": time.time() - update_start,
-        }
-        logger.log(metrics, update + 1)
-        history.append((metrics["reward"], metrics["kl"]))
-        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")
-        if (update + 1) % args.log_freq == 0:
-            logger.samples(
-                "samples",
-                {
-                    "prompt": [r["prompt"] for r in rows],
-                    "completion": completions_text,
-                    "reward": scores.tolist(),
-                    "advantage": advantages.tolist(),
-                },
-                update + 1,
-            )
-        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
-            evaluate(update + 1)
-        if args.save_freq and (update + 1) % args.save_freq == 0:
-            folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            save_checkpoint(
-                accelerator, folder, {"update": update + 1, "first_eval": first_eval, "history": history}, write_policy
-            )
-
-    # ---- final evaluation and save (plain from_pretrained format; LoRA merged) ----
-    last_eval = evaluate(num_updates)
-    # DDP averages the gradients, so every rank must hold the same weights: checked, not assumed
-    checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in unwrapped.parameters()]).sum()[None])
+def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:
+    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
+    atomically; first a check that DDP kept every rank's weights the same."""
+    checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
     if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
         raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
-    policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
+    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
             policy.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "rloo", last_eval)
-    window, done = max(1, len(history) // 10), num_updates - start_update  # updates this process ran
-    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
-    accelerator.print(
-        f"rloo: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
-        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f} (KL per token {last[1]:.3f}); "
-        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
-        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
-        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else "")
-    )
-    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
-    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
-        accelerator.print(
-            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
-            "start): the policy collapsed onto a few answers; lower --learning-rate"
-        )
-    end_run(accelerator, logger)  # every rank leaves together
+            write_model_card(tmp, args, "rloo", metrics)
+
+
+if __name__ == "__main__":
+    main(cli(Args))

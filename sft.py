@@ -24,31 +24,21 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common import (
-    UsageError,
-    atomic_directory,
-    check_args,
+from common.core import UsageError, check_args, pad_right, weight_decay_groups
+from common.loading import (
     check_columns,
-    chunkable_head,
-    cli,
     context_length,
-    end_run,
     is_conversation,
-    lm_token_logprobs,
-    load_checkpoint,
     load_config,
     load_data,
     load_pretrained,
     load_tokenizer,
-    pad_right,
-    peft_model_of,
     quantization_kwargs,
-    save_checkpoint,
-    start_run,
     train_eval_split,
-    weight_decay_groups,
-    write_model_card,
 )
+from common.models import peft_model_of
+from common.performance import chunkable_head, lm_token_logprobs
+from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -72,10 +62,8 @@ class Args:
     model_name: str = "builtin:tiny-gpt2"
     """a hub id, a local folder, or builtin:tiny-gpt2"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model of the run is loaded in. float32, TRL's default: Adam's small updates round away in bf16
-    weights, so weights that train need it (mixed precision, `accelerate launch --mixed_precision bf16`, runs the matmuls
-    in bf16). bfloat16 halves the memory of frozen weights (e.g. a LoRA base with --use-peft); auto keeps each
-    checkpoint's dtype (transformers 5's default, bf16 for most hub models)"""
+    """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
+    `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
     dataset_name: str = "builtin:chatterbot-dialogue"
     """a hub id, a local json/jsonl/csv/parquet file, or builtin:chatterbot-dialogue"""
     dataset_split: str = "train"
@@ -122,10 +110,8 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory"""
     chunked_loss: bool = True
-    """compute the loss from the last hidden states with the LM head run on 1024 tokens at a time, forward and
-    backward (the model's own loss, without its [batch, length, vocab] logits: less memory, as TRL's fused LM head);
-    off, under FSDP / DeepSpeed (the head's weight is sharded outside the forward) or for models whose head scales
-    or soft-caps its logits: `model(**batch).loss`"""
+    """the loss from the last hidden states with the LM head run on 1024 tokens at a time (common/performance.py: no
+    [batch, length, vocab] logits); off, and under FSDP / DeepSpeed or with logit soft-capping: `model(**batch).loss`"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     save_steps: int = 0
@@ -372,11 +358,6 @@ if __name__ == "__main__":
         model.train()
         return loss
 
-    def write_model(folder: str) -> None:
-        """A checkpoint's from_pretrained files (with LoRA: the adapter) beside accelerate's state."""
-        accelerator.unwrap_model(model).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
     # ---- train ----
     first_eval_loss, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
     first_eval_loss = resumed.get("first_eval", first_eval_loss)  # and the summary compares with the run's start
@@ -413,7 +394,8 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval_loss}, write_model)
+            state = {"step": step + 1, "first_eval": first_eval_loss}
+            save_checkpoint(accelerator, folder, state, accelerator.unwrap_model(model), tokenizer)
     last_eval_loss = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) and sample ----

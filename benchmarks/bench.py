@@ -221,7 +221,7 @@ def random_model(name: str, tokenizer):
     12 heads) or qwen2-0.5b (Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary)."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-    from common import load_pretrained
+    from common.loading import load_pretrained
 
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if name == "gpt2-124m":
@@ -246,7 +246,7 @@ def setup(spec: dict, tmp: str) -> dict:
     """The shared model folder and data files (the preference pairs cut to 512: precomputing reference log-probs
     goes over the whole dataset)."""
 
-    from common import load_data, load_tokenizer
+    from common.loading import load_data, load_tokenizer
 
     model_dir = os.path.join(tmp, "model")
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
@@ -266,7 +266,7 @@ def setup(spec: dict, tmp: str) -> dict:
                 f.write(json.dumps(dict(prompt=entry["question"], answer=entry["answer"])) + "\n")
     env = dict(model=model_dir, files=files, tokenizer=tokenizer)
     if spec["algo"] == "ddpo":
-        from common import load_pipeline
+        from common.loading import load_pipeline
 
         env["pipeline"] = os.path.join(tmp, "pipeline")
         load_pipeline("builtin:tiny-sd", seed=0).save_pretrained(env["pipeline"])
@@ -484,7 +484,9 @@ def rollouts(spec, env, tmp) -> dict:
     from trl import AutoModelForCausalLMWithValueHead as TrlValueHead
     from trl import PPOConfig, PPOTrainer
 
-    from common import AutoModelForCausalLMWithValueHead, FastGenerator, load_tokenizer, sampling_kwargs
+    from common.loading import load_tokenizer
+    from common.models import AutoModelForCausalLMWithValueHead
+    from common.performance import FastGenerator, sampling_kwargs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)
@@ -778,7 +780,7 @@ def spawn(spec: dict) -> dict:
 
 def dialogue_piece(tok, rng, n: int) -> str:
     """About n tokens of the built-in dialogue lines, joined, from a random place."""
-    from common import load_data
+    from common.loading import load_data
 
     if not hasattr(dialogue_piece, "ids"):
         dialogue_piece.ids = tok("\n".join(load_data("builtin:chatterbot-dialogue")["text"]))["input_ids"]
@@ -792,7 +794,7 @@ def sft_texts(seq_length: int):
 
     from datasets import Dataset
 
-    from common import load_data, load_tokenizer
+    from common.loading import load_data, load_tokenizer
 
     if seq_length <= 128:
         return load_data("builtin:chatterbot-dialogue")
@@ -808,7 +810,7 @@ def preference_pairs(seq_length: int = 128):
 
     from datasets import Dataset
 
-    from common import load_data, load_tokenizer
+    from common.loading import load_data, load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-gpt2")
     if seq_length > 128:
@@ -831,7 +833,7 @@ def preference_pairs(seq_length: int = 128):
 
 def mean_tokens(algo: str, seq_length: int = 128) -> float:
     """Tokens per sample of the benchmark data (ours' tokenisation; both sides see the same texts)."""
-    from common import load_data, load_tokenizer
+    from common.loading import load_data, load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-gpt2")
     if algo == "sft":

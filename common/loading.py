@@ -1,6 +1,6 @@
-"""Loading by name: models, tokenizers, datasets and Stable Diffusion pipelines from a hub id, a local path or a
-built-in preset (common/presets.py), each anticipated failure a one-line error; and the checks every script runs on
-the data it loaded (columns, value kinds, the held-out split, the reward model's text format).
+"""Loading by name: models, tokenizers, datasets and Stable Diffusion pipelines from a hub id, a local path or an
+offline built-in (`builtin:` names, resolved by `builtin` below: the one door to presets/), each anticipated failure a
+one-line error; and the checks every script runs on the data it loaded (columns, value kinds, the held-out split).
 """
 
 import json
@@ -11,19 +11,29 @@ import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+import presets
 from common.core import UsageError
-from common.presets import (
-    builtin_config,
-    builtin_dataset,
-    builtin_tokenizer,
-    is_builtin,
-    is_random_builtin,
-    random_model,
-    resolve,
-    tiny_sd_pipeline,
-)
 
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def builtin(name: str, kind: str = "model") -> str:
+    """The door to the offline built-ins: `name` itself once checked against the built-ins of its kind (a one-line
+    error otherwise)."""
+    known = {"model": presets.MODELS, "dataset": presets.data.DATASETS, "pipeline": ("builtin:tiny-sd",)}[kind]
+    if name not in known:
+        raise UsageError(f"Unknown built-in {kind} {name!r}: choose {', '.join(known)}.")
+    return name
+
+
+def is_random_builtin(name: str) -> bool:
+    """A built-in model with random weights (builtin:tiny-gpt2, builtin:tiny-t5): built from a config, no folder."""
+    return presets.is_builtin(name) and presets.is_random(builtin(name))
+
+
+def resolve(name: str) -> str:
+    """The folder or hub id that `from_pretrained` reads: a pretrained built-in's cached folder (built on first use)."""
+    return presets.folder(builtin(name)) if presets.is_builtin(name) and not is_random_builtin(name) else name
 
 
 def located(load, name: str, what: str):
@@ -44,7 +54,7 @@ def located(load, name: str, what: str):
 
 def load_config(name: str):
     """The config of a built-in preset, hub id or local folder."""
-    return builtin_config(name) if is_random_builtin(name) else located(AutoConfig.from_pretrained, resolve(name), "model")
+    return presets.config(name) if is_random_builtin(name) else located(AutoConfig.from_pretrained, resolve(name), "model")
 
 
 def context_length(config) -> int | None:
@@ -60,10 +70,10 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
     below bf16's precision of 1 part in 256). "auto": the checkpoint's dtype."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if is_random_builtin(name):
-        return random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
+        return presets.random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
     # (model, info) with output_loading_info=True
     loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
-    if is_builtin(name):  # peft records it as the adapter's base model
+    if presets.is_builtin(name):  # peft records it as the adapter's base model
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         model.config.name_or_path = model.name_or_path = name
     return loaded
@@ -81,7 +91,7 @@ def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_p
         raise UsageError("Pass one of --load-in-8bit and --load-in-4bit, not both.")
     if not use_peft:
         raise UsageError(f"{flag} loads frozen quantised weights: add --use-peft to train LoRA adapters on them.")
-    if is_builtin(name):
+    if presets.is_builtin(name):
         raise UsageError(f"{flag} quantises large pretrained weights: {name} is a tiny built-in preset; pass a hub model.")
     import importlib.util
 
@@ -110,7 +120,10 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
             f"no tokenizer files in the folder {name!r}: save the tokenizer beside the model "
             "(tokenizer.save_pretrained(folder))"
         )
-    tokenizer = builtin_tokenizer() if is_builtin(name) else located(AutoTokenizer.from_pretrained, name, "tokenizer")
+    if presets.is_builtin(name):
+        tokenizer = presets.tokenizer(builtin(name))
+    else:
+        tokenizer = located(AutoTokenizer.from_pretrained, name, "tokenizer")
     if tokenizer.pad_token is None:
         raise UsageError(
             f"The tokenizer of {name!r} has no pad token. Add a distinct one (tokenizer.add_special_tokens("
@@ -122,8 +135,8 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
 
 def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
     """A built-in dataset, a local json/jsonl/csv/parquet/txt file, or a hub id / local dataset folder."""
-    if is_builtin(name):
-        return builtin_dataset(name, seed)
+    if presets.is_builtin(name):
+        return presets.dataset(builtin(name, "dataset"), seed)
     extension = os.path.splitext(name)[1].lower()
     if extension in DATA_FILE_TYPES and not os.path.exists(name):
         raise UsageError(f"the dataset file {name!r}: no such file (from {os.getcwd()})")
@@ -196,8 +209,8 @@ def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple
 
 def load_pipeline(name: str, seed: int = 0, **kwargs):
     """`StableDiffusionPipeline.from_pretrained(name)`, or for builtin:tiny-sd a tiny random one (seeded)."""
-    if is_builtin(name):
-        return tiny_sd_pipeline(name, seed)
+    if presets.is_builtin(name):
+        return presets.pipeline(builtin(name, "pipeline"), seed)
     from diffusers import StableDiffusionPipeline
 
     load = partial(StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs)

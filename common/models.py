@@ -12,8 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
 from common.core import UsageError
-from common.loading import load_pretrained
-from common.presets import is_random_builtin
+from common.loading import is_random_builtin, load_pretrained
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_NORMALIZATION_FILE = "reward_normalization.json"
@@ -87,56 +86,6 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         save_file(
             {k: v.contiguous() for k, v in self.v_head.state_dict().items()}, os.path.join(save_directory, VALUE_HEAD_FILE)
         )
-
-    def load_reward_adapter(self, path: str, base_model_name: str, adapter_name: str = "reward") -> None:
-        """Load a reward adapter (LoRA + score head, as `reward_modeling.py --use-peft` saves it) as a second, frozen
-        adapter of this peft policy: one copy of the base weights serves policy, reference and reward model (TRL's
-        multi-adapter RL). Call it before wrapping the model for distributed training."""
-        peft_model = peft_model_of(self)
-        if peft_model is None:
-            raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            base = json.load(f)["base_model_name_or_path"]
-
-        def canonical(name: str) -> str:  # a local folder by its real path, a hub id as it is
-            return os.path.realpath(name) if os.path.exists(name) else name
-
-        if canonical(base) != canonical(base_model_name):
-            raise UsageError(
-                f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
-                "they must share the base model (or use --reward-model with a full reward model)."
-            )
-        peft_model.load_adapter(path, adapter_name, is_trainable=False)
-        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
-        score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
-        if "weight" not in score:
-            raise UsageError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
-        self.score = nn.Linear(score["weight"].shape[1], 1, bias="bias" in score).to(score["weight"])
-        self.score.load_state_dict(score)
-        self.score.requires_grad_(False)
-        normalization = os.path.join(path, REWARD_NORMALIZATION_FILE)  # reward_modeling.py --normalize-reward
-        self.reward_gain, self.reward_bias = 1.0, 0.0
-        if os.path.isfile(normalization):
-            with open(normalization) as f:
-                stats = json.load(f)
-            self.reward_gain, self.reward_bias = stats["gain"], stats["bias"]
-        self.reward_adapter, self.policy_adapter = adapter_name, peft_model.active_adapter
-
-    @torch.no_grad()
-    def compute_reward_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Scores [B, 1] at each sequence's last real token, with the reward adapter switched on for this pass only
-        (TRL's `compute_reward_score`)."""
-        peft_model = peft_model_of(self)
-        peft_model.set_adapter(self.reward_adapter)
-        try:
-            hidden = peft_model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
-            ).hidden_states[-1]
-        finally:
-            peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
-        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
-        scores = self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype))
-        return scores * self.reward_gain + self.reward_bias
 
 
 class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):

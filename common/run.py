@@ -2,11 +2,11 @@
 
 import ast
 import contextlib
-import ctypes
 import dataclasses
 import inspect
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from common.core import UsageError
+from common.performance import keep_freed_memory
 
 
 def _report(kind, error, traceback) -> None:
@@ -74,25 +75,6 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     return run_name, RunLogger(run_name, args, enabled=accelerator.is_main_process)
-
-
-def keep_freed_memory() -> None:
-    """CPU runs with glibc: serve large blocks from the heap and keep freed memory in the process.
-
-    By default glibc maps every large block afresh and unmaps it on free, so the vocabulary-sized tensors of each
-    step are page-faulted in again: on the tiny presets that is about 45% of a DPO step and 40% of an ILQL step,
-    spent in the kernel. The price is a higher peak RSS (fragmentation: +22% for DPO, +65% for ILQL's
-    vocabulary-sized Q heads). Set any MALLOC_* variable (e.g. MALLOC_MMAP_MAX_=65536, glibc's default) to keep glibc's
-    own policy.
-    """
-    if any(key.startswith("MALLOC_") for key in os.environ):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to change
-        return
-    libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap for large blocks
-    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: do not return the heap's free top to the OS
 
 
 class RunLogger:
@@ -205,15 +187,16 @@ def atomic_directory(path: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(accelerator: Accelerator, path: str, state: dict, write_extra=None) -> None:
-    """A resumable checkpoint, written atomically by the main process (every rank calls it): `write_extra(folder)`
-    first if given (e.g. the model in from_pretrained format), accelerate's state (model, optimizer, scheduler, RNG) in
-    accelerate_state/, and the loop's own `state` (its step, controllers) in trainer_state.json."""
+def save_checkpoint(accelerator: Accelerator, path: str, state: dict, model=None, tokenizer=None) -> None:
+    """A resumable checkpoint, written atomically by the main process (every rank calls it): `model` and `tokenizer` in
+    from_pretrained format if given, accelerate's state (model, optimizer, scheduler, RNG) in accelerate_state/, and
+    the loop's own `state` (its step, controllers) in trainer_state.json."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(path) as tmp:
-            if write_extra is not None:
-                write_extra(tmp)
+            for part in (model, tokenizer):
+                if part is not None:
+                    part.save_pretrained(tmp)
             accelerator.save_state(os.path.join(tmp, "accelerate_state"))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
@@ -265,44 +248,38 @@ def recover_directory(path: str) -> None:
 def write_model_card(directory: str, args, algorithm: str, metrics: dict[str, float], library: str = "transformers") -> None:
     """Write a README.md model card into `directory`: base model, dataset, algorithm, hyperparameters, final metrics
     and the command line that produced it (hub model cards read the YAML header)."""
-    import shlex
-    import sys
-
     config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
-    base = config.get("model_name") or config.get("pretrained_model")
     world = config.get("world_size") or int(os.environ.get("WORLD_SIZE", 1))
     launcher = f"accelerate launch --num_processes {world}" if world > 1 else "python"
-    lines = [
-        "---",
-        f"library_name: {library}",
-        f"tags: [{algorithm}, rlhf]",
-        "---",
-        "",
-        f"# {os.path.basename(os.path.normpath(config.get('output_dir', directory)))}",
-        "",
-        f"Trained with `{algorithm}.py` ({algorithm.upper()}).",
-        "",
-        f"- base model: `{base}`",
-        f"- dataset: `{config.get('dataset_name') or config.get('prompt_fn')}`",
-        "",
-        "## Final metrics",
-        "",
-        "| metric | value |",
-        "|-|-|",
-        *[f"| {k} | {v:.4g} |" for k, v in metrics.items()],
-        "",
-        "## Command",
-        "",
-        "```bash",
-        f"{launcher} {shlex.join(sys.argv)}",
-        "```",
-        "",
-        "## Hyperparameters",
-        "",
-        "| name | value |",
-        "|-|-|",
-        *[f"| {k} | {v} |" for k, v in config.items()],
-        "",
-    ]
+
+    def table(rows, head: str = "name") -> str:
+        return f"| {head} | value |\n|-|-|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+    card = f"""---
+library_name: {library}
+tags: [{algorithm}, rlhf]
+---
+
+# {os.path.basename(os.path.normpath(config.get("output_dir", directory)))}
+
+Trained with `{algorithm}.py` ({algorithm.upper()}).
+
+- base model: `{config.get("model_name") or config.get("pretrained_model")}`
+- dataset: `{config.get("dataset_name") or config.get("prompt_fn")}`
+
+## Final metrics
+
+{table(((k, f"{v:.4g}") for k, v in metrics.items()), "metric")}
+
+## Command
+
+```bash
+{launcher} {shlex.join(sys.argv)}
+```
+
+## Hyperparameters
+
+{table(config.items())}
+"""
     with open(os.path.join(directory, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+        f.write(card)

@@ -125,7 +125,7 @@ def pairs_file(tmp_path):
     """40 (prompt, chosen, rejected) pairs of the built-in preferences in a local jsonl file."""
     import json
 
-    from common import load_data
+    from common.loading import load_data
 
     rows = load_data("builtin:vader-preferences").select(range(40)).to_list()
     path = tmp_path / "pairs.jsonl"
@@ -158,7 +158,7 @@ def positive_mask_file(tmp_path):
     even EOS): generations under it must score high with VADER, whatever the model."""
     import json
 
-    from common import load_tokenizer
+    from common.loading import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     allowed = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" good", " great", " happy", " love")]

@@ -65,7 +65,7 @@ def test_bad_values_fail_before_training(tmp_path, script, flags, message):
 def test_model_folders_without_a_model_or_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from common import load_pretrained
+    from common.loading import load_pretrained
 
     (tmp_path / "empty").mkdir()
     assert "no config.json in the folder" in run_failing([SCRIPTS["dpo"], "--model-name", str(tmp_path / "empty")], tmp_path)

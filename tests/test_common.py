@@ -8,43 +8,47 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from common import (
+from common.core import (
     AdaptiveKLController,
-    AutoModelForCausalLMWithValueHead,
-    AutoModelForSeq2SeqLMWithValueHead,
-    FastGenerator,
     FixedKLController,
-    InverseCDFSampler,
     LogitMask,
-    RunLogger,
     RunningMoments,
     UsageError,
-    atomic_directory,
-    check_columns,
     check_scores,
-    chunkable_head,
-    chunked_logprobs,
     clip_by_value,
-    context_length,
-    create_reference_model,
     entropy_from_logits,
     exact_div,
-    is_conversation,
     kl_estimate,
-    lm_token_logprobs,
-    load_data,
-    load_pretrained,
-    load_reward_model,
-    load_tokenizer,
     logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
-    quantization_kwargs,
-    reference_context,
-    sampling_kwargs,
-    write_model_card,
 )
+from common.loading import (
+    check_columns,
+    context_length,
+    is_conversation,
+    load_data,
+    load_pretrained,
+    load_tokenizer,
+    quantization_kwargs,
+)
+from common.models import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    create_reference_model,
+    load_reward_model,
+    reference_context,
+)
+from common.performance import (
+    FastGenerator,
+    InverseCDFSampler,
+    chunkable_head,
+    chunked_logprobs,
+    lm_token_logprobs,
+    sampling_kwargs,
+)
+from common.run import RunLogger, atomic_directory, write_model_card
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
@@ -427,7 +431,7 @@ def test_pretrained_preset_builds_deterministically(tmp_path):
     """The same seed gives the same weights (a short build: the recipe of builtin:tiny-chat, 4 steps)."""
     from safetensors.torch import load_file
 
-    from common.tiny_chat import build_tiny_chat
+    from presets.pretrained import build_tiny_chat
 
     for name in ("a", "b"):
         build_tiny_chat(str(tmp_path / name), max_steps=4)
@@ -442,8 +446,8 @@ def test_pretrained_preset_speaks_the_dialogue():
     and predicts the built-in dialogue far better than a random model (10.8 nats per token)."""
     from transformers import AutoTokenizer
 
-    from common.presets import chatterbot_pairs
-    from common.tiny_chat import pretrained_folder
+    from presets.data import chatterbot_pairs
+    from presets.pretrained import pretrained_folder
 
     folder = pretrained_folder("builtin:tiny-chat")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
@@ -462,12 +466,12 @@ def test_builtin_prompts_are_ones_tiny_chat_answers():
     P(EOS as the first reply token) 0.08 on average over the prompts, 0.48 over the mid-conversation lines."""
     from transformers import AutoTokenizer
 
-    from common.presets import builtin_dataset, chatterbot_pairs
-    from common.tiny_chat import pretrained_folder
+    from presets.data import chatterbot_pairs, dataset
+    from presets.pretrained import pretrained_folder
 
     folder = pretrained_folder("builtin:tiny-chat")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    prompts = list(builtin_dataset("builtin:chatterbot-prompts")["prompt"])
+    prompts = list(dataset("builtin:chatterbot-prompts")["prompt"])
     middle = sorted({p for p, _ in chatterbot_pairs()} - set(prompts))
     assert len(prompts) == len(set(prompts)) == 749 and len(middle) > 200
 

@@ -184,7 +184,7 @@ def test_full_fine_tuning_saves_a_pipeline(tmp_path):
         tmp_path,
     )
     assert "pipeline saved to outputs/ddpo" in out
-    from common import load_pipeline
+    from common.loading import load_pipeline
 
     trained = StableDiffusionPipeline.from_pretrained(str(tmp_path / "outputs" / "ddpo")).unet.state_dict()
     base = load_pipeline("builtin:tiny-sd").unet.state_dict()

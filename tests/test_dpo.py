@@ -17,7 +17,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from common import load_tokenizer
+from common.loading import load_tokenizer
 from dpo import dpo_loss, get_batch_logps, tokenize_pair, tokenize_pair_seq2seq
 
 DPO = os.path.join(ROOT, "dpo.py")
@@ -106,7 +106,7 @@ def test_encoder_decoder_dpo_learns_and_logs_the_true_seq2seq_logps(tmp_path):
     (which shifts them into the decoder input) equal the script's last logged eval/logps/chosen."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from common import load_data, train_eval_split
+    from common.loading import load_data, train_eval_split
 
     out = run_script(
         [

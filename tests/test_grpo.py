@@ -8,7 +8,8 @@ import torch
 from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from grpo import check_rewards, group_advantages, grpo_loss, nanstd, reward_model_function, verifier
+from common.rewards import check_rewards, reward_model_function, verifier
+from grpo import group_advantages, grpo_loss, nanstd
 
 GRPO = os.path.join(ROOT, "grpo.py")
 
@@ -92,11 +93,14 @@ def test_grpo_loss_clip_fractions_and_clip_higher():
     # token ratios: e^0.2, e^-0.2, 1 (A = +1); e^-0.5, e^0.1 (A = -1)
     _, stats = grpo_loss(LOGPROBS, OLD, REF, ADVANTAGES, MASK, 0.0, 0.2, 0.2, "bnpo", 4)
     # high: ratio > 1.2 with A > 0: none (e^0.2 = 1.2214 > 1.2: yes, one); low: ratio < 0.8 with A < 0: e^-0.5
-    assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 5)
-    assert stats["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)
-    assert stats["clip_ratio/region_mean"].item() == pytest.approx(2 / 5)
+    # [sum, count] over the masked tokens, so that a step pools them by tokens over mini-batches and processes (TRL 1.x)
+    assert stats["clip_ratio/high_mean"].tolist() == [1, 5] and stats["clip_ratio/low_mean"].tolist() == [1, 5]
+    assert stats["clip_ratio/region_mean"].tolist() == [2, 5]
     loss, stats = grpo_loss(LOGPROBS, OLD, REF, ADVANTAGES, MASK, 0.0, 0.2, 0.28, "bnpo", 4)  # DAPO clip-higher
-    assert stats["clip_ratio/high_mean"].item() == 0.0
+    assert stats["clip_ratio/high_mean"].tolist() == [0, 5]
+    # GSPO: one ratio per sequence (log-ratio means 0 and -0.2): counted per sequence, as TRL counts them
+    _, stats = grpo_loss(LOGPROBS, OLD, REF, ADVANTAGES, MASK, 0.0, 0.1, 0.1, "bnpo", 4, "sequence")
+    assert stats["clip_ratio/low_mean"].tolist() == [1, 2] and stats["clip_ratio/high_mean"].tolist() == [0, 2]
     assert loss.item() == pytest.approx(sum(map(sum, per_token_by_hand(eps_high=0.28))) / 5)
 
 
@@ -210,7 +214,8 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     same number as the model on that text alone; a causal LM is refused; a run logs it as rewards/reward_model."""
     from transformers import AutoModelForSequenceClassification
 
-    from common import UsageError, load_pretrained, load_tokenizer
+    from common.core import UsageError
+    from common.loading import load_pretrained, load_tokenizer
 
     classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).eval()
     tokenizer = load_tokenizer("builtin:tiny-gpt2")

@@ -7,7 +7,7 @@ import torch
 from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from common import load_pretrained, load_tokenizer
+from common.loading import load_pretrained, load_tokenizer
 from ilql import CausalLMWithILQLHeads, advantage_logits, ilql_loss, tokenize_sample
 
 ILQL = os.path.join(ROOT, "ilql.py")

@@ -9,8 +9,9 @@ from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, 
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common import AutoModelForCausalLMWithValueHead, LogitMask, logprobs_from_logits
-from ppo import compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
+from common.core import LogitMask, logprobs_from_logits
+from common.models import AutoModelForCausalLMWithValueHead
+from ppo import RewardAdapter, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -304,7 +305,7 @@ def test_options_run(tmp_path, flags):
 def test_reward_model_from_local_folder(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from common import load_pretrained, load_tokenizer
+    from common.loading import load_pretrained, load_tokenizer
 
     # a random but complete classifier checkpoint: every weight of the head is in the folder
     load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).save_pretrained(tmp_path / "rm")
@@ -331,7 +332,8 @@ def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     before training, and so it does for a folder whose classification head would be random."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from common import load_pretrained, load_reward_model, load_tokenizer
+    from common.loading import load_pretrained, load_tokenizer
+    from common.models import load_reward_model
 
     labels = dict(id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1})
     classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=2, **labels)
@@ -390,7 +392,7 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
-    from common import load_pretrained, load_tokenizer
+    from common.loading import load_pretrained, load_tokenizer
 
     run_script(
         [
@@ -422,20 +424,20 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     for name, param in policy.named_parameters():  # a policy adapter that is not the identity
         if "lora_B.default" in name:
             param.data.normal_(std=0.1)
-    policy.load_reward_adapter(str(tmp_path / "rm" / "reward_adapter"), "builtin:tiny-gpt2")
+    adapter = RewardAdapter(policy, str(tmp_path / "rm" / "reward_adapter"), "builtin:tiny-gpt2")
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="right")
     batch = tokenizer(["q1 I love this<|endoftext|>", "q2 awful, I hate it"], padding=True, return_tensors="pt")
     ids = tokenizer(["q1 some words here"], return_tensors="pt")
     with torch.no_grad():
         policy_logits = policy(**ids)[0]
-        torch.testing.assert_close(policy.compute_reward_score(**batch), merged(**batch).logits)
+        torch.testing.assert_close(adapter(policy, **batch), merged(**batch).logits)
         torch.testing.assert_close(policy(**ids)[0], policy_logits)  # back on the policy adapter
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert any(".default." in n for n in trainable) and not any(".reward." in n for n in trainable)
     sizes = {p.data_ptr(): p.numel() for p in policy.parameters()}  # distinct storages
     lora = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
     assert any(".reward." in n for n, _ in policy.named_parameters())
-    assert sum(sizes.values()) == sum(p.numel() for p in base.parameters()) + lora + 64 + 1 + 64  # + value and score heads
+    assert sum(sizes.values()) == sum(p.numel() for p in base.parameters()) + lora + 64 + 1  # + the value head
     # the final save merges the policy adapter only
     merged_policy = policy.pretrained_model.merge_and_unload()
     with torch.no_grad():

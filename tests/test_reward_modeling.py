@@ -16,7 +16,7 @@ from conftest import (
 )
 from transformers import AutoModelForSequenceClassification
 
-from common import load_data, load_pretrained, load_tokenizer, reward_model_text, train_eval_split
+from common.loading import load_data, load_pretrained, load_tokenizer, reward_model_text, train_eval_split
 from reward_modeling import fold_reward_normalization, reward_loss
 
 RM = os.path.join(ROOT, "reward_modeling.py")

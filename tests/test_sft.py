@@ -7,7 +7,7 @@ import torch
 from conftest import DDP_ENV, ROOT, check_model_card, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from common import load_pretrained, load_tokenizer
+from common.loading import load_pretrained, load_tokenizer
 from sft import completion_only_labels, neftune_hook, pack_sequences
 
 SFT = os.path.join(ROOT, "sft.py")

