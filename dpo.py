@@ -27,6 +27,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
+from common.chat import render, text_of, use_chat
 from common.core import UsageError, check_args, pad_right, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -84,6 +85,11 @@ class Args:
     encoder-decoder model, the encoder's input is always cut to this length"""
     max_target_length: int = 64
     """encoder-decoder models: response tokens (decoder labels, EOS included) kept"""
+    chat_template: bool = True
+    """render string prompts and answers as user and assistant messages with the tokenizer's chat template, when it has
+    one (messages always are); --no-chat-template: raw text, as TRL does with string pairs"""
+    system_prompt: str | None = None
+    """a system message put before every chat prompt that has none (None: the template's default, if any)"""
     truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
     """which end of a long prompt to keep"""
     eval_fraction: float = 0.1
@@ -225,24 +231,31 @@ def dpo_loss(
 
 def tokenize_pair(
     tokenizer,
-    prompt: str,
-    chosen: str,
-    rejected: str,
+    prompt,
+    chosen,
+    rejected,
     max_length: int,
     max_prompt_length: int,
     truncation_mode: str = "keep_end",
+    chat: bool = False,
+    system_prompt: str | None = None,
 ) -> dict:
     """Token ids and labels of prompt + chosen and prompt + rejected (TRL 0.8 `tokenize_row`).
 
-    Each answer is tokenised as part of prompt + answer, so BPE merges across the boundary survive; if the last
-    prompt token merged with the answer, the boundary moves one token left. BOS is prepended and EOS appended
-    only when the tokenizer has them. A long pair loses prompt tokens first (keeping max_prompt_length), then
-    answer tokens. Prompt positions are labelled -100.
+    Text: each answer is tokenised as part of prompt + answer, so BPE merges across the boundary survive; if the last
+    prompt token merged with the answer, the boundary moves one token left; BOS is prepended and EOS appended only when
+    the tokenizer has them. `chat`: the rendered prompt's tokens, then each rendered answer's, its end-of-turn token
+    included (common/chat.py). A long pair loses prompt tokens first (keeping max_prompt_length), then answer tokens.
+    Prompt positions are labelled -100.
     """
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     out = {}
     answers = {}
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if chat:
+            texts = render(tokenizer, prompt, answer, system_prompt)
+            answers[name] = tuple(tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
+            continue
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         full = tokenizer(prompt + answer, add_special_tokens=False)["input_ids"]
         boundary = len(prompt_ids) if full[: len(prompt_ids)] == prompt_ids else len(prompt_ids) - 1
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -328,6 +341,8 @@ if __name__ == "__main__":
         [args.prompt_column, args.chosen_column, args.rejected_column],
         "--prompt-column / --chosen-column / --rejected-column",
     )
+    columns = (args.prompt_column, args.chosen_column, args.rejected_column)
+    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and not is_encoder_decoder
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
@@ -339,8 +354,17 @@ if __name__ == "__main__":
             return tokenize_pair_seq2seq(
                 tokenizer, prompt, chosen, rejected, args.max_prompt_length, args.max_target_length, args.truncation_mode
             )
+        # text: TRL 0.8 joins prompt and answer with a space; a chat renders both (common/chat.py)
         return tokenize_pair(
-            tokenizer, prompt + " ", chosen, rejected, args.max_length, args.max_prompt_length, args.truncation_mode
+            tokenizer,
+            prompt if chat else prompt + " ",
+            chosen,
+            rejected,
+            args.max_length,
+            args.max_prompt_length,
+            args.truncation_mode,
+            chat,
+            args.system_prompt,
         )
 
     train_pairs, eval_pairs = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
@@ -529,11 +553,15 @@ if __name__ == "__main__":
         results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
         logger.log(results, step)
         if args.generate_during_eval and accelerator.is_main_process:
-            prompts = [p + " " for p in eval_dataset[args.prompt_column][:4]]
+            raw = eval_dataset[args.prompt_column][:4]
+            prompts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] if chat else p + " " for p in raw]
             policy = accelerator.unwrap_model(model)
             # prompts cut as in training (truncation_mode), leaving a causal model room for the 24 new tokens
             keep = args.max_prompt_length if is_encoder_decoder else max(1, min(args.max_prompt_length, args.max_length - 24))
-            ids = [(i[-keep:] if args.truncation_mode == "keep_end" else i[:keep]) for i in tokenizer(prompts)["input_ids"]]
+            ids = [
+                (i[-keep:] if args.truncation_mode == "keep_end" else i[:keep])
+                for i in tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
+            ]
             inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(device)
             samplers = {"policy": (policy, contextlib.nullcontext())}
             if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
@@ -546,7 +574,7 @@ if __name__ == "__main__":
                     )
                 new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1] :]  # no start / prompt
                 texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
-            logger.samples("eval samples", {"prompt": prompts, **texts}, step)
+            logger.samples("eval samples", {"prompt": [text_of(p) for p in raw], **texts}, step)
         model.train()
         return results
 

@@ -15,6 +15,7 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
+import json
 import math
 import os
 import time
@@ -28,11 +29,12 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from common.chat import text_of
 from common.core import UsageError, check_args, exact_div, masked_mean, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
 from common.performance import FastGenerator, sampling_kwargs
-from common.rewards import extract_answer, load_rewards, load_task, score_completions
+from common.rewards import distinct_answers, is_number, load_rewards, load_task, score_completions
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
@@ -67,8 +69,8 @@ class Args:
     """reasoning-gym only: the task's options as JSON (the default: sums and differences of two one-digit numbers)"""
     train_size: int = 2000
     """reasoning-gym only: problems generated for training (seed: --seed)"""
-    eval_size: int = 200
-    """reasoning-gym only: held-out problems (another seed: seed + 1)"""
+    eval_size: int = 64
+    """reasoning-gym only: distinct held-out problems (drawn with seed + 1); no training row repeats their questions"""
     dataset_split: str = "train"
     """the split to load from a hub dataset"""
     prompt_column: str = "prompt"
@@ -79,6 +81,13 @@ class Args:
     """hub / local data: fraction held out for evaluation"""
     max_prompt_length: int = 64
     """prompts longer than this many tokens keep their last ones"""
+    chat_template: bool = True
+    """render string prompts as one user message with the tokenizer's chat template, when it has one (messages always
+    are); --no-chat-template sends them as raw text, as TRL does with string prompts"""
+    system_prompt: str | None = None
+    """a system message put before every chat prompt that has none (None: the template's default, if any)"""
+    task_instruction: str = "Give only the final answer."
+    """appended to each reasoning-gym question when it is rendered as a chat (the answer is then its last number)"""
 
     # Rewards
     reward_funcs: list[str] = field(default_factory=lambda: ["verifier"])
@@ -135,7 +144,7 @@ class Args:
     """the largest overlong punishment"""
 
     # Generation
-    max_completion_length: int = 8
+    max_completion_length: int = 32
     """new tokens per completion"""
     temperature: float = 1.0
     """sampling temperature (log-probs use it too)"""
@@ -164,7 +173,7 @@ class Args:
     eval_freq: int = 80
     """evaluate on the held-out problems every this many updates (and at the start and the end)"""
     eval_samples: int = 200
-    """held-out prompts per evaluation, one completion each, sampled as in training with a fixed seed"""
+    """held-out prompts per evaluation (at most), one completion each, sampled as in training with a fixed seed"""
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
     model): the policy in from_pretrained format beside accelerate's state"""
@@ -290,15 +299,32 @@ def main(args: Args) -> None:
         )
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_rows, eval_rows, overlap = load_task(args, tokenizer)
+    train_rows, eval_rows, chat = load_task(
+        args.dataset_name,
+        tokenizer,
+        args.chat_template,
+        args.seed,
+        args.task_config,
+        args.train_size,
+        args.eval_size,
+        args.task_instruction,
+        args.system_prompt,
+        args.max_prompt_length,
+        args.dataset_split,
+        args.prompt_column,
+        args.answer_column,
+        args.eval_fraction,
+    )
+    eval_rows = eval_rows[: args.eval_samples]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
-    reward_funcs = load_rewards(args, train_rows, device)
+    reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
+    distinct = len({json.dumps(r["prompt"]) for r in train_rows})
     accelerator.print(
-        f"{len(train_rows)} training prompts, {len(eval_rows)} held out ({overlap:.0%} of them also among "
-        f"the training prompts); {num_updates} updates of {args.batch_size * world} prompts x "
-        f"{args.num_generations} completions"
+        f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "
+        f"training prompts){', rendered by the chat template' if chat else ''}; {num_updates} updates of "
+        f"{args.batch_size * world} prompts x {args.num_generations} completions"
     )
     model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
     unwrapped = accelerator.unwrap_model(model)
@@ -314,8 +340,10 @@ def main(args: Args) -> None:
             )
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
-    def score(rows, texts, ended):
-        return score_completions(reward_funcs, rows, texts, ended.tolist(), device)
+    def score(rows, completions, mask, ended):  # rewards [N, F] of the decoded completions
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+        return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
 
     first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
     first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
@@ -331,11 +359,10 @@ def main(args: Args) -> None:
         prompts, prompt_mask = sampler.pad_left(rows)
         unwrapped.eval()
         completions, mask, ended = sampler.generate(prompts, prompt_mask)  # [N, T], N = batch_size * G
-        completions_text = tokenizer.batch_decode(completions, skip_special_tokens=True)
         generate_time = time.time() - update_start
 
         # 2. score: every reward function on every completion, a weighted sum; DAPO's overlong punishment
-        rewards_per_func = score(rows, completions_text, ended)  # [N, F]
+        rewards_per_func, completions_text = score(rows, completions, mask, ended)  # [N, F]
         rewards = (rewards_per_func * weights).nansum(1)
         rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.overlong_buffer:
@@ -436,7 +463,7 @@ def main(args: Args) -> None:
         history.append((metrics["reward"], metrics.get("kl", math.nan)))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")
         if (update + 1) % args.log_freq == 0:
-            samples = {"prompt": [r["prompt"] for r in rows], "completion": completions_text}
+            samples = {"prompt": [text_of(r["prompt"]) for r in rows], "completion": completions_text}
             logger.samples("samples", samples | {"reward": rewards.tolist(), "advantage": advantages.tolist()}, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
             evaluate(args, sampler, eval_rows, score, logger, update + 1)
@@ -597,18 +624,18 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
     for i in range(0, len(rows), 64):
         chunk = rows[i : i + 64]
         completions, mask, ended = sampler.generate(*sampler.pad_left(chunk))
-        texts = sampler.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = score(chunk, texts, ended)[:, 0]
+        scores, texts = score(chunk, completions, mask, ended)
+        scores = scores[:, 0]
         totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
         table = {
-            "prompt": table["prompt"] + [r["prompt"] for r in chunk],
+            "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
             "completion": table["completion"] + texts,
             "answer": table["answer"] + [r["answer"] for r in chunk],
             "score": table["score"] + scores.tolist(),
         }
     totals = accelerator.reduce(totals, "sum")
-    answers = [extract_answer(c) for c in table["completion"]]  # collapse onto a few answers shows here
-    top_share = accelerator.reduce(torch.tensor(max(map(answers.count, answers)) / len(answers), device=device), "mean")
+    top_share = distinct_answers(table["completion"], all(is_number(r["answer"]) for r in rows))[0]  # a collapse shows here
+    top_share = accelerator.reduce(torch.tensor(top_share, device=device), "mean")
     metrics = {
         "eval/reward": (totals[0] / totals[2]).item(),
         "eval/completion_length": (totals[1] / totals[2]).item(),

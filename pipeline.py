@@ -130,7 +130,7 @@ def evaluate(
     texts = tokenizer.batch_decode(responses.masked_fill(~response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
     # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
     ends = ended[:, -1].bool().tolist()
-    scored = [reward_model_text(q, r, reward_tokenizer.eos_token, e) for q, r, e in zip(queries, texts, ends)]
+    scored = [reward_model_text(reward_tokenizer, q, r, e) for q, r, e in zip(queries, texts, ends)]
     rm_scores = torch.cat(
         [
             reward_model(**reward_tokenizer(scored[i : i + 64], padding=True, return_tensors="pt")).logits[:, 0]

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from common.chat import render, text_of, use_chat
 from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
@@ -67,6 +68,7 @@ from common.models import (
     reference_context,
 )
 from common.performance import FastGenerator, sampling_kwargs
+from common.rewards import load_rewards, load_task, score_completions
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
@@ -106,6 +108,11 @@ class Args:
     """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries)"""
     truncate_queries: bool = False
     """keep the last `max_query_length` tokens of long queries instead of stopping with an error"""
+    chat_template: bool = True
+    """render string queries as one user message with the tokenizer's chat template, when it has one (messages always
+    are); --no-chat-template sends them as raw text"""
+    system_prompt: str | None = None
+    """a system message put before every chat query that has none (None: the template's default, if any)"""
     reward_model: str | None = "builtin:tiny-chat-rm"
     """a sequence-classification reward model: a hub id, a local folder (from reward_modeling.py), or
     builtin:tiny-chat-rm (built on first use); None: `reward_fn` in this file (VADER sentiment)"""
@@ -116,6 +123,21 @@ class Args:
     model, so one copy of the base weights is policy, reference and reward model (TRL's multi-adapter RL)"""
     reward_batch_size: int = 64
     """batch size of the reward model's forward passes"""
+    reward_funcs: list[str] = field(default_factory=list)
+    """instead of a reward model: verifiable reward functions with grpo.py's semantics (verifier, format, r1_format,
+    "file.py:function"), summed with --reward-weights; the dataset's columns reach them by name"""
+    reward_weights: list[float] | None = None
+    """one weight per --reward-funcs function (None: all 1)"""
+    answer_column: str = "answer"
+    """the reference answer column (reasoning-gym: the task's answer) for --reward-funcs"""
+    task_config: str = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+    """reasoning-gym:<task> datasets only: the task's options as JSON (as in grpo.py)"""
+    train_size: int = 2000
+    """reasoning-gym only: problems generated for training (seed: --seed)"""
+    eval_size: int = 64
+    """reasoning-gym only: distinct held-out problems (drawn with seed + 1); no training row repeats their questions"""
+    task_instruction: str = "Give only the final answer."
+    """appended to each reasoning-gym question when it is rendered as a chat"""
 
     # Generation
     min_new_tokens: int = 16
@@ -429,11 +451,11 @@ def main(args: Args) -> None:
     exact_div(args.batch_size, args.generation_batch_size or args.batch_size, "batch_size / generation_batch_size")
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_queries, eval_queries = load_queries(args, tokenizer, accelerator)
+    train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
     per_update = args.batch_size * args.world_size
-    batches_per_epoch = len(train_queries) // per_update
-    model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, train_queries + eval_queries)
-    rollout = Rollout(args, tokenizer, model, accelerator, quantization)
+    batches_per_epoch = len(train_rows) // per_update
+    model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
+    rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
@@ -468,7 +490,7 @@ def main(args: Args) -> None:
         running.__dict__.update(state["running_moments"])
         accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
 
-    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, start_update)
+    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     start_time = time.time()
@@ -479,9 +501,10 @@ def main(args: Args) -> None:
 
         # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
         epoch, i = divmod(update, batches_per_epoch)  # a seeded reshuffle per pass over the data: resumes are exact
-        order = torch.randperm(len(train_queries), generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * args.world_size + accelerator.process_index) * args.batch_size
-        queries, query_mask = rollout.pad_left([train_queries[j] for j in order[start : start + args.batch_size].tolist()])
+        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist()]
+        queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
         responses, response_mask, ended = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T] each
@@ -489,9 +512,8 @@ def main(args: Args) -> None:
         marks.append(clock(device))
 
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
-        queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
-        responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        raw_scores = scorer(queries_text, responses_text, ended.tolist()).to(device)  # [B]
+        prompts, responses_text, response_ids = rollout.texts(rows, queries, responses, response_mask)
+        raw_scores = scorer(rows, prompts, responses_text, response_ids, ended.tolist()).to(device)  # [B]
         scores = raw_scores.clone()
         if args.missing_eos_penalty is not None:
             scores[~ended] -= args.missing_eos_penalty
@@ -618,17 +640,15 @@ def main(args: Args) -> None:
         kl_history.append(mean_kl)
         progress.set_postfix(reward=f"{metrics['env/reward_mean']:.3f}", kl=f"{mean_kl:.2f}")
         if (update + 1) % args.log_freq == 0:
-            columns = {"query": queries_text, "response": responses_text, "score": raw_scores.tolist()}
+            columns = {"query": [text_of(p) for p in prompts], "response": responses_text, "score": raw_scores.tolist()}
             if args.log_ref_responses:
-                columns |= ref_responses(
-                    rollout, scorer, unwrapped, ref_model, queries, query_mask, queries_text, max_new_tokens
-                )
+                columns |= ref_responses(rollout, scorer, unwrapped, ref_model, rows, queries, query_mask, max_new_tokens)
                 logger.log(
                     reduce_mean(accelerator, {"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}), update + 1
                 )
             logger.samples("samples", columns, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
-            evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, update + 1)
+            evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             # the run's first evaluation and histories too: the summary and the health line compare with its start
@@ -637,7 +657,7 @@ def main(args: Args) -> None:
             save_checkpoint(accelerator, folder, state, unwrapped, tokenizer)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
-    last_eval = evaluate(args, rollout, scorer, unwrapped, eval_queries, logger, args.num_updates)
+    last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_model(args, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
@@ -686,37 +706,57 @@ def check(args: Args) -> None:
         )
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
-
-
-def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[list[int]], list[list[int]]]:
-    """The training and held-out queries as token ids (checked before any model is loaded)."""
-    dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(dataset, [args.query_column], "--query-column")
-    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    train_queries = [tokenizer(q)["input_ids"] for q in train_dataset[args.query_column]]
-    eval_queries = [tokenizer(q)["input_ids"] for q in eval_dataset[args.query_column]][: args.eval_samples]
-    too_long = [len(q) for q in train_queries + eval_queries if len(q) > args.max_query_length]
-    if too_long and not args.truncate_queries:
+    if args.reward_funcs and (args.reward_adapter or args.reward_model not in (None, Args.reward_model)):
         raise UsageError(
-            f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
-            f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries."
+            "--reward-funcs replaces the reward model: drop --reward-model / --reward-adapter, or --reward-funcs."
         )
-    if not all(train_queries) or not all(eval_queries):
-        accelerator.print(f"warning: {sum(not q for q in train_queries + eval_queries)} empty queries left out")
-    train_queries = [q[-args.max_query_length :] for q in train_queries if q]
-    eval_queries = [q[-args.max_query_length :] for q in eval_queries if q]
+    if args.reward_funcs and len(args.reward_weights or args.reward_funcs) != len(args.reward_funcs):
+        raise UsageError(
+            f"{len(args.reward_weights)} --reward-weights for {len(args.reward_funcs)} --reward-funcs: give one each."
+        )
+
+
+def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict], bool]:
+    """The training and held-out rows (the query as `prompt`, the ids the policy reads as `prompt_ids`, every other
+    column for --reward-funcs), checked before any model is loaded, and whether the queries are chats."""
+    if args.dataset_name.startswith("reasoning-gym:"):  # problems and answers for verifiable rewards (grpo.py's tasks)
+        keys = "task_config train_size eval_size task_instruction system_prompt max_query_length dataset_split query_column"
+        task_args = [getattr(args, k) for k in keys.split()] + [args.answer_column, args.eval_fraction]
+        train_rows, eval_rows, chat = load_task(args.dataset_name, tokenizer, args.chat_template, args.seed, *task_args)
+        eval_rows = eval_rows[: args.eval_samples]
+    else:
+        dataset = load_data(args.dataset_name, args.dataset_split)
+        check_columns(dataset, [args.query_column], "--query-column")
+        chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column])
+        train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+        train_rows, eval_rows = train_dataset.to_list(), eval_dataset.to_list()[: args.eval_samples]
+        for row in train_rows + eval_rows:
+            row["prompt"] = row[args.query_column]
+            text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
+            row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        too_long = [len(r["prompt_ids"]) for r in train_rows + eval_rows if len(r["prompt_ids"]) > args.max_query_length]
+        if too_long and not args.truncate_queries:
+            raise UsageError(
+                f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
+                f"(longest {max(too_long)}): raise --max-query-length or pass --truncate-queries."
+            )
+        if not all(r["prompt_ids"] for r in train_rows + eval_rows):
+            accelerator.print(f"warning: {sum(not r['prompt_ids'] for r in train_rows + eval_rows)} empty queries left out")
+        train_rows, eval_rows = ([r for r in rows if r["prompt_ids"]] for rows in (train_rows, eval_rows))
+        for row in train_rows + eval_rows:
+            row["prompt_ids"] = row["prompt_ids"][-args.max_query_length :]
     per_update = args.batch_size * args.world_size
-    if len(train_queries) < per_update:
-        raise UsageError(f"{len(train_queries)} training queries are fewer than one batch of {per_update}.")
+    if len(train_rows) < per_update:
+        raise UsageError(f"{len(train_rows)} training queries are fewer than one batch of {per_update}.")
     accelerator.print(
-        f"{len(train_queries)} training queries, {len(eval_queries)} held out; {args.num_updates} updates "
-        f"of {per_update} episodes; each pass over the data reshuffles and leaves out "
-        f"{len(train_queries) % per_update} queries (different ones each pass)"
+        f"{len(train_rows)} training queries, {len(eval_rows)} held out{', rendered by the chat template' if chat else ''}; "
+        f"{args.num_updates} updates of {per_update} episodes; each pass over the data reshuffles and leaves out "
+        f"{len(train_rows) % per_update} queries (different ones each pass)"
     )
-    return train_queries, eval_queries
+    return train_rows, eval_rows, chat
 
 
-def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: dict, queries: list[list[int]]):
+def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: dict, chat: bool, train_rows, eval_rows):
     """The policy with its value head (LoRA with --use-peft), the frozen reference (None with LoRA: the policy with its
     adapter disabled), and the `Scorer` of responses."""
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
@@ -748,7 +788,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         )
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
-    scorer = Scorer(args, model, accelerator)
+    scorer = Scorer(args, model, accelerator, chat, train_rows)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(
         f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
@@ -757,8 +797,11 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     )
     reward_context = context_length(scorer.reward_model.config if scorer.reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
-        texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
-        longest = max(len(ids) for ids in scorer.tokenizer(texts)["input_ids"])
+        queries = [
+            r["prompt"] if chat else tokenizer.decode(r["prompt_ids"], skip_special_tokens=True)
+            for r in train_rows + eval_rows
+        ]
+        longest = max(len(ids) for ids in scorer.tokenizer(queries, add_special_tokens=not chat)["input_ids"])
         if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
             raise UsageError(
                 f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
@@ -773,8 +816,8 @@ class Rollout:
     `FastGenerator`), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
     (temperature, decoder start, logit mask) that every forward pass must see too."""
 
-    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict):
-        self.args, self.tokenizer, self.accelerator = args, tokenizer, accelerator
+    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool):
+        self.args, self.tokenizer, self.accelerator, self.chat = args, tokenizer, accelerator, chat
         self.batch = args.generation_batch_size or args.batch_size
         # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
         self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
@@ -798,6 +841,14 @@ class Rollout:
         ):
             self.fast = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
         accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+
+    def texts(self, rows: list[dict], queries, responses, response_mask):
+        """What the scorer and the sample tables read: the prompts (a chat's messages, else the decoded query), the
+        responses' text, and each response's token ids."""
+        decode = self.tokenizer.batch_decode
+        prompts = [r["prompt"] for r in rows] if self.chat else decode(queries, skip_special_tokens=True)
+        ids = [row[m.bool()].tolist() for row, m in zip(responses, response_mask)]
+        return prompts, decode(responses, skip_special_tokens=True), ids
 
     def pad_left(self, queries: list[list[int]]):
         batch = self.tokenizer.pad({"input_ids": queries}, return_tensors="pt")
@@ -831,16 +882,20 @@ class Rollout:
 
 
 class Scorer:
-    """One score per (query, response): `reward_fn`, a reward model's logit on the text as reward_modeling.py trains it
-    ("query response<eos>", the EOS only for responses that ended), or a `RewardAdapter` on the policy's base."""
+    """One score per (query, response): `reward_fn` (VADER), the verifiable rewards of --reward-funcs (grpo.py's
+    semantics, weighted by --reward-weights; an unscorable response gets 0), a reward model's logit on the text
+    reward_modeling.py trains on (`reward_model_text`), or a `RewardAdapter` on the policy's base."""
 
-    def __init__(self, args: Args, model, accelerator: Accelerator):
-        self.args, self.accelerator, self.policy = args, accelerator, model
-        self.reward_model, self.tokenizer, self.index, self.adapter = None, None, 0, None
-        if args.reward_model is not None and args.reward_adapter is None:
-            self.reward_model, self.index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
-            self.tokenizer = load_tokenizer(args.reward_model, padding_side="right")
-        if args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
+    def __init__(self, args: Args, model, accelerator: Accelerator, chat: bool, rows: list[dict]):
+        self.args, self.accelerator, self.policy, self.chat = args, accelerator, model, chat
+        self.reward_model, self.tokenizer, self.index, self.adapter, self.funcs = None, None, 0, None, []
+        if args.reward_funcs:
+            self.funcs = load_rewards(args.reward_funcs, rows, accelerator.device, chat)
+            weights = args.reward_weights or [1.0] * len(self.funcs)
+            self.weights = torch.tensor(weights, device=accelerator.device)
+        elif args.reward_model is not None and args.reward_adapter is None:
+            self.reward_model, self.tokenizer, self.index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
+        elif args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
             self.adapter = RewardAdapter(model, args.reward_adapter, base_model_name=args.model_name)
             self.tokenizer = load_tokenizer(args.model_name, padding_side="right")
 
@@ -851,18 +906,25 @@ class Scorer:
         if self.adapter is not None:
             self.adapter.score = self.adapter.score.to(device)
         self.policy = policy
-        self(["Hello", "Hi"], [" there", " you"], [True, False])
+        if not self.funcs:  # (load_rewards tried the reward functions already)
+            self([{"prompt": "Hello"}, {"prompt": "Hi"}], ["Hello", "Hi"], [" there", " you"], [[15], [16]], [True, False])
 
     @torch.no_grad()
-    def __call__(self, queries_text: list[str], responses_text: list[str], ended: list[bool]) -> torch.Tensor:
+    def __call__(self, rows: list[dict], prompts: list, responses_text: list[str], response_ids, ended: list[bool]):
+        """Scores [B] of the responses to `rows`, whose prompts (as the reward model reads them) are `prompts`."""
+        if self.funcs:
+            rewards = score_completions(self.funcs, rows, responses_text, response_ids, ended, self.accelerator.device)
+            return (rewards * self.weights).nansum(1).cpu()
         if self.tokenizer is None:
-            return check_scores(reward_fn(queries_text, responses_text), len(responses_text), "reward_fn")
-        eos, size = self.tokenizer.eos_token, self.args.reward_batch_size
-        texts = [reward_model_text(q, r, eos, e) for q, r, e in zip(queries_text, responses_text, ended)]
+            return check_scores(reward_fn([text_of(p) for p in prompts], responses_text), len(responses_text), "reward_fn")
+        size = self.args.reward_batch_size
+        texts = [reward_model_text(self.tokenizer, p, r, e, self.chat) for p, r, e in zip(prompts, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), size):
-            batch = self.tokenizer(texts[i : i + size], padding=True, return_tensors="pt").to(self.accelerator.device)
+            chunk = texts[i : i + size]
+            batch = self.tokenizer(chunk, padding=True, add_special_tokens=not self.chat, return_tensors="pt")
             with self.accelerator.autocast():
+                batch = batch.to(self.accelerator.device)
                 logits = (
                     self.reward_model(**batch).logits if self.reward_model is not None else self.adapter(self.policy, **batch)
                 )
@@ -927,16 +989,16 @@ class RewardAdapter:
 
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_queries, logger, update: int) -> dict[str, float]:
+def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, logger, update: int) -> dict[str, float]:
     """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
     accelerator, tokenizer = rollout.accelerator, rollout.tokenizer
     torch.manual_seed(args.seed + accelerator.process_index)
-    queries, query_mask = rollout.pad_left(eval_queries)
+    queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
-    responses, _, ended = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
-    queries_text = tokenizer.batch_decode(queries, skip_special_tokens=True)
-    responses_text = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    scores = scorer(queries_text, responses_text, ended.tolist())
+    responses, response_mask, ended = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
+    prompts, responses_text, response_ids = rollout.texts(eval_rows, queries, responses, response_mask)
+    scores = scorer(eval_rows, prompts, responses_text, response_ids, ended.tolist())
+    queries_text = [text_of(p) for p in prompts]
     metrics = {
         "eval/reward_mean": scores.mean(),
         "eval/reward_std": scores.std(),
@@ -953,12 +1015,12 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_queries,
 
 @torch.no_grad()
 @torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
-def ref_responses(rollout: Rollout, scorer: Scorer, policy, ref_model, queries, query_mask, queries_text, max_new_tokens):
+def ref_responses(rollout: Rollout, scorer: Scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens):
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
-        responses, _, ended = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, fast=False)
-    responses_text = rollout.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return {"ref response": responses_text, "ref score": scorer(queries_text, responses_text, ended.tolist()).tolist()}
+        responses, mask, ended = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, fast=False)
+    prompts, responses_text, ids = rollout.texts(rows, queries, responses, mask)
+    return {"ref response": responses_text, "ref score": scorer(rows, prompts, responses_text, ids, ended.tolist()).tolist()}
 
 
 def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_reward: float, update: int, run_name: str) -> float:

@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
 
+from common.chat import use_chat
 from common.core import UsageError, check_args, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -38,7 +39,7 @@ from common.loading import (
     reward_model_text,
     train_eval_split,
 )
-from common.models import REWARD_NORMALIZATION_FILE, peft_model_of
+from common.models import REWARD_NORMALIZATION_FILE, classifier_pad, peft_model_of
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
@@ -77,6 +78,9 @@ class Args:
     """the preferred response"""
     rejected_column: str = "rejected"
     """the other response"""
+    chat_template: bool = True
+    """render string prompts and responses as user and assistant messages with the tokenizer's chat template, when it
+    has one (messages always are); --no-chat-template: "prompt response<eos>" as raw text"""
     margin_column: str | None = None
     """an optional per-pair margin (Llama 2): loss = -logsigmoid(r_chosen - r_rejected - margin)"""
     max_length: int = 128
@@ -182,7 +186,7 @@ if __name__ == "__main__":
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
-    # Right padding is fine: the classifier scores the last non-pad token, and pad is distinct from EOS
+    # Right padding is fine: the classifier scores the last non-pad token, and its pad is distinct from EOS
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
     config = load_config(args.model_name)
     context = context_length(config)
@@ -200,17 +204,19 @@ if __name__ == "__main__":
         "--prompt-column / --chosen-column / --rejected-column / --margin-column",
         numeric=(args.margin_column,),
     )
+    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns if c != args.margin_column])
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
     def tokenize(split) -> list[dict]:
-        """Each pair -> chosen and rejected ids of "prompt response<eos>" (the format ppo.py scores), left-truncated."""
+        """Each pair -> chosen and rejected ids of the text ppo.py and grpo.py score (`reward_model_text`: the rendered
+        chat, or "prompt response<eos>"), left-truncated."""
         pairs = []
         for row in split:
             prompt = row[args.prompt_column] if args.prompt_column else None
-            ids = [
-                tokenizer(reward_model_text(prompt, row[c], tokenizer.eos_token))["input_ids"][-args.max_length :]
-                for c in (args.chosen_column, args.rejected_column)
+            texts = [
+                reward_model_text(tokenizer, prompt, row[c], True, chat) for c in (args.chosen_column, args.rejected_column)
             ]
+            ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"][-args.max_length :] for t in texts]
             margin = float(row[args.margin_column]) if args.margin_column else 0.0
             pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=margin))
         return pairs
@@ -270,7 +276,7 @@ if __name__ == "__main__":
     model = load_pretrained(
         args.model_name, AutoModelForSequenceClassification, num_labels=1, dtype=args.dtype, **quantization
     )
-    model.config.pad_token_id = tokenizer.pad_token_id  # the classifier finds the last non-pad token with it
+    classifier_pad(tokenizer, model)  # the classifier scores each text at its last token that is not the pad token
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):

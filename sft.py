@@ -24,11 +24,11 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from common.chat import conversation_pieces, is_conversation, render, render_conversation, text_of, tokenize_pieces, use_chat
 from common.core import UsageError, check_args, pad_right, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
-    is_conversation,
     load_config,
     load_data,
     load_pretrained,
@@ -69,13 +69,19 @@ class Args:
     dataset_split: str = "train"
     """the split to load from a hub dataset"""
     text_column: str = "text"
-    """the column of plain text to train on (used when prompt_column is None), or of chat messages (TRL's
-    conversational format, [{"role": ..., "content": ...}, ...]), each conversation rendered by the tokenizer's chat
-    template"""
+    """the column to train on when prompt_column is None: plain text, or whole conversations as chat messages (TRL's
+    conversational format; a "messages" column is found without it), rendered by the tokenizer's chat template"""
     prompt_column: str | None = None
     """with completion_column: train on prompt + completion, the loss on the completion tokens only"""
     completion_column: str = "completion"
     """the completion column (with prompt_column)"""
+    chat_template: bool = True
+    """render string prompt / completion pairs as a user and an assistant message with the tokenizer's chat template,
+    when it has one (messages always are); --no-chat-template: raw text, as TRL does with string pairs"""
+    system_prompt: str | None = None
+    """a system message put before every chat prompt that has none (None: the template's default, if any)"""
+    assistant_only_loss: bool = False
+    """messages data: the loss on the assistant turns only, each with its end-of-turn token (TRL 1.x)"""
     response_template: str | None = None
     """completion-only loss on text: tokens up to and including this string get no loss (TRL
     DataCollatorForCompletionOnlyLM); examples without it are dropped with a warning"""
@@ -197,38 +203,41 @@ if __name__ == "__main__":
 
     # ---- data: tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
-    if (
-        not args.prompt_column
-        and args.text_column in dataset.column_names
-        and len(dataset)
-        and is_conversation(dataset[0][args.text_column])
-    ):  # TRL's conversational format: rendered by the tokenizer's chat template
-        if not tokenizer.chat_template:
-            raise UsageError(
-                f"--text-column {args.text_column} holds chat messages, but the tokenizer of "
-                f"{args.model_name} has no chat template: set tokenizer.chat_template, save the tokenizer "
-                "and pass that folder, or render the conversations into text yourself."
-            )
-        dataset = dataset.map(
-            lambda row: {args.text_column: tokenizer.apply_chat_template(row[args.text_column], tokenize=False)},
-            remove_columns=[args.text_column],
-        )
-    columns = [args.prompt_column, args.completion_column] if args.prompt_column else [args.text_column]
+    text_column = args.text_column
+    if not args.prompt_column and text_column not in dataset.column_names and "messages" in dataset.column_names:
+        text_column = "messages"  # TRL's conversational language-modelling column
+    columns = [args.prompt_column, args.completion_column] if args.prompt_column else [text_column]
     check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
+    conversations = not args.prompt_column and is_conversation(dataset[0][text_column])
+    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and (conversations or args.prompt_column)
+    if args.assistant_only_loss and not conversations:
+        raise UsageError("--assistant-only-loss trains on the assistant turns of a messages column: this data has none.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
     template_ids = tokenizer(args.response_template, add_special_tokens=False)["input_ids"] if args.response_template else None
 
     def tokenize(split) -> list[dict]:
-        """Each example -> input_ids and labels (-100 where no loss is taken)."""
+        """Each example -> input_ids and labels (-100 where no loss is taken); chats rendered as common/chat.py says."""
         examples = []
         for row in split:
             if args.prompt_column:
-                prompt = tokenizer(row[args.prompt_column])["input_ids"]
-                completion = tokenizer(row[args.completion_column])["input_ids"] + [tokenizer.eos_token_id]
+                if chat:  # the rendered answer continues the rendered prompt, its end-of-turn token (EOS) included
+                    texts = render(tokenizer, row[args.prompt_column], row[args.completion_column], args.system_prompt)
+                    prompt, completion = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
+                else:
+                    prompt = tokenizer(row[args.prompt_column])["input_ids"]
+                    completion = tokenizer(row[args.completion_column])["input_ids"] + [tokenizer.eos_token_id]
                 ids = (prompt + completion)[: args.max_seq_length]
                 labels = ([-100] * len(prompt) + completion)[: args.max_seq_length]
+            elif conversations and args.assistant_only_loss:  # the loss on the assistant turns only (TRL 1.x)
+                pieces = conversation_pieces(tokenizer, row[text_column], args.system_prompt)
+                ids, assistant = (x[: args.max_seq_length] for x in tokenize_pieces(tokenizer, pieces))
+                labels = [i if a else -100 for i, a in zip(ids, assistant)]
+            elif conversations:  # a whole conversation, rendered, ending with its end-of-turn token (EOS)
+                text = render_conversation(tokenizer, row[text_column], args.system_prompt)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_seq_length]
+                labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
             else:
-                ids = (tokenizer(row[args.text_column])["input_ids"] + [tokenizer.eos_token_id])[: args.max_seq_length]
+                ids = (tokenizer(row[text_column])["input_ids"] + [tokenizer.eos_token_id])[: args.max_seq_length]
                 labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
             if labels is not None and any(label != -100 for label in labels):
                 examples.append(dict(input_ids=ids, labels=labels))
@@ -239,7 +248,17 @@ if __name__ == "__main__":
             [
                 dict(input_ids=b, labels=b)
                 for b in pack_sequences(
-                    tokenizer(list(split[args.text_column]))["input_ids"], args.max_seq_length, tokenizer.eos_token_id
+                    [  # each conversation's closing EOS is the separator pack_sequences puts after every text
+                        ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
+                        for ids in tokenizer(
+                            [render_conversation(tokenizer, m, args.system_prompt) for m in split[text_column]],
+                            add_special_tokens=False,
+                        )["input_ids"]
+                    ]
+                    if conversations
+                    else tokenizer(list(split[text_column]))["input_ids"],
+                    args.max_seq_length,
+                    tokenizer.eos_token_id,
                 )
             ]
             for split in (train_dataset, eval_dataset)
@@ -410,24 +429,30 @@ if __name__ == "__main__":
             perplexity = math.exp(min(last_eval_loss, 50))
             write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": perplexity})
     if accelerator.is_main_process and args.num_sample_generations > 0:
-        prompts = (
-            eval_dataset[args.prompt_column]
-            if args.prompt_column
-            else [
-                text.split(args.response_template)[0] + args.response_template
-                if args.response_template
-                else " ".join(text.split()[:4])
-                for text in eval_dataset[args.text_column]
+        rows = eval_dataset.select(range(min(args.num_sample_generations, len(eval_dataset))))
+        if conversations:  # the conversation up to its last assistant turn, ready for the assistant's answer
+            prompts = [
+                m[: max([i for i, x in enumerate(m) if x["role"] == "assistant"] or [len(m)])] for m in rows[text_column]
             ]
-        )[: args.num_sample_generations]
+        elif args.prompt_column:
+            prompts = list(rows[args.prompt_column])
+        else:
+            prompts = [
+                t.split(args.response_template)[0] + args.response_template
+                if args.response_template
+                else " ".join(t.split()[:4])
+                for t in rows[text_column]
+            ]
+        texts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] for p in prompts] if chat else prompts
         keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
-        ids = [i[-keep:] for i in tokenizer(prompts)["input_ids"]]
+        ids = [i[-keep:] for i in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
         batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
         unwrapped.eval()
         with torch.no_grad():
             out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        logger.samples("samples", {"prompt": prompts, "completion": completions}, total_steps)
+        shown = [text_of(p) if isinstance(p, list) else p for p in prompts]
+        logger.samples("samples", {"prompt": shown, "completion": completions}, total_steps)
     accelerator.print(
         f"sft: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval loss "
         f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "

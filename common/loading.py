@@ -12,6 +12,7 @@ from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 import presets
+from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.core import UsageError
 
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -160,24 +161,24 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
     return located(lambda n: load_dataset(n, split=split), name, "dataset")
 
 
-def reward_model_text(prompt: str | None, response: str, eos_token: str | None, ended: bool = True) -> str:
-    """The text a reward model reads: "prompt response<eos>", as reward_modeling.py trains it and ppo.py scores it
-    (EOS only after a response that ended and for a tokenizer that has one; without a prompt, the response alone)."""
-    return (f"{prompt} " if prompt else "") + response.strip() + (eos_token or "" if ended else "")
-
-
-def is_conversation(value) -> bool:
-    """A list of chat messages, [{"role": ..., "content": ...}, ...] (TRL's conversational format)."""
-    return (
-        isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
-    )
+def reward_model_text(tokenizer, prompt, response, ended: bool = True, chat: bool = True) -> str:
+    """The text a reward model reads, as reward_modeling.py trains it and ppo.py / grpo.py score it: with a chat
+    template, the conversation rendered (the assistant's turn closed only after a response that ended); without one,
+    "prompt response<eos>" (EOS only after a response that ended; without a prompt, the response alone)."""
+    if use_chat(tokenizer, chat, [prompt, response]):
+        response = response if is_conversation(response) else response.strip()
+        if not prompt:  # the response is a whole conversation (TRL's implicit prompt)
+            return tokenizer.apply_chat_template(as_messages(response, "assistant"), tokenize=False).rstrip()
+        prompt_text, answer_text = render(tokenizer, prompt, response)
+        return prompt_text + (answer_text if ended else text_of(response))
+    return (f"{prompt} " if prompt else "") + response.strip() + (tokenizer.eos_token or "" if ended else "")
 
 
 def check_columns(
-    dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments", numeric: tuple[str, ...] = ()
+    dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments", numeric: tuple = (), chat: bool = True
 ) -> None:
-    """A clear error naming the missing columns and the ones the dataset has, a column of chat messages, or a value of
-    the wrong kind (text columns hold strings; the `numeric` ones numbers) with its column and row."""
+    """A clear error naming the missing columns and the ones the dataset has, or a value of the wrong kind with its column
+    and row: the `numeric` columns hold numbers, the others text, or (with `chat`) chat messages in every row."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise UsageError(
@@ -186,18 +187,19 @@ def check_columns(
         )
     if len(dataset) == 0:
         raise UsageError("The dataset is empty.")
-    chat = [c for c in columns if is_conversation(dataset[0][c])]
-    if chat:
-        raise UsageError(
-            f"The column {chat} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this "
-            "script reads text: render each conversation into a string first, e.g. with "
-            "tokenizer.apply_chat_template(messages, tokenize=False)."
-        )
     for column in columns:
-        kind = (int, float) if column in numeric else str
-        for row, value in enumerate(dataset[column]):
-            if not isinstance(value, kind) or isinstance(value, bool):
-                wanted = "a number" if column in numeric else "text"
+        values = dataset[column]
+        messages = is_conversation(values[0])
+        if messages and not chat:
+            raise UsageError(
+                f"The column {column!r} holds chat messages ([{{'role': ..., 'content': ...}}, ...]), where this script "
+                "reads text: render each conversation into a string first (tokenizer.apply_chat_template(messages, "
+                "tokenize=False))."
+            )
+        for row, value in enumerate(values):
+            ok = is_conversation(value) if messages else isinstance(value, (int, float) if column in numeric else str)
+            if not ok or isinstance(value, bool):
+                wanted = "chat messages" if messages else "a number" if column in numeric else "text"
                 raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
 
 

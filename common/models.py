@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
 from common.core import UsageError
-from common.loading import is_random_builtin, load_pretrained
+from common.loading import is_random_builtin, load_pretrained, load_tokenizer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_NORMALIZATION_FILE = "reward_normalization.json"
@@ -159,9 +159,26 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     return ref_model.eval()
 
 
-def load_reward_model(name: str, label: str | None = None, dtype: str = "float32") -> tuple[torch.nn.Module, int]:
-    """A trained sequence classifier in `dtype` and the index of the logit that is the reward (`label`: a name or an
-    index; None: the single logit of a one-label head). A folder whose classification head would be freshly initialised
+def classifier_pad(tokenizer, model) -> None:
+    """A sequence classifier scores a text at its last token that is not `config.pad_token_id`. Where the pad token is
+    the EOS (SmolLM2 and many instruct models), a text's own closing EOS would count as padding: the tokenizer and the
+    model then get a distinct pad token (the unknown or BOS token, which never ends a text)."""
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        substitute = next((t for t in (tokenizer.unk_token, tokenizer.bos_token) if t and t != tokenizer.eos_token), None)
+        if substitute is None:
+            raise UsageError(
+                f"the tokenizer of {tokenizer.name_or_path!r} pads with its EOS and has no other special token to pad a "
+                "reward model's input with: add a distinct pad token (tokenizer.add_special_tokens({'pad_token': "
+                "'<|pad|>'}), resize the embeddings) and save both"
+            )
+        tokenizer.pad_token = substitute
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_reward_model(name: str, label: str | None = None, dtype: str = "float32"):
+    """A trained sequence classifier in `dtype`, its tokenizer (right padding, a pad distinct from EOS: `classifier_pad`)
+    and the index of the logit that is the reward (`label`: a name or an index; None: the single logit of a one-label
+    head). A folder whose classification head would be freshly initialised
     (a causal LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
     if is_random_builtin(name):
         raise UsageError(
@@ -175,6 +192,8 @@ def load_reward_model(name: str, label: str | None = None, dtype: str = "float32
             f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
             "reward_modeling.py."
         )
+    tokenizer = load_tokenizer(name, padding_side="right")
+    classifier_pad(tokenizer, model)
     labels = model.config.id2label if model.config.num_labels > 1 else {}
     if label is None:
         if model.config.num_labels != 1:
@@ -182,11 +201,11 @@ def load_reward_model(name: str, label: str | None = None, dtype: str = "float32
                 f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
                 "pass --reward-label with the one to maximise (a name or an index)."
             )
-        return model.eval(), 0
+        return model.eval(), tokenizer, 0
     index = model.config.label2id.get(label, int(label) if label.isdigit() else None)
     if index is None or not 0 <= index < model.config.num_labels:
         raise UsageError(
             f"--reward-label {label}: {name} has the labels {dict(labels) or {0: 'a single logit'}}; "
             "pass one of their names or indices."
         )
-    return model.eval(), index
+    return model.eval(), tokenizer, index

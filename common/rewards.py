@@ -1,9 +1,13 @@
-"""Verifiable tasks and reward functions, shared by the scripts that sample and score completions (grpo.py, rloo.py).
+"""Verifiable tasks and reward functions, shared by the scripts that sample and score completions (grpo.py, rloo.py,
+ppo.py with --reward-funcs).
 
-A task is a list of rows: a `prompt`, its reference `answer`, and any other column, which reaches every reward function
-by name. A reward function is a plain callable `(prompts, completions, **columns) -> list[float | None]` (TRL 1.x's
-contract; None: this completion cannot be scored): a built-in (`verifier`, `format`), a function in your own file
-(`my_rewards.py:brevity`), or a trained sequence classifier (`reward_model_function`).
+A task is a list of rows: a `prompt` (text, or chat messages), its reference `answer`, and any other column, which
+reaches every reward function by name. A reward function follows TRL 1.x's contract: called with keywords
+`prompts`, `completions`, `completion_ids` and the columns, it returns one float per completion (None: this one cannot
+be scored). For conversational prompts, prompts are message lists and each completion is
+[{"role": "assistant", "content": text}], as TRL's GRPOTrainer passes them; otherwise both are text. `ended` (the
+completion ended with EOS) comes too. A reward function is a built-in (`verifier`, `format`, `r1_format`), a function
+in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`reward_model_function`).
 """
 
 import importlib
@@ -11,40 +15,66 @@ import importlib.util
 import json
 import math
 import os
+import re
 
+import numpy as np
 import torch
 
+from common.chat import is_conversation, render, text_of, use_chat
 from common.core import UsageError
-from common.loading import check_columns, load_data, load_tokenizer, reward_model_text, train_eval_split
+from common.loading import check_columns, load_data, reward_model_text, train_eval_split
 from common.models import load_reward_model
 
-
-def extract_answer(completion: str) -> str:
-    """The answer in a completion: its first line, stripped."""
-    return completion.strip().split("\n")[0].strip()
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def verifier(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float | None]:
-    """1 for a completion whose answer (`extract_answer`) the task accepts: reasoning-gym's own `score_answer` for a
-    reasoning-gym task (in [0, 1]; a `rg_entry` column carries the problem), else an exact match with the answer."""
-    if "rg_entry" in columns:
-        import reasoning_gym
-
-        scores = []
-        for completion, entry in zip(completions, columns["rg_entry"]):
-            entry = json.loads(entry)
-            score = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
-            scores.append(float(score(extract_answer(completion), entry)))
-        return scores
-    return [float(extract_answer(c) == str(a).strip()) for c, a in zip(completions, answer)]
+def extract_answer(completion, numeric: bool = True) -> str:
+    """The answer in a completion: the text inside its last <answer>...</answer> when it has one; else, for a task with a
+    numeric answer, the last number in it (chat models write "3 + 4 = 7" or "The answer is 7"); else its first line."""
+    text = text_of(completion)
+    tagged = ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    if numeric:
+        numbers = NUMBER.findall(text)
+        return numbers[-1] if numbers else text.strip()
+    return text.strip().split("\n")[0].strip()
 
 
-def format_reward(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float | None]:
+def is_number(text) -> bool:
+    return NUMBER.fullmatch(str(text).strip()) is not None
+
+
+def verifier(prompts, completions, answer, **columns) -> list[float | None]:
+    """1 for a completion whose answer (`extract_answer`, by the last-number rule where the reference answer is a number)
+    the task accepts: reasoning-gym's own `score_answer` for a reasoning-gym task (in [0, 1]; a `rg_entry` column
+    carries the problem), else an exact match with the answer."""
+    answers = [extract_answer(c, is_number(a)) for c, a in zip(completions, answer)]
+    if "rg_entry" not in columns:
+        return [float(x == str(a).strip()) for x, a in zip(answers, answer)]
+    import reasoning_gym
+
+    scores = []
+    for x, entry in zip(answers, columns["rg_entry"]):
+        entry = json.loads(entry)
+        scores.append(float(reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(x, entry)))
+    return scores
+
+
+def format_reward(prompts, completions, ended, **columns) -> list[float | None]:
     """1 for a completion that is one non-empty line and ends with EOS (a clean, parseable answer), else 0."""
-    return [float(e and bool(c.strip()) and "\n" not in c.strip()) for c, e in zip(completions, ended)]
+    return [float(e and bool(text_of(c).strip()) and "\n" not in text_of(c).strip()) for c, e in zip(completions, ended)]
 
 
-REWARD_FUNCS = {"verifier": verifier, "format": format_reward}
+def r1_format_reward(prompts, completions, **columns) -> list[float | None]:
+    """1 for a completion of DeepSeek-R1's form "<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>" (open-r1's and
+    TRL's recipe `format_reward`), else 0."""
+    form = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+    return [float(form.match(text_of(c).strip()) is not None) for c in completions]
+
+
+REWARD_FUNCS = {"verifier": verifier, "format": format_reward, "r1_format": r1_format_reward}
 
 
 def resolve_reward(spec: str):
@@ -67,17 +97,18 @@ def resolve_reward(spec: str):
     return getattr(module, name)
 
 
-def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32"):
-    """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on
-    "prompt completion<eos>" (the EOS only after a completion that ended), the text reward_modeling.py trains on."""
-    model, index = load_reward_model(name, label, dtype)
-    model, tokenizer = model.to(device), load_tokenizer(name, padding_side="right")
+def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32", chat: bool = True):
+    """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on the text
+    reward_modeling.py trains on (`reward_model_text`: the rendered chat, or "prompt completion<eos>")."""
+    model, tokenizer, index = load_reward_model(name, label, dtype)
+    model = model.to(device)
 
     @torch.no_grad()
-    def reward_model(prompts: list[str], completions: list[str], ended: list[bool], **columns) -> list[float]:
-        texts = [reward_model_text(p, c, tokenizer.eos_token, e) for p, c, e in zip(prompts, completions, ended)]
+    def reward_model(prompts, completions, ended, **columns) -> list[float]:
+        texts = [reward_model_text(tokenizer, p, text_of(c), e, chat) for p, c, e in zip(prompts, completions, ended)]
         batches = (
-            tokenizer(texts[i : i + 64], padding=True, return_tensors="pt").to(device) for i in range(0, len(texts), 64)
+            tokenizer(texts[i : i + 64], padding=True, add_special_tokens=False, return_tensors="pt").to(device)
+            for i in range(0, len(texts), 64)
         )
         return [x for batch in batches for x in model(**batch).logits[:, index].float().tolist()]
 
@@ -98,16 +129,15 @@ def check_rewards(values, n: int, name: str) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
 
 
-def score_completions(reward_funcs, rows: list[dict], completions: list[str], ended: list[bool], device) -> torch.Tensor:
-    """Rewards [N, F] of each completion by each (name, function) in `reward_funcs`, NaN where a function returned
-    None. Every column of the rows but the prompt reaches the functions by name, and `ended` (the completion ended
-    with EOS) too."""
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+def score_completions(reward_funcs, rows: list[dict], completions: list[str], completion_ids, ended, device) -> torch.Tensor:
+    """Rewards [N, F] of each completion (text) by each (name, function) in `reward_funcs`, NaN where a function returned
+    None, called with TRL 1.x's keywords (see the module docstring) and `ended`."""
     prompts = [r["prompt"] for r in rows]
-    return torch.tensor(
-        [check_rewards(f(prompts, completions, ended=ended, **columns), len(rows), name) for name, f in reward_funcs],
-        device=device,
-    ).T
+    if is_conversation(prompts[0]):  # TRL: conversational completions are assistant messages
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, ended=ended, **columns)
+    return torch.tensor([check_rewards(f(**kwargs), len(rows), name) for name, f in reward_funcs], device=device).T
 
 
 def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[dict]:
@@ -124,41 +154,76 @@ def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[di
     return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
 
 
-def load_task(args, tokenizer) -> tuple[list[dict], list[dict], float]:
-    """Training and held-out rows of `args.dataset_name` (reasoning-gym:<task>, or a dataset with a prompt and an answer
-    column), each with its prompt's token ids (the last `max_prompt_length`), and the share of held-out prompts that
-    also occur in training. Reads args.dataset_name, task_config, train_size, eval_size, seed, dataset_split,
-    prompt_column, answer_column, eval_fraction, eval_samples, max_prompt_length."""
-    if args.dataset_name.startswith("reasoning-gym:"):
-        task = args.dataset_name.split(":", 1)[1]
+def load_task(
+    dataset_name: str,
+    tokenizer,
+    chat_template: bool,
+    seed: int,
+    task_config: str = "{}",
+    train_size: int = 2000,
+    eval_size: int = 64,
+    task_instruction: str = "",
+    system_prompt: str | None = None,
+    max_prompt_length: int = 64,
+    dataset_split: str = "train",
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    eval_fraction: float = 0.05,
+) -> tuple[list[dict], list[dict], bool]:
+    """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `seed`, and
+    `eval_size` distinct held-out ones from seed + 1), or a dataset with a prompt and an answer column (`eval_fraction`
+    held out). No held-out question occurs in training: training rows that repeat one are dropped. Prompts go through the
+    chat template (`use_chat`: messages, or strings with `chat_template` for a tokenizer that has one; then a
+    reasoning-gym question becomes a user message ending with `task_instruction`); each row gets the token ids of its
+    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept. Also returns whether prompts are chats."""
+    if dataset_name.startswith("reasoning-gym:"):
+        task = dataset_name.split(":", 1)[1]
         try:
-            config = json.loads(args.task_config)
+            config = json.loads(task_config)
         except json.JSONDecodeError as error:
-            raise UsageError(f"--task-config {args.task_config!r} is not JSON ({error.msg}).") from None
-        train_rows = reasoning_gym_rows(task, config, args.train_size, args.seed)
-        eval_rows = reasoning_gym_rows(task, config, args.eval_size, args.seed + 1)
+            raise UsageError(f"--task-config {task_config!r} is not JSON ({error.msg}).") from None
+        train_rows, eval_rows = reasoning_gym_rows(task, config, train_size, seed), []
+        for row in reasoning_gym_rows(task, config, 10 * eval_size, seed + 1):  # the first eval_size distinct questions
+            if len(eval_rows) < eval_size and row["prompt"] not in {r["prompt"] for r in eval_rows}:
+                eval_rows.append(row)
+        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
+        if chat:
+            for row in train_rows + eval_rows:
+                row["prompt"] = [{"role": "user", "content": f"{row['prompt']} {task_instruction}".strip()}]
     else:
-        dataset = load_data(args.dataset_name, args.dataset_split)
-        check_columns(dataset, [args.prompt_column, args.answer_column], "--prompt-column / --answer-column")
-        dataset = dataset.rename_columns({args.prompt_column: "prompt", args.answer_column: "answer"})
-        train_data, eval_data = train_eval_split(dataset, args.eval_fraction, args.seed)
+        dataset = load_data(dataset_name, dataset_split)
+        check_columns(dataset, [prompt_column], "--prompt-column")
+        check_columns(dataset, [answer_column], "--answer-column", chat=False)
+        dataset = dataset.rename_columns({prompt_column: "prompt", answer_column: "answer"})
+        train_data, eval_data = train_eval_split(dataset, eval_fraction, seed)
         train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
-    eval_rows = eval_rows[: args.eval_samples]
-    overlap = len({r["prompt"] for r in eval_rows} & {r["prompt"] for r in train_rows}) / len(eval_rows)
-    for rows in (train_rows, eval_rows):
-        for row in rows:
-            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"][-args.max_prompt_length :]
-    return train_rows, eval_rows, overlap
+        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
+    held_out = {json.dumps(r["prompt"]) for r in eval_rows}
+    train_rows = [r for r in train_rows if json.dumps(r["prompt"]) not in held_out]
+    if not train_rows:
+        raise UsageError(
+            f"every training problem also occurs among the {len(eval_rows)} held-out ones: lower --eval-size or draw "
+            "more problems (--train-size, --task-config)"
+        )
+    for row in train_rows + eval_rows:
+        text = render(tokenizer, row["prompt"], system_prompt=system_prompt)[0] if chat else row["prompt"]
+        row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"][-max_prompt_length:]
+    return train_rows, eval_rows, chat
 
 
-def load_rewards(args, rows: list[dict], device) -> list:
-    """(name, function) for each of --reward-funcs and --reward-model, each tried on two real rows first, so that a wrong
-    length or a non-number fails before any generation."""
-    reward_funcs = [(spec, resolve_reward(spec)) for spec in args.reward_funcs]
-    if args.reward_model is not None:
-        reward_funcs.append(("reward_model", reward_model_function(args.reward_model, args.reward_label, device, args.dtype)))
-    probe = {k: [r[k] for r in rows[:2]] for k in rows[0] if k != "prompt_ids"}
-    for spec, func in reward_funcs:
-        columns = {k: v for k, v in probe.items() if k != "prompt"}
-        check_rewards(func(probe["prompt"], [" 0", " 1"], ended=[True, False], **columns), 2, spec)
+def load_rewards(specs: list[str], rows: list[dict], device, chat: bool, reward_model=None, label=None, dtype="float32"):
+    """(name, function) for each of `specs` (--reward-funcs) and `reward_model` (a name), each tried on two real rows
+    first, so that a wrong length or a non-number fails before any generation."""
+    reward_funcs = [(spec, resolve_reward(spec)) for spec in specs]
+    if reward_model is not None:
+        reward_funcs.append(("reward_model", reward_model_function(reward_model, label, device, dtype, chat)))
+    score_completions(reward_funcs, rows[:2], [" 0", " 1"], [[15], [16]], [True, False], device)
     return reward_funcs
+
+
+def distinct_answers(completions: list[str], numeric: bool) -> tuple[float, int]:
+    """The share of the most frequent extracted answer, and the number of distinct answers: an RL run that collapses onto
+    a few answers shows here."""
+    answers = [extract_answer(c, numeric) for c in completions]
+    counts = np.unique(answers, return_counts=True)[1]
+    return counts.max() / len(answers), len(counts)

@@ -5,6 +5,10 @@ builtin:chatterbot-prompts        prompt: the 749 distinct utterances that open 
 builtin:chatterbot-dialogue       prompt, completion, text: every (utterance, reply) pair of consecutive turns
 builtin:vader-preferences         prompt, chosen, rejected: a real reply and a random other one, ranked by VADER
 builtin:chatterbot-mixed-replies  prompt, completion: each utterance with its reply and with a random one (offline RL)
+
+Conversational variants (TRL's chat format, lists of {"role", "content"} messages):
+builtin:chatterbot-chat           messages: every conversation, its turns alternately the user's and the assistant's
+builtin:vader-preferences-chat    prompt (a user message), chosen, rejected (assistant messages): vader-preferences
 """
 
 import glob
@@ -18,22 +22,30 @@ DATASETS = (
     "builtin:chatterbot-dialogue",
     "builtin:vader-preferences",
     "builtin:chatterbot-mixed-replies",
+    "builtin:chatterbot-chat",
+    "builtin:vader-preferences-chat",
 )
 
 
-def chatterbot_pairs(openers_only: bool = False) -> list[tuple[str, str]]:
-    """(utterance, reply) pairs of consecutive turns of every English chatterbot-corpus conversation; `openers_only`:
-    each conversation's first pair only (a mid-conversation line out of its context reads as a closing answer)."""
+def chatterbot_conversations() -> list[list[str]]:
+    """The turns of every English chatterbot-corpus conversation."""
     import chatterbot_corpus
     import yaml
 
-    pairs = []
+    conversations = []
     folder = os.path.join(os.path.dirname(chatterbot_corpus.__file__), "data", "english")
     for path in sorted(glob.glob(os.path.join(folder, "*.yml"))):
         with open(path) as f:
-            for conversation in yaml.safe_load(f)["conversations"]:
-                turns = [str(t).strip() for t in conversation]
-                pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:] if not openers_only else turns[1:2]) if a and b]
+            conversations += [[str(t).strip() for t in turns] for turns in yaml.safe_load(f)["conversations"]]
+    return conversations
+
+
+def chatterbot_pairs(openers_only: bool = False) -> list[tuple[str, str]]:
+    """(utterance, reply) pairs of consecutive turns of every conversation; `openers_only`: each conversation's first
+    pair only (a mid-conversation line out of its context reads as a closing answer)."""
+    pairs = []
+    for turns in chatterbot_conversations():
+        pairs += [(a, b) for a, b in zip(turns[:-1], turns[1:] if not openers_only else turns[1:2]) if a and b]
     return pairs
 
 
@@ -71,4 +83,20 @@ def dataset(name: str, seed: int = 0) -> Dataset:
         rng, pairs = random.Random(seed), chatterbot_pairs()
         rows = [(p, r) for p, reply in pairs for r in (reply, rng.choice(pairs)[1])]
         return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
+    if name == "builtin:chatterbot-chat":
+        roles = ("user", "assistant")
+        chats = [[{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)] for turns in chatterbot_conversations()]
+        return Dataset.from_dict({"messages": [c for c in chats if len(c) > 1 and all(m["content"] for m in c)]})
+    if name == "builtin:vader-preferences-chat":
+        rows = vader_preferences(seed)
+        return Dataset.from_list(
+            [
+                dict(
+                    prompt=[{"role": "user", "content": r["prompt"]}],
+                    chosen=[{"role": "assistant", "content": r["chosen"]}],
+                    rejected=[{"role": "assistant", "content": r["rejected"]}],
+                )
+                for r in rows
+            ]
+        )
     raise KeyError(f"Unknown built-in dataset {name!r}: choose {', '.join(DATASETS)}.")

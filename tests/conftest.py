@@ -165,3 +165,42 @@ def positive_mask_file(tmp_path):
     path = tmp_path / "positive_mask.json"
     path.write_text(json.dumps({i: allowed for i in range(len(tokenizer))}))
     return str(path)
+
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are "
+    "a helpful AI assistant<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tmp_path_factory) -> str:
+    """A folder holding a tiny random Llama with a real chat template, built in a second: SmolLM2's ChatML template
+    (with a default system prompt) on GPT-2's tokenizer, whose EOS and pad token are both <|im_end|>, as SmolLM2's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.loading import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("chat-llama")
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.chat_template = CHATML
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        **ids,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -182,6 +182,7 @@ def test_bf16_checkpoints_load_in_float32_where_a_training_step_moves_the_weight
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).to(torch.bfloat16).save_pretrained(tmp_path / "lm")
     rm = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
     rm.to(torch.bfloat16).save_pretrained(tmp_path / "rm")
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
 
     def moved_by_one_adam_step(model) -> float:
         weight = model.transformer.h[0].mlp.c_fc.weight
@@ -520,9 +521,9 @@ def test_builtin_and_local_datasets(tmp_path):
     path.write_text("\n".join(json.dumps({"prompt": "q", "chosen": chat, "score": 1.0}) for _ in range(3)))
     conversations = load_data(str(path))
     assert is_conversation(conversations[0]["chosen"]) and not is_conversation(conversations[0]["prompt"])
-    check_columns(conversations, ["prompt", "score"], numeric=("score",))
-    with pytest.raises(ValueError, match=r"\['chosen'\] holds chat messages.*apply_chat_template"):
-        check_columns(conversations, ["prompt", "chosen"])
+    check_columns(conversations, ["prompt", "chosen", "score"], numeric=("score",))  # text, messages, numbers
+    with pytest.raises(ValueError, match=r"'chosen' holds chat messages.*apply_chat_template"):
+        check_columns(conversations, ["prompt", "chosen"], chat=False)  # a script that reads text only (ilql.py)
     # values of the wrong kind are named with their column and row; so is a corrupt line and a missing file
     path.write_text("\n".join(json.dumps({"prompt": p, "score": r}) for p, r in [("a", 1.0), (None, 2.0), ("c", "x")]))
     with pytest.raises(UsageError, match=r"column 'prompt', row 1: None is not text"):

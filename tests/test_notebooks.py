@@ -26,8 +26,8 @@ BUDGETS = {
     "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
-    "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64"]},
-    "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128"]},
+    "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"]},
+    "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
 }
 
 

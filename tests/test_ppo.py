@@ -341,8 +341,8 @@ def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     classifier.save_pretrained(tmp_path / "sentiment")
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "sentiment")
     folder = str(tmp_path / "sentiment")
-    assert load_reward_model(folder, "POSITIVE")[1] == load_reward_model(folder, "1")[1] == 1
-    assert load_reward_model(folder, "NEGATIVE")[1] == 0
+    assert load_reward_model(folder, "POSITIVE")[2] == load_reward_model(folder, "1")[2] == 1
+    assert load_reward_model(folder, "NEGATIVE")[2] == 0
     run_script([PPO, *TINY, "--total-episodes", "8", "--reward-model", folder, "--reward-label", "POSITIVE"], tmp_path)
     first = read_scalars(str(tmp_path / "runs"), "env/reward_mean")[0]
     # the logged reward is the POSITIVE logit of the classifier on "query response<eos>" texts: recompute one batch

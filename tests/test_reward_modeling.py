@@ -175,7 +175,7 @@ def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "outputs" / "reward_model").eval()
     tokenizer = load_tokenizer(str(tmp_path / "outputs" / "reward_model"))
     train, _ = train_eval_split(load_data(pairs_file), 0.1, seed=1)
-    texts = [reward_model_text(row["prompt"], row[c], tokenizer.eos_token) for row in train for c in ("chosen", "rejected")]
+    texts = [reward_model_text(tokenizer, row["prompt"], row[c]) for row in train for c in ("chosen", "rejected")]
     with torch.no_grad():
         tokenizer.truncation_side = "left"  # as training cuts them, to --max-length
         rewards = model(**tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")).logits[:, 0]

@@ -97,6 +97,8 @@ TINY = [
     "8",
     "--train-size",
     "64",
+    "--eval-size",
+    "8",
     "--log-freq",
     "1",
 ]

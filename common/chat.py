@@ -1,0 +1,98 @@
+"""Chat-formatted data, TRL 1.x's conversational format: a prompt, an answer or a whole conversation as a list of
+messages, [{"role": "user", "content": ...}, ...], rendered with the tokenizer's chat template.
+
+A rendered answer continues its rendered prompt exactly: the tokens of prompt + answer are the prompt's tokens followed
+by the answer's, and the answer ends with the template's end-of-turn token (its EOS), which is trained and scored like
+any other answer token. Plain-string prompts are rendered too, as one user message, when the tokenizer has a template
+(--no-chat-template sends them as raw text, as TRL does with string data).
+"""
+
+from itertools import takewhile
+
+from common.core import UsageError
+
+
+def is_conversation(value) -> bool:
+    """A list of chat messages, [{"role": ..., "content": ...}, ...] (TRL's conversational format)."""
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
+    )
+
+
+def text_of(completion) -> str:
+    """A prompt's or completion's text, whether it comes as text or as messages (the last message's content)."""
+    return completion[-1]["content"] if is_conversation(completion) else completion
+
+
+def use_chat(tokenizer, chat_template: bool, example) -> bool:
+    """Whether to render `example` (a prompt, or a row's values) with the chat template: messages always, strings when
+    `chat_template` and the tokenizer has one. Messages without a template are a one-line error naming the fix."""
+    values = example if isinstance(example, (list, tuple)) and not is_conversation(example) else [example]
+    messages = any(is_conversation(v) for v in values)
+    if messages and not tokenizer.chat_template:
+        raise UsageError(
+            f"the data holds chat messages, but the tokenizer of {tokenizer.name_or_path!r} has no chat template: use an "
+            "instruct model, set tokenizer.chat_template and save the tokenizer beside the model, or render the "
+            "messages into text first"
+        )
+    return messages or (chat_template and bool(tokenizer.chat_template))
+
+
+def as_messages(value, role: str = "user", system_prompt: str | None = None) -> list[dict]:
+    """A prompt or answer as messages: a string is one message of `role`; a system prompt goes first unless there is one."""
+    messages = value if is_conversation(value) else [{"role": role, "content": value}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def render(tokenizer, prompt, answer=None, system_prompt: str | None = None) -> tuple[str, str | None]:
+    """The rendered prompt (ending with the generation prompt) and the answer that continues it, up to and including the
+    end-of-turn token (EOS appended where the template ends the turn with another token). As TRL, the prompt is the
+    common prefix of the prompt rendered alone and with the answer (templates that drop reasoning differ)."""
+    messages = as_messages(prompt, "user", system_prompt)
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if answer is None:
+        return prompt_text, None
+    full = tokenizer.apply_chat_template(messages + as_messages(answer, "assistant"), tokenize=False)
+    prompt_text = "".join(a for a, _ in takewhile(lambda pair: pair[0] == pair[1], zip(prompt_text, full)))
+    answer_text = full[len(prompt_text) :].rstrip()  # the newline after the end-of-turn token is not generated
+    if tokenizer.eos_token and not answer_text.endswith(tokenizer.eos_token):
+        answer_text += tokenizer.eos_token
+    return prompt_text, answer_text
+
+
+def render_conversation(tokenizer, messages: list[dict], system_prompt: str | None = None) -> str:
+    """A whole conversation rendered, ending with the end-of-turn token (EOS appended where the template ends the turn
+    with another token)."""
+    text = tokenizer.apply_chat_template(as_messages(messages, "user", system_prompt), tokenize=False).rstrip()
+    return text if not tokenizer.eos_token or text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+
+
+def conversation_pieces(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[tuple[str, bool]]:
+    """A whole conversation rendered as consecutive (text, is_assistant) pieces: each assistant turn is the answer that
+    continues the conversation before it (`render`), the rest is what the template puts around them. Their
+    concatenation is the rendered conversation (checked); TRL's --assistant-only-loss trains on the assistant pieces."""
+    messages, pieces, done = as_messages(messages, "user", system_prompt), [], ""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and i > 0:
+            prompt_text, answer_text = render(tokenizer, messages[:i], [message])
+            if not (prompt_text.startswith(done) and full.startswith(prompt_text + answer_text)):
+                raise UsageError(
+                    "the chat template renders the conversation differently from its turns one by one: "
+                    "drop --assistant-only-loss"
+                )
+            pieces += [(prompt_text[len(done) :], False), (answer_text, True)]
+            done = prompt_text + answer_text
+    return [(text, flag) for text, flag in pieces + [(full[len(done) :].rstrip(), False)] if text]
+
+
+def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids of rendered pieces, each tokenised alone (the template's text already holds its special tokens), and
+    which of them belong to a piece marked True."""
+    ids, flags = [], []
+    for text, flag in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, flags = ids + piece, flags + [flag] * len(piece)
+    return ids, flags
