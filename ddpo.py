@@ -483,7 +483,8 @@ if __name__ == "__main__":
             )
         trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
         accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
-        optimizer.load_state_dict(torch.load(os.path.join(args.resume_from, "optimizer.pt"), map_location=device))
+        optimizer_file = os.path.join(args.resume_from, "optimizer.pt")  # tensors and numbers only: no pickled code runs
+        optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
         stat_tracker.load_state_dict(resumed["stat_tracker"])
         accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
 

@@ -136,10 +136,12 @@ class Args:
     encoder-decoder models, FSDP / DeepSpeed (sharded head) and heads that scale or soft-cap logits: full logits"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
-    generate_during_eval: bool = False
-    """print sample generations of policy and reference at each evaluation"""
+    generate_during_eval: bool = True
+    """print a table of policy and reference sample generations at each evaluation (TRL's default: off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0: only the final model)"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder to resume from"""
     output_dir: str = "outputs/dpo"
@@ -305,8 +307,8 @@ if __name__ == "__main__":
     check_args(
         args,
         positive=(
-            "beta learning_rate batch_size gradient_accumulation_steps num_epochs max_length max_prompt_length "
-            "max_target_length eval_steps max_grad_norm"
+            "save_total_limit beta learning_rate batch_size gradient_accumulation_steps num_epochs max_length "
+            "max_prompt_length max_target_length eval_steps max_grad_norm"
         ),
         non_negative="weight_decay save_steps",
         fractions="eval_fraction",
@@ -319,6 +321,17 @@ if __name__ == "__main__":
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
+    if args.label_smoothing and args.loss_type != "sigmoid":
+        raise UsageError("--label-smoothing applies to the sigmoid loss only.")
+    run_name, logger = start_run(args, accelerator)
+
+    # ---- data (checked before any model is built or loaded) ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    check_columns(
+        dataset,
+        [args.prompt_column, args.chosen_column, args.rejected_column],
+        "--prompt-column / --chosen-column / --rejected-column",
+    )
     model_config = load_config(args.model_name)
     is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
     context = context_length(model_config)
@@ -329,18 +342,7 @@ if __name__ == "__main__":
             f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
             "or no response token would be left."
         )
-    if args.label_smoothing and args.loss_type != "sigmoid":
-        raise UsageError("--label-smoothing applies to the sigmoid loss only.")
-    run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
-
-    # ---- data ----
-    dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(
-        dataset,
-        [args.prompt_column, args.chosen_column, args.rejected_column],
-        "--prompt-column / --chosen-column / --rejected-column",
-    )
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and not is_encoder_decoder
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
@@ -612,7 +614,9 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval})
+            save_checkpoint(
+                accelerator, folder, {"step": step + 1, "first_eval": first_eval}, total_limit=args.save_total_limit
+            )
     last_eval = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) ----

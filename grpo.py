@@ -25,6 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 from accelerate import Accelerator, DistributedType
+from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -34,7 +35,7 @@ from common.core import UsageError, check_args, exact_div, masked_mean, weight_d
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
 from common.performance import FastGenerator, sampling_kwargs
-from common.rewards import distinct_answers, is_number, load_rewards, load_task, score_completions
+from common.rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
 
 
@@ -177,6 +178,8 @@ class Args:
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
     model): the policy in from_pretrained format beside accelerate's state"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder to resume from (policy, optimizer, scheduler, RNG, update)"""
     output_dir: str = "outputs/grpo"
@@ -299,22 +302,7 @@ def main(args: Args) -> None:
         )
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_rows, eval_rows, chat = load_task(
-        args.dataset_name,
-        tokenizer,
-        args.chat_template,
-        args.seed,
-        args.task_config,
-        args.train_size,
-        args.eval_size,
-        args.task_instruction,
-        args.system_prompt,
-        args.max_prompt_length,
-        args.dataset_split,
-        args.prompt_column,
-        args.answer_column,
-        args.eval_fraction,
-    )
+    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
     eval_rows = eval_rows[: args.eval_samples]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
@@ -347,6 +335,7 @@ def main(args: Args) -> None:
 
     first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
     first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
+    degenerate = resumed.get("degenerate", 0)  # updates whose batch had nothing to learn from
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
     for update in progress:
         update_start = time.time()
@@ -437,7 +426,7 @@ def main(args: Args) -> None:
 
         # ================================ bookkeeping ================================
         all_rewards_per_func = accelerator.gather(rewards_per_func)
-        lengths = accelerator.gather(mask.sum(1))
+        lengths, all_ended = accelerator.gather(mask.sum(1)), accelerator.gather(ended)
         metrics = {
             f"rewards/{spec}/{stat}": value
             for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
@@ -454,11 +443,15 @@ def main(args: Args) -> None:
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": 1 - accelerator.gather(ended.float()).mean().item(),
+            "completions/clipped_ratio": 1 - all_ended.float().mean().item(),
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "time/generate": generate_time,
             "time/step": time.time() - update_start,
         }
+        for reason in degenerate_batch(lengths, all_ended, all_rewards, args.mask_truncated_completions):
+            degenerate += 1  # not silent: a warning line and a counter in the logs
+            accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
+        metrics["degenerate_updates"] = degenerate
         logger.log(metrics, update + 1)
         history.append((metrics["reward"], metrics.get("kl", math.nan)))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")
@@ -469,8 +462,8 @@ def main(args: Args) -> None:
             evaluate(args, sampler, eval_rows, score, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            state = {"update": update + 1, "first_eval": first_eval, "history": history}
-            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer)
+            state = {"update": update + 1, "first_eval": first_eval, "history": history, "degenerate": degenerate}
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
     # ---- final evaluation, save (plain from_pretrained format; LoRA merged) and summary ----
     last_eval = evaluate(args, sampler, eval_rows, score, logger, num_updates)
@@ -500,9 +493,9 @@ def check(args: Args) -> None:
     check_args(
         args,
         positive=(
-            "total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations learning_rate "
-            "max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length eval_samples "
-            "log_freq train_size eval_size"
+            "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations "
+            "learning_rate max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length "
+            "eval_samples log_freq train_size eval_size"
         ),
         non_negative="beta weight_decay top_k eval_freq save_freq overlong_buffer overlong_penalty",
         fractions="eval_fraction",
@@ -634,12 +627,13 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
             "score": table["score"] + scores.tolist(),
         }
     totals = accelerator.reduce(totals, "sum")
-    top_share = distinct_answers(table["completion"], all(is_number(r["answer"]) for r in rows))[0]  # a collapse shows here
-    top_share = accelerator.reduce(torch.tensor(top_share, device=device), "mean")
+    # the share of the most frequent answer among every process's completions (a collapse shows here)
+    completions = gather_object(table["completion"] if weight else [])
+    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in rows))[0]
     metrics = {
         "eval/reward": (totals[0] / totals[2]).item(),
         "eval/completion_length": (totals[1] / totals[2]).item(),
-        "eval/top_answer_share": top_share.item(),
+        "eval/top_answer_share": float(top_share),
     }
     logger.log(metrics, update)
     logger.samples("eval samples", table, update)

@@ -144,6 +144,8 @@ class Args:
     """evaluate every this many optimizer steps (and at the start and end)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0: only the final model)"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder ({output_dir}_checkpoints/step_N) to continue from"""
     output_dir: str = "outputs/ilql"
@@ -305,8 +307,8 @@ if __name__ == "__main__":
     check_args(
         args,
         positive=(
-            "learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm max_length "
-            "max_new_tokens eval_samples steps_for_target_q_sync temperature"
+            "save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm "
+            "max_length max_new_tokens eval_samples steps_for_target_q_sync temperature"
         ),
         non_negative="weight_decay save_steps cql_scale awac_scale gen_beta top_k",
         fractions="eval_fraction tau",
@@ -319,6 +321,13 @@ if __name__ == "__main__":
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     device = accelerator.device
     run_name, logger = start_run(args, accelerator)
+
+    # ---- data (checked before any model is built or loaded): tokenised samples with normalised terminal rewards ----
+    dataset = load_data(args.dataset_name, args.dataset_split)
+    columns = [c for c in (args.prompt_column, args.response_column, args.reward_column) if c]
+    check_columns(
+        dataset, columns, "--prompt-column / --response-column / --reward-column", numeric=(args.reward_column,), chat=False
+    )
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     context = context_length(load_config(args.model_name))
     if context and args.max_length + args.max_new_tokens > context:
@@ -326,17 +335,17 @@ if __name__ == "__main__":
             f"max_length ({args.max_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the model's "
             f"context of {context} tokens: lower one of them."
         )
-
-    # ---- data: tokenised samples with normalised terminal rewards ----
-    dataset = load_data(args.dataset_name, args.dataset_split)
-    columns = [c for c in (args.prompt_column, args.response_column, args.reward_column) if c]
-    check_columns(dataset, columns, "--prompt-column / --response-column / --reward-column", numeric=(args.reward_column,))
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
     prompts = list(train_dataset[args.prompt_column]) if args.prompt_column else [None] * len(train_dataset)
     responses = list(train_dataset[args.response_column])
     scores = train_dataset[args.reward_column] if args.reward_column else reward_fn([p or "" for p in prompts], responses)
     source = f"the reward column {args.reward_column!r}" if args.reward_column else "reward_fn"
     returns = check_scores(scores, len(responses), source)
+    if args.reward_column:  # training reads the column; generated replies have no column value, so say what scores them
+        accelerator.print(
+            f"note: training rewards come from the column {args.reward_column!r}; held-out generations are scored by "
+            "reward_fn in ilql.py (VADER sentiment): replace it with your reward to evaluate what you train"
+        )
     returns = (returns - returns.mean()) / (returns.std() + torch.finfo(returns.dtype).eps)  # trlX normalises returns
     samples = []
     for prompt, response, ret in zip(prompts, responses, returns.tolist()):
@@ -513,7 +522,9 @@ if __name__ == "__main__":
             evaluate(step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(accelerator, folder, {"step": step + 1, "first_eval": first_eval})
+            save_checkpoint(
+                accelerator, folder, {"step": step + 1, "first_eval": first_eval}, total_limit=args.save_total_limit
+            )
     last_eval = evaluate(total_steps)
 
     # ---- save: the LM in plain from_pretrained format (LoRA merged), the heads beside it ----

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator, DistributedType
+from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
@@ -262,6 +263,8 @@ class Args:
     """where the final model goes (plain from_pretrained format, value head in value_head.safetensors)"""
     checkpoint_dir: str | None = None
     """where --save-freq checkpoints go (None: {output_dir}_checkpoints)"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder to resume from (model, optimizer, scheduler, KL controller, RNG, step)"""
     save_best: bool = False
@@ -654,7 +657,7 @@ def main(args: Args) -> None:
             # the run's first evaluation and histories too: the summary and the health line compare with its start
             state = dict(update=update + 1, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
             state |= dict(first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
-            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer)
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
     last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
@@ -693,9 +696,9 @@ def check(args: Args) -> None:
     check_args(
         args,
         positive=(
-            "total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
-            "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples "
-            "log_freq compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
+            "save_total_limit total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
+            "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples log_freq "
+            "compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
         ),
         non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
         fractions="eval_fraction",
@@ -706,6 +709,8 @@ def check(args: Args) -> None:
         )
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
+    if any(not s for s in args.stop_sequences):
+        raise UsageError(f"--stop-sequences {args.stop_sequences}: an empty stop sequence would end every response at once.")
     if args.reward_funcs and (args.reward_adapter or args.reward_model not in (None, Args.reward_model)):
         raise UsageError(
             "--reward-funcs replaces the reward model: drop --reward-model / --reward-adapter, or --reward-funcs."
@@ -720,13 +725,13 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
     """The training and held-out rows (the query as `prompt`, the ids the policy reads as `prompt_ids`, every other
     column for --reward-funcs), checked before any model is loaded, and whether the queries are chats."""
     if args.dataset_name.startswith("reasoning-gym:"):  # problems and answers for verifiable rewards (grpo.py's tasks)
-        keys = "task_config train_size eval_size task_instruction system_prompt max_query_length dataset_split query_column"
-        task_args = [getattr(args, k) for k in keys.split()] + [args.answer_column, args.eval_fraction]
-        train_rows, eval_rows, chat = load_task(args.dataset_name, tokenizer, args.chat_template, args.seed, *task_args)
+        train_rows, eval_rows, chat = load_task(args, tokenizer, args.query_column, args.max_query_length)
         eval_rows = eval_rows[: args.eval_samples]
     else:
         dataset = load_data(args.dataset_name, args.dataset_split)
         check_columns(dataset, [args.query_column], "--query-column")
+        if args.reward_funcs and args.answer_column in dataset.column_names:  # grpo.py's name for the reference answer
+            dataset = dataset.rename_column(args.answer_column, "answer") if args.answer_column != "answer" else dataset
         chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column])
         train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
         train_rows, eval_rows = train_dataset.to_list(), eval_dataset.to_list()[: args.eval_samples]
@@ -797,10 +802,10 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     )
     reward_context = context_length(scorer.reward_model.config if scorer.reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
-        queries = [
-            r["prompt"] if chat else tokenizer.decode(r["prompt_ids"], skip_special_tokens=True)
-            for r in train_rows + eval_rows
-        ]
+        rows = train_rows + eval_rows
+        queries = [tokenizer.decode(r["prompt_ids"], skip_special_tokens=True) for r in rows]
+        if chat:  # the rendered chat prompts, as the reward model reads them
+            queries = [reward_model_text(scorer.tokenizer, r["prompt"], "", False, chat) for r in rows]
         longest = max(len(ids) for ids in scorer.tokenizer(queries, add_special_tokens=not chat)["input_ids"])
         if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
             raise UsageError(
@@ -990,8 +995,8 @@ class RewardAdapter:
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
 def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, logger, update: int) -> dict[str, float]:
-    """Sample on the held-out prompts and report reward and `metric_fn` metrics, gathered over ranks."""
-    accelerator, tokenizer = rollout.accelerator, rollout.tokenizer
+    """Sample on the held-out prompts and report reward and `metric_fn` metrics over every process's samples."""
+    accelerator = rollout.accelerator
     torch.manual_seed(args.seed + accelerator.process_index)
     queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
@@ -999,15 +1004,15 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
     prompts, responses_text, response_ids = rollout.texts(eval_rows, queries, responses, response_mask)
     scores = scorer(eval_rows, prompts, responses_text, response_ids, ended.tolist())
     queries_text = [text_of(p) for p in prompts]
-    metrics = {
-        "eval/reward_mean": scores.mean(),
-        "eval/reward_std": scores.std(),
-        "eval/top_token_share": top_token_share(responses, tokenizer.pad_token_id),
-        "eval/distinct_2": torch.tensor(distinct_bigrams(responses_text)),
+    extra = metric_fn(queries_text, responses_text)  # per-sample values; every process scores as many samples
+    metrics = reduce_mean(accelerator, {f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
+    pooled = accelerator.gather(scores.to(accelerator.device)).cpu()  # the statistics of every process's samples
+    metrics |= {
+        "eval/reward_mean": pooled.mean().item(),
+        "eval/reward_std": pooled.std().item(),
+        "eval/top_token_share": top_token_share(gather_object(responses[response_mask.bool()].tolist())),
+        "eval/distinct_2": distinct_bigrams(gather_object(responses_text)),
     }
-    extra = metric_fn(queries_text, responses_text)
-    metrics.update({f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
-    metrics = reduce_mean(accelerator, metrics)
     logger.log(metrics, update)
     logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
     return metrics
@@ -1066,11 +1071,10 @@ def clock(device: torch.device) -> float:
     return time.time()
 
 
-def top_token_share(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """The share of the most frequent token among all response tokens [B, T] (padding left out): a collapse into one
-    repeated word shows as a share near 1; varied replies stay low."""
-    tokens = responses[responses != pad_token_id]
-    return tokens.unique(return_counts=True)[1].max() / len(tokens) if len(tokens) else torch.tensor(0.0)
+def top_token_share(tokens: list[int]) -> float:
+    """The share of the most frequent token among all response tokens: a collapse into one repeated word shows as a
+    share near 1; varied replies stay low."""
+    return max(map(tokens.count, set(tokens))) / len(tokens) if tokens else 0.0
 
 
 def distinct_bigrams(texts: list[str]) -> float:

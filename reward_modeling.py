@@ -40,7 +40,16 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import REWARD_NORMALIZATION_FILE, classifier_pad, peft_model_of
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    cli,
+    end_run,
+    load_checkpoint,
+    quiet_transformers,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 
 
 @dataclass
@@ -118,6 +127,8 @@ class Args:
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0: only the final model); it holds the model as
     trained so far (not yet normalised) in from_pretrained format (with LoRA: the adapter) and accelerate's state"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder to resume from"""
     normalize_reward: bool = False
@@ -176,7 +187,10 @@ if __name__ == "__main__":
     args = cli(Args)
     check_args(
         args,
-        positive="learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm max_length",
+        positive=(
+            "save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm "
+            "max_length"
+        ),
         non_negative="weight_decay save_steps",
         fractions="eval_fraction",
     )
@@ -185,17 +199,11 @@ if __name__ == "__main__":
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     device = accelerator.device
-    run_name, logger = start_run(args, accelerator)
-    # Right padding is fine: the classifier scores the last non-pad token, and its pad is distinct from EOS
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    config = load_config(args.model_name)
-    context = context_length(config)
-    if context and args.max_length > context:
-        raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     if args.length_groups < 1:
         raise UsageError(f"--length-groups {args.length_groups}: a batch needs at least one forward pass (1 = TRL's).")
+    run_name, logger = start_run(args, accelerator)
 
-    # ---- data: (prompt + chosen, prompt + rejected) token ids ----
+    # ---- data (checked before any model is built or loaded): (prompt + chosen, prompt + rejected) token ids ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
     check_columns(
@@ -204,6 +212,11 @@ if __name__ == "__main__":
         "--prompt-column / --chosen-column / --rejected-column / --margin-column",
         numeric=(args.margin_column,),
     )
+    # Right padding is fine: the classifier scores the last non-pad token, and its pad is distinct from EOS
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    context = context_length(load_config(args.model_name))
+    if context and args.max_length > context:
+        raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns if c != args.margin_column])
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
@@ -273,9 +286,18 @@ if __name__ == "__main__":
         return (shard, 1.0) if shard else (pairs[:1], 0.0)
 
     # ---- model and optimiser ----
-    model = load_pretrained(
-        args.model_name, AutoModelForSequenceClassification, num_labels=1, dtype=args.dtype, **quantization
-    )
+    with quiet_transformers():  # its LOAD REPORT calls a new score head MISSING: new on purpose, said below
+        loaded = load_pretrained(
+            args.model_name,
+            AutoModelForSequenceClassification,
+            num_labels=1,
+            dtype=args.dtype,
+            output_loading_info=True,
+            **quantization,
+        )
+    model, info = loaded if isinstance(loaded, tuple) else (loaded, {"missing_keys": ["every weight (a random preset)"]})
+    new = sorted({k.split(".")[0] for k in info["missing_keys"]})
+    accelerator.print(f"reward model from {args.model_name}: " + (f"new, trained here: {new}" if new else "its own head"))
     classifier_pad(tokenizer, model)  # the classifier scores each text at its last token that is not the pad token
     if args.disable_dropout:
         for module in model.modules():
@@ -391,7 +413,9 @@ if __name__ == "__main__":
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval}
-            save_checkpoint(accelerator, folder, state, accelerator.unwrap_model(model), tokenizer)
+            save_checkpoint(
+                accelerator, folder, state, accelerator.unwrap_model(model), tokenizer, total_limit=args.save_total_limit
+            )
     last_eval = evaluate(total_steps)
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----

@@ -123,6 +123,8 @@ class Args:
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0: only the final model); it holds the model in
     from_pretrained format (with LoRA: the adapter) and accelerate's state"""
+    save_total_limit: int | None = None
+    """keep only the newest this many checkpoints of this run (TRL's save_total_limit); None: every one"""
     resume_from: str | None = None
     """a checkpoint folder to resume from"""
     output_dir: str = "outputs/sft"
@@ -181,7 +183,7 @@ if __name__ == "__main__":
     args = cli(Args)
     check_args(
         args,
-        positive="learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm",
+        positive="save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm",
         non_negative="weight_decay save_steps num_sample_generations neftune_noise_alpha",
         fractions="eval_fraction",
     )
@@ -192,22 +194,21 @@ if __name__ == "__main__":
         )
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    config = load_config(args.model_name)
-    context = context_length(config)
-    if context and args.max_seq_length > context:
-        raise UsageError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
     if args.packing and (args.prompt_column or args.response_template):
         raise UsageError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
+    run_name, logger = start_run(args, accelerator)
 
-    # ---- data: tokenise, label, pack ----
+    # ---- data (checked before any model is built or loaded): tokenise, label, pack ----
     dataset = load_data(args.dataset_name, args.dataset_split)
     text_column = args.text_column
     if not args.prompt_column and text_column not in dataset.column_names and "messages" in dataset.column_names:
         text_column = "messages"  # TRL's conversational language-modelling column
     columns = [args.prompt_column, args.completion_column] if args.prompt_column else [text_column]
     check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    context = context_length(load_config(args.model_name))
+    if context and args.max_seq_length > context:
+        raise UsageError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
     conversations = not args.prompt_column and is_conversation(dataset[0][text_column])
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and (conversations or args.prompt_column)
     if args.assistant_only_loss and not conversations:
@@ -414,7 +415,9 @@ if __name__ == "__main__":
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval_loss}
-            save_checkpoint(accelerator, folder, state, accelerator.unwrap_model(model), tokenizer)
+            save_checkpoint(
+                accelerator, folder, state, accelerator.unwrap_model(model), tokenizer, total_limit=args.save_total_limit
+            )
     last_eval_loss = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) and sample ----

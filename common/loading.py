@@ -205,6 +205,8 @@ def check_columns(
 
 def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """A seeded shuffle split; `eval_fraction` of the rows (at least one) are held out."""
+    if len(dataset) < 2:
+        raise UsageError(f"The dataset has {len(dataset)} row: a training row and a held-out one need at least 2.")
     splits = dataset.train_test_split(test_size=max(1, int(len(dataset) * eval_fraction)), seed=seed)
     return splits["train"], splits["test"]
 

@@ -14,6 +14,7 @@
 
 import ctypes
 import functools
+import inspect
 import os
 import sys
 
@@ -166,6 +167,9 @@ class FastGenerator:
         self.model, self.temperature, self.bucket = model, temperature, bucket
         self.warpers = LogitsProcessorList(warpers(temperature, top_k, top_p))
         self.caches = {}
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it through
+        # transformers 5.24 renamed the cache argument (past_key_values still works, with a deprecation warning)
+        self.cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         self.forward = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) if compile else self._forward
 
     def _draw(self, logits: torch.Tensor, with_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -182,7 +186,7 @@ class FastGenerator:
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=position[:, None],
-            past_key_values=cache,
+            **{self.cache_kw: cache},
             use_cache=True,
         ).logits[:, -1]
 
@@ -229,7 +233,7 @@ class FastGenerator:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
+            **{self.cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]

@@ -14,8 +14,10 @@ import importlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
+import traceback
 
 import numpy as np
 import torch
@@ -78,23 +80,39 @@ REWARD_FUNCS = {"verifier": verifier, "format": format_reward, "r1_format": r1_f
 
 
 def resolve_reward(spec: str):
-    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"."""
+    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"; a module
+    that fails to import is a one-line error naming it, the exception and the line of your file it came from."""
     if spec in REWARD_FUNCS:
         return REWARD_FUNCS[spec]
     if ":" not in spec:
         raise UsageError(f"Unknown reward function {spec!r}: choose {sorted(REWARD_FUNCS)} or give 'module:function'.")
     module_name, name = spec.rsplit(":", 1)
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise UsageError(f"--reward-funcs {spec}: no such file {module_name!r}.")
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    if module_name.endswith(".py") and not os.path.isfile(module_name):
+        raise UsageError(f"--reward-funcs {spec}: no such file {module_name!r}.")
+    try:
+        if module_name.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+        raise UsageError(f"--reward-funcs {spec}: importing {module_name} failed: {plugin_error(error)}") from None
     if not callable(getattr(module, name, None)):
         raise UsageError(f"--reward-funcs {spec}: {module_name} has no function {name!r}.")
     return getattr(module, name)
+
+
+def plugin_error(error: BaseException) -> str:
+    """An exception raised in a plug-in, in one line: its type, message and the last place outside this repository's
+    code and the installed libraries where it happened (the user's file and line)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = [f for f in frames if not (f.filename.startswith(("<", here)) or "site-packages" in f.filename)]
+    where = f" ({theirs[-1].filename}, line {theirs[-1].lineno})" if theirs else ""
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+    return f"{type(error).__name__}: {error}{where}"
 
 
 def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32", chat: bool = True):
@@ -116,14 +134,18 @@ def reward_model_function(name: str, label: str | None, device: torch.device, dt
 
 
 def check_rewards(values, n: int, name: str) -> list[float]:
-    """One number (or None) per completion, as floats with NaN for None; a one-line error otherwise."""
+    """One number (or None) per completion, as floats with NaN for None; what reward functions naturally return is
+    accepted (a list or tuple of Python or NumPy numbers, a NumPy array, a tensor); a one-line error otherwise."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != n:
         raise UsageError(
             f"reward function {name} returned {type(values).__name__} of length "
             f"{len(values) if hasattr(values, '__len__') else '?'} for {n} completions: return a list with "
             "one float (or None) each."
         )
-    bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
+    values = [v.item() if isinstance(v, (torch.Tensor, np.generic)) and np.size(v) == 1 else v for v in values]
+    bad = [v for v in values if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v))]
     if bad:
         raise UsageError(f"reward function {name} returned {bad[0]!r}: every reward must be a finite number or None.")
     return [math.nan if v is None else float(v) for v in values]
@@ -137,7 +159,14 @@ def score_completions(reward_funcs, rows: list[dict], completions: list[str], co
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, ended=ended, **columns)
-    return torch.tensor([check_rewards(f(**kwargs), len(rows), name) for name, f in reward_funcs], device=device).T
+    rewards = []
+    for name, function in reward_funcs:
+        try:
+            values = function(**kwargs)
+        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+            raise UsageError(f"reward function {name} raised {plugin_error(error)}") from None
+        rewards.append(check_rewards(values, len(rows), name))
+    return torch.tensor(rewards, device=device).T
 
 
 def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[dict]:
@@ -154,48 +183,35 @@ def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[di
     return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
 
 
-def load_task(
-    dataset_name: str,
-    tokenizer,
-    chat_template: bool,
-    seed: int,
-    task_config: str = "{}",
-    train_size: int = 2000,
-    eval_size: int = 64,
-    task_instruction: str = "",
-    system_prompt: str | None = None,
-    max_prompt_length: int = 64,
-    dataset_split: str = "train",
-    prompt_column: str = "prompt",
-    answer_column: str = "answer",
-    eval_fraction: float = 0.05,
-) -> tuple[list[dict], list[dict], bool]:
+def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int) -> tuple[list[dict], list[dict], bool]:
     """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `seed`, and
     `eval_size` distinct held-out ones from seed + 1), or a dataset with a prompt and an answer column (`eval_fraction`
     held out). No held-out question occurs in training: training rows that repeat one are dropped. Prompts go through the
     chat template (`use_chat`: messages, or strings with `chat_template` for a tokenizer that has one; then a
     reasoning-gym question becomes a user message ending with `task_instruction`); each row gets the token ids of its
-    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept. Also returns whether prompts are chats."""
+    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept. Also returns whether prompts are chats.
+    `args` holds those fields and dataset_name, task_config, dataset_split, answer_column (the scripts' names)."""
+    dataset_name, seed, eval_size, chat_template = args.dataset_name, args.seed, args.eval_size, args.chat_template
     if dataset_name.startswith("reasoning-gym:"):
         task = dataset_name.split(":", 1)[1]
         try:
-            config = json.loads(task_config)
+            config = json.loads(args.task_config)
         except json.JSONDecodeError as error:
-            raise UsageError(f"--task-config {task_config!r} is not JSON ({error.msg}).") from None
-        train_rows, eval_rows = reasoning_gym_rows(task, config, train_size, seed), []
+            raise UsageError(f"--task-config {args.task_config!r} is not JSON ({error.msg}).") from None
+        train_rows, eval_rows = reasoning_gym_rows(task, config, args.train_size, seed), []
         for row in reasoning_gym_rows(task, config, 10 * eval_size, seed + 1):  # the first eval_size distinct questions
             if len(eval_rows) < eval_size and row["prompt"] not in {r["prompt"] for r in eval_rows}:
                 eval_rows.append(row)
         chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
         if chat:
             for row in train_rows + eval_rows:
-                row["prompt"] = [{"role": "user", "content": f"{row['prompt']} {task_instruction}".strip()}]
+                row["prompt"] = [{"role": "user", "content": f"{row['prompt']} {args.task_instruction}".strip()}]
     else:
-        dataset = load_data(dataset_name, dataset_split)
-        check_columns(dataset, [prompt_column], "--prompt-column")
-        check_columns(dataset, [answer_column], "--answer-column", chat=False)
-        dataset = dataset.rename_columns({prompt_column: "prompt", answer_column: "answer"})
-        train_data, eval_data = train_eval_split(dataset, eval_fraction, seed)
+        dataset = load_data(dataset_name, args.dataset_split)
+        check_columns(dataset, [prompt_column], f"--{prompt_column.replace('_', '-')}")
+        check_columns(dataset, [args.answer_column], "--answer-column", chat=False)
+        dataset = dataset.rename_columns({prompt_column: "prompt", args.answer_column: "answer"})
+        train_data, eval_data = train_eval_split(dataset, args.eval_fraction, seed)
         train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
         chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
     held_out = {json.dumps(r["prompt"]) for r in eval_rows}
@@ -206,7 +222,7 @@ def load_task(
             "more problems (--train-size, --task-config)"
         )
     for row in train_rows + eval_rows:
-        text = render(tokenizer, row["prompt"], system_prompt=system_prompt)[0] if chat else row["prompt"]
+        text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
         row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"][-max_prompt_length:]
     return train_rows, eval_rows, chat
 
@@ -227,3 +243,15 @@ def distinct_answers(completions: list[str], numeric: bool) -> tuple[float, int]
     answers = [extract_answer(c, numeric) for c in completions]
     counts = np.unique(answers, return_counts=True)[1]
     return counts.max() / len(answers), len(counts)
+
+
+def degenerate_batch(lengths: torch.Tensor, ended: torch.Tensor, rewards: torch.Tensor, mask_truncated: bool) -> list[str]:
+    """Why a generation batch (every process's: completion lengths with their EOS, whether each ended, the rewards) has
+    nothing to learn from, if it has nothing: every completion empty, no completion scored, every completion cut while
+    --mask-truncated-completions leaves cut ones out of the loss."""
+    reasons = [
+        (bool((lengths <= ended.float()).all()), "every completion is empty"),
+        (bool(rewards.isnan().all()), "no reward function scored any completion (all returned None)"),
+        (mask_truncated and not bool(ended.any()), "every completion was cut and --mask-truncated-completions drops them"),
+    ]
+    return [why for hit, why in reasons if hit]

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -17,26 +18,62 @@ import types
 import torch
 import tyro
 from accelerate import Accelerator
+from accelerate.checkpointing import load as load_states
 from accelerate.utils import set_seed
 from rich.console import Console
 from rich.table import Table
+from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError
 from common.performance import keep_freed_memory
 
 
 def _report(kind, error, traceback) -> None:
-    if issubclass(kind, UsageError):  # argparse's convention: one line on stderr, exit status 2
+    """argparse's convention for a UsageError: one line `error: ...` on stderr, exit status 2; anything unexpected keeps
+    its traceback. With several processes every rank raises the same mistake and the main one reports it: another rank
+    reports its own only if it is still running a moment later (the launcher stops every rank once one has failed)."""
+    if issubclass(kind, UsageError):
         sys.stdout.flush()
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")):
+            time.sleep(2)
+        # torch.distributed's exception hook swaps sys.stderr for a buffer that os._exit would never write out
+        sys.__stderr__.write(f"error: {error}\n")
+        sys.__stderr__.flush()
         os._exit(2)  # an exception hook cannot choose the exit status; nothing is left to clean up before training
-    sys.__excepthook__(kind, error, traceback)  # anything unexpected keeps its traceback
+    sys.__excepthook__(kind, error, traceback)
+
+
+class _Harmless(logging.Filter):
+    """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning
+    from `generate`'s own decoding steps (finished rows are fed pad tokens there; every call here passes a mask) and
+    its note that the CLIP image processor diffusers imports would prefer torchvision (no images are processed)."""
+
+    HARMLESS = ("We strongly recommend passing in an `attention_mask`", "requires torchvision (not installed)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.HARMLESS)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings off for the block (e.g. the LOAD REPORT of a classification head made fresh on purpose)."""
+    logger = transformers_logging.get_logger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def cli(args_class):
     """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2.
-    A `resume_from` folder is checked here, before any model or data is loaded."""
+    A `resume_from` folder is checked here, before any model or data is loaded. transformers' per-file progress bars
+    (loading, writing) are off, so that the run's own bars stay readable."""
     sys.excepthook = _report
+    for handler in transformers_logging.get_logger("transformers").handlers:
+        handler.addFilter(_Harmless())
+    transformers_logging.disable_progress_bar()
     _flowing_help(args_class)
     args = tyro.cli(args_class)
     if getattr(args, "resume_from", None):
@@ -64,6 +101,11 @@ def _flowing_help(args_class) -> None:
         field.metadata = types.MappingProxyType({**field.metadata, "help": help_text})
 
 
+# The run's identity and arguments, which checkpoints record: pruning (--save-total-limit) removes only the checkpoints of
+# this run (a resumed run is the checkpoint's run), and a resume says which arguments differ from the checkpoint's
+RUN = {"id": None, "args": {}}
+
+
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     """Seed every RNG with `args.seed + rank`, name the run and open its logger (main process only).
 
@@ -74,6 +116,7 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
         keep_freed_memory()
     torch.backends.cudnn.deterministic = args.torch_deterministic
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    RUN.update(id=run_name, args=dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args)))
     return run_name, RunLogger(run_name, args, enabled=accelerator.is_main_process)
 
 
@@ -187,10 +230,13 @@ def atomic_directory(path: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(accelerator: Accelerator, path: str, state: dict, model=None, tokenizer=None) -> None:
+def save_checkpoint(
+    accelerator: Accelerator, path: str, state: dict, model=None, tokenizer=None, total_limit: int | None = None
+) -> None:
     """A resumable checkpoint, written atomically by the main process (every rank calls it): `model` and `tokenizer` in
     from_pretrained format if given, accelerate's state (model, optimizer, scheduler, RNG) in accelerate_state/, and
-    the loop's own `state` (its step, controllers) in trainer_state.json."""
+    the loop's own `state` (its step, controllers), the run's id and arguments in trainer_state.json. With `total_limit`,
+    only the newest `total_limit` checkpoints of this run stay beside it (TRL's save_total_limit); other runs' are kept."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(path) as tmp:
@@ -199,7 +245,19 @@ def save_checkpoint(accelerator: Accelerator, path: str, state: dict, model=None
                     part.save_pretrained(tmp)
             accelerator.save_state(os.path.join(tmp, "accelerate_state"))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(state, f)
+                json.dump(state | {"run": RUN["id"], "args": RUN["args"]}, f, default=str)
+        parent = os.path.dirname(os.path.abspath(path))
+        ours = []
+        for folder in os.listdir(parent):
+            try:
+                with open(os.path.join(parent, folder, "trainer_state.json")) as f:
+                    saved = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if saved.get("run") == RUN["id"]:
+                ours.append((os.path.getmtime(os.path.join(parent, folder, "trainer_state.json")), folder))
+        for _, folder in sorted(ours)[: -total_limit if total_limit else 0]:
+            shutil.rmtree(os.path.join(parent, folder), ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
@@ -217,9 +275,26 @@ def read_checkpoint(path: str) -> dict:
 
 
 def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
-    """Restore accelerate's state from a folder `save_checkpoint` wrote; return the loop's state saved with it."""
+    """Restore accelerate's state from a folder `save_checkpoint` wrote (its random states must be readable: a resume
+    that silently drew other random numbers would not continue the run); return the loop's state saved with it. The run
+    continues as the checkpoint's, and a line says which arguments differ from the ones it was saved with."""
     state = read_checkpoint(path)
-    accelerator.load_state(os.path.join(path, "accelerate_state"))
+    folder = os.path.join(path, "accelerate_state")
+    rng = os.path.join(folder, f"random_states_{accelerator.process_index}.pkl")
+    try:
+        load_states(rng)  # accelerate's loader: weights_only, NumPy's generator state allowed
+    except Exception as error:  # noqa: BLE001 - a missing, truncated or foreign file: one line, not a traceback
+        raise UsageError(f"--resume-from {path}: its random state {rng} cannot be read ({type(error).__name__}).") from None
+    accelerator.load_state(folder)
+    RUN["id"] = state.get("run", RUN["id"])
+    ignore = {"resume_from", "output_dir", "log_dir", "checkpoint_dir", "exp_name", "track", "save_freq", "save_steps"}
+    changed = [
+        f"--{k.replace('_', '-')} {v} -> {RUN['args'].get(k)}"
+        for k, v in state.get("args", {}).items()
+        if k not in ignore and str(v) != str(RUN["args"].get(k))
+    ]
+    if changed:
+        accelerator.print(f"resuming with arguments that differ from the checkpoint's: {', '.join(changed)}")
     return state
 
 

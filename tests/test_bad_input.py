@@ -72,3 +72,62 @@ def test_model_folders_without_a_model_or_tokenizer(tmp_path):
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "weights_only")
     error = run_failing([SCRIPTS["sft"], "--model-name", str(tmp_path / "weights_only")], tmp_path)
     assert "no tokenizer files in the folder" in error, error
+
+
+def free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, launcher):
+    """A mistake found after the Accelerator exists (so after torch.distributed installed its exception hook, which
+    swaps stderr for a buffer): one `error:` line, every rank non-zero, no hang; over gloo on CPU."""
+    from conftest import DDP_ENV
+
+    port = free_port()
+    command = (
+        ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", port]
+        if launcher == "accelerate"
+        else ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    )
+    result = subprocess.run(
+        [sys.executable, *command, SCRIPTS["dpo"], *RANDOM_MODEL, "--dataset-name", "missing.jsonl"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT, **DDP_ENV),
+        timeout=300,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors == [
+        "error: the dataset file 'missing.jsonl': no such file (from " + str(tmp_path) + ")"
+    ], result.stderr[-3000:]
+    assert "exitcode  : 0" not in result.stderr  # no rank ended as if nothing had gone wrong
+
+
+def test_cheap_checks_come_before_building_a_preset(tmp_path):
+    """A missing dataset file is reported before the default policy (builtin:tiny-chat, minutes to build on a fresh
+    cache) is built: the fresh cache stays without it."""
+    for script in ("dpo", "reward_modeling", "sft", "ilql"):
+        model = ["--model-name", "builtin:tiny-chat"]
+        result = subprocess.run(
+            [sys.executable, SCRIPTS[script], *model, "--dataset-name", "missing.jsonl"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache")),
+            timeout=120,
+        )
+        assert result.returncode == 2 and "no such file" in result.stderr, result.stderr[-2000:]
+        assert not (tmp_path / "cache" / "rlhf-builtin" / "tiny-chat-v1").exists(), script
+
+
+def test_degenerate_input_is_refused_before_training(tmp_path):
+    (tmp_path / "one.jsonl").write_text('{"prompt": "Hello", "chosen": "Hi", "rejected": "No"}\n')
+    assert "at least 2" in run_failing([SCRIPTS["dpo"], *RANDOM_MODEL, "--dataset-name", "one.jsonl"], tmp_path)
+    error = run_failing([SCRIPTS["ppo"], *RANDOM_MODEL, "--stop-sequences", "", "--reward-model", "None"], tmp_path)
+    assert "empty stop sequence" in error

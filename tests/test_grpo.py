@@ -265,3 +265,33 @@ def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     )
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]
+
+
+def test_reward_plugins_that_fail_are_named_with_their_line(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_module\n")
+    (tmp_path / "plugins.py").write_text(
+        "import numpy as np\n\n\n"
+        "def raises(prompts, completions, **kw):\n    return [len(c) / 0 for c in completions]\n\n\n"
+        "def array(prompts, completions, **kw):\n    return np.array([float(len(c) > 2) for c in completions])\n\n\n"
+        "def unscored(prompts, completions, **kw):\n    return [None] * len(completions)\n"
+    )
+    error = run_failing([GRPO, *TINY, "--reward-funcs", "broken.py:f"], tmp_path)
+    assert "importing broken.py failed: ModuleNotFoundError" in error and "broken.py, line 1)" in error, error
+    error = run_failing([GRPO, *TINY, "--reward-funcs", "plugins.py:raises"], tmp_path)
+    assert "reward function plugins.py:raises raised ZeroDivisionError" in error and "plugins.py, line 5)" in error, error
+    assert "grpo: 2 updates" in run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:array"], tmp_path)  # NumPy is fine
+    # a batch no reward function scored trains nothing: said in a warning line and counted in the logs, never silent
+    out = run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:unscored", "--log-dir", "unscored"], tmp_path)
+    assert "warning: update 1 has nothing to learn from: no reward function scored any completion" in out
+    assert read_scalars(str(tmp_path / "unscored"), "degenerate_updates") == [1, 2]
+
+
+def test_eval_statistics_pool_every_process(tmp_path):
+    """With --top-k 1 the completions are the same under 1 and 2 processes, so the held-out statistics must be too (the
+    share of the most frequent answer was a mean of per-process shares: 33% on one process, 75% on two)."""
+    flags = [GRPO, *TINY, "--top-k", "1"]
+    run_script([*flags, "--log-dir", "one"], tmp_path)
+    run_script([*ddp_launch(), *flags, "--log-dir", "two", "--output-dir", "model_two"], tmp_path, **DDP_ENV)
+    for tag in ("eval/top_answer_share", "eval/reward", "eval/completion_length"):
+        one, two = (read_scalars(str(tmp_path / d), tag)[0] for d in ("one", "two"))
+        assert one == pytest.approx(two), (tag, one, two)

@@ -3,6 +3,7 @@ held-out split of a task's distinct questions."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,7 +74,9 @@ def test_held_out_problems_are_distinct_questions_never_seen_in_training():
 
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     config = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
-    train, held_out, chat = load_task("reasoning-gym:chain_sum", tokenizer, True, 1, config, 2000, 64)
+    args = SimpleNamespace(dataset_name="reasoning-gym:chain_sum", seed=1, task_config=config, train_size=2000, eval_size=64)
+    args.__dict__.update(chat_template=True, task_instruction="Give only the final answer.", system_prompt=None)
+    train, held_out, chat = load_task(args, tokenizer, "prompt", 64)
     questions = {r["prompt"] for r in train}
     assert not chat and len(held_out) == 64 == len({r["prompt"] for r in held_out})
     assert not questions & {r["prompt"] for r in held_out} and len(questions) == 136 and len(train) > 1000

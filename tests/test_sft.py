@@ -244,3 +244,25 @@ def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
     one, two = (read_scalars(str(tmp_path / name), "train/learning_rate") for name in ("one", "two"))
     assert len(one) == len(two) == 8 and one == pytest.approx(two)
     assert max(range(8), key=lambda i: one[i]) == 3  # logged after step 4's update: the peak
+
+
+def test_checkpoints_are_pruned_per_run_and_a_resume_says_what_changed(tmp_path):
+    """--save-total-limit keeps the newest checkpoints of this run only: another run's in the same folder stay. A resume
+    names the arguments that differ from the checkpoint's, and a checkpoint whose random state cannot be read is an
+    error, not a resume that silently draws other numbers."""
+    flags = [SFT, "--max-seq-length", "32", "--batch-size", "8", "--save-steps", "1", "--num-sample-generations", "0"]
+    run_script([*flags, "--max-steps", "4"], tmp_path)  # run A: step_1 .. step_4
+    run_script([*flags, "--max-steps", "2", "--save-total-limit", "1", "--seed", "2"], tmp_path)  # run B: step_1, step_2
+    folder = tmp_path / "outputs" / "sft_checkpoints"
+    runs = {d.name: json.loads((d / "trainer_state.json").read_text())["run"] for d in folder.iterdir()}
+    assert sorted(runs) == ["step_2", "step_3", "step_4"]  # B kept its newest; A's step_3 and step_4 stayed
+    assert runs["step_2"] != runs["step_3"] == runs["step_4"]
+    out = run_script(
+        [*flags, "--max-steps", "5", "--resume-from", str(folder / "step_3"), "--learning-rate", "0.002"], tmp_path
+    )
+    assert (
+        "resuming with arguments that differ from the checkpoint's: --learning-rate 0.001 -> 0.002, --max-steps 4 -> 5" in out
+    )
+    (folder / "step_4" / "accelerate_state" / "random_states_0.pkl").write_bytes(b"not a pickle")
+    error = run_failing([*flags, "--max-steps", "5", "--resume-from", str(folder / "step_4")], tmp_path)
+    assert "random state" in error and "cannot be read" in error
