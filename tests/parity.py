@@ -31,6 +31,7 @@ RUNS = {
     "dpo": ["--max-steps", "4"],
     "grpo": ["--total-prompts", "32", "--eval-samples", "16"],
     "rloo": ["--total-prompts", "128", "--eval-samples", "16"],
+    "gkd": ["--total-steps", "2", "--batch-size", "4", "--eval-samples", "8", "--lmbda", "0.5"],
     "sft": ["--max-steps", "4"],
     "reward_modeling": ["--max-steps", "4"],
     "ilql": ["--max-steps", "4", "--eval-samples", "8"],
