@@ -208,7 +208,7 @@ def main(args: Args) -> None:
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
     teacher_eval = evaluate(args, teacher, tokenizer, eval_rows, accelerator, logger, 0, "teacher", chat)
     first_eval = resumed.get("first_eval") or evaluate(
-        args, unwrapped, tokenizer, eval_rows, accelerator, logger, 0, "eval", chat
+        args, unwrapped, tokenizer, eval_rows, accelerator, logger, 0, "eval", chat, teacher
     )
     history, start_time = resumed.get("history", []), time.time()
     progress = tqdm(range(start_step, args.total_steps), disable=not accelerator.is_local_main_process, desc="gkd")
@@ -276,7 +276,7 @@ def main(args: Args) -> None:
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             logger.samples("samples", {"prompt": [text_of(r["prompt"]) for r in rows], source: texts}, step + 1)
         if args.eval_freq and (step + 1) % args.eval_freq == 0 and step + 1 < args.total_steps:
-            evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat)
+            evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat, teacher)
         if args.save_freq and (step + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             save_checkpoint(
@@ -287,7 +287,7 @@ def main(args: Args) -> None:
             )
 
     # ---- final evaluation, save and summary ----
-    last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat)
+    last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
     policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -301,7 +301,8 @@ def main(args: Args) -> None:
         f"gkd: {args.total_steps - start_step} steps in {time.time() - start_time:.0f}s; loss {first[0]:.3f} -> "
         f"{last[0]:.3f}, KL to the teacher per token {first[1]:.3f} -> {last[1]:.3f}; held-out accuracy: student "
         f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, teacher "
-        f"{teacher_eval['teacher/accuracy']:.3f}; model saved to {args.output_dir}"
+        f"{teacher_eval['teacher/accuracy']:.3f}; held-out KL to the teacher per token {first_eval['eval/kl_to_teacher']:.3f} "
+        f"-> {last_eval['eval/kl_to_teacher']:.3f}; model saved to {args.output_dir}"
     )
     end_run(accelerator, logger)
 
@@ -408,9 +409,10 @@ def token_logits(model, prompts, prompt_mask, completions, mask) -> torch.Tensor
 
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int, prefix: str, chat: bool) -> dict:
-    """Held-out accuracy of `model` (one sampled completion per problem, the task's verifier), its completion length and
-    the share of its most frequent answer, over every process's share of the problems."""
+def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int, prefix: str, chat: bool, teacher=None):
+    """Held-out accuracy of `model` (one sampled completion per problem, the task's verifier), its completion length, the
+    share of its most frequent answer and, given the teacher, the per-token KL to it on these completions (the mean of
+    log p_model - log p_teacher over their tokens), over every process's share of the problems."""
     torch.manual_seed(args.seed + accelerator.process_index)
     share = rows[accelerator.process_index :: accelerator.num_processes] or rows[:1]
     weight = 1.0 if rows[accelerator.process_index :: accelerator.num_processes] else 0.0
@@ -421,13 +423,23 @@ def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int,
     columns = {k: [r[k] for r in share] for k in share[0] if k not in ("prompt", "prompt_ids")}
     scores = verifier([r["prompt"] for r in share], texts, **columns)
     top = distinct_answers(gather_object(texts if weight else []), all(is_number(r["answer"]) for r in share))[0]
-    totals = torch.tensor([sum(scores), mask.sum().item(), len(share)], device=accelerator.device)
+    kl = torch.tensor(0.0, device=accelerator.device)
+    if teacher is not None:
+        inputs = (prompts, prompt_mask, completions, mask)
+        logps = [
+            F.log_softmax(token_logits(m, *inputs).float(), -1).gather(-1, completions[..., None])[..., 0]
+            for m in (model, teacher)
+        ]
+        kl = ((logps[0] - logps[1]) * mask).sum()
+    totals = torch.tensor([sum(scores), mask.sum().item(), len(share), kl.item()], device=accelerator.device)
     totals = accelerator.reduce(totals * weight, "sum")
     metrics = {
         f"{prefix}/accuracy": (totals[0] / totals[2]).item(),
         f"{prefix}/completion_length": (totals[1] / totals[2]).item(),
         f"{prefix}/top_answer_share": float(top),  # over every process's completions
     }
+    if teacher is not None:
+        metrics[f"{prefix}/kl_to_teacher"] = (totals[3] / totals[1]).item()  # per token
     logger.log(metrics, step)
     logger.samples(f"{prefix} samples", {"prompt": [text_of(r["prompt"]) for r in share], "completion": texts}, step)
     return metrics

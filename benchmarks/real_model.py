@@ -53,20 +53,20 @@ METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo"
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (grpo rloo ppo rft dpo rm_ppo trl_grpo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo trl_grpo trl_rloo)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
     """torch threads of every run (OMP_NUM_THREADS), ours and TRL's alike"""
-    updates: int = 40
-    """grpo / rloo updates of 8 prompts x 4 completions (about 16 s each on 2 CPU cores)"""
-    ppo_updates: int = 40
+    updates: int = 20
+    """grpo / rloo updates of 8 prompts x 4 completions (16-30 s each on 2 CPU cores, by the CPU)"""
+    ppo_updates: int = 20
     """ppo / rm_ppo updates of 16 episodes"""
     self_samples: int = 8
     """replies sampled per training question for rft, dpo and the reward model"""
-    trl_steps: int = 40
+    trl_steps: int = 20
     """TRL GRPOTrainer / RLOOTrainer steps (of 8 prompts x 4 completions, as ours)"""
-    eval_samples: int = 4
+    eval_samples: int = 2
     """sampled replies per held-out problem in the final evaluation"""
     eval_problems: int = 64
     """held-out problems evaluated (during and after training); fewer make a quick check"""
@@ -88,12 +88,12 @@ def commands(args: Args, folder: str) -> dict[str, list[list[str]]]:
     def out(name: str) -> list[str]:
         return ["--output-dir", os.path.join(folder, name), "--log-dir", os.path.join(folder, "runs", name)]
 
-    every = max(1, args.updates // 8)
+    every = max(1, args.updates // 4)
     rl = [*RL, "--eval-samples", str(args.eval_problems)]
     ppo = ["--model-name", MODEL, *TASK, "--min-new-tokens", "32", "--max-new-tokens", "32"]
     ppo += ["--eval-samples", str(args.eval_problems)]
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
-    ppo += ["--eval-freq", str(max(1, args.ppo_updates // 8)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
+    ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
     return {
         "grpo": [
@@ -259,8 +259,8 @@ def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
 def trl_run(args: Args, folder: str, name: str) -> float:
     """`trl_steps` steps of TRL 1.x's GRPOTrainer or RLOOTrainer (`name`: trl_grpo, trl_rloo) with our runs' settings (8
     prompts x 4 completions, 32 new tokens, lr 1e-5, beta 0, temperature 1, the verifier's reward, the same chat
-    prompts; TRL's defaults otherwise, gradient checkpointing off as ours has none), saved for the evaluation. Returns
-    the median step time."""
+    prompts; TRL's defaults otherwise, gradient checkpointing off as ours has none, float32 as ours), saved for the
+    evaluation. Returns the median step time."""
     sys.path.insert(0, os.path.join(HERE, ".trl-current"))
     import trl
     from datasets import Dataset
@@ -291,6 +291,7 @@ def trl_run(args: Args, folder: str, name: str) -> float:
         beta=0.0,
         max_steps=args.trl_steps,
         gradient_checkpointing=False,
+        bf16=False,  # TRL's default is bf16 autocast; ours train in float32 (and a CPU without bf16 instructions crawls)
         use_cpu=True,
         report_to=[],
         logging_steps=1,
@@ -356,6 +357,15 @@ def step_time(folder: str, method: str) -> tuple[float, int]:
     return (sorted(steps)[len(steps) // 2] if steps else float("nan")), len(steps)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the architecture."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def report(args: Args, results: dict, folder: str) -> None:
     """The table (markdown, at args.write) and the plot of held-out accuracy against sampled completions beside it."""
     import matplotlib
@@ -404,15 +414,17 @@ def report(args: Args, results: dict, folder: str) -> None:
     figure.savefig(plot, dpi=110)
     header = (
         "| method | completions sampled | greedy accuracy | sampled accuracy | KL to the start | reply tokens | "
-        "distinct answers (of 4) | wall time | s/update (updates) |\n|-|-|-|-|-|-|-|-|-|"
+        f"distinct answers (of {args.eval_samples}) | wall time | s/update (updates) |\n|-|-|-|-|-|-|-|-|-|"
     )
     commands_md = "\n".join(
-        f"- {LABELS[m]}:\n" + "\n".join(f"  `{c}`" for c in results[m].get("commands", [])) for m in METHODS if m in results
+        f"- {LABELS[m]}:\n" + "\n".join(f"  `{c.replace(ROOT + os.sep, '')}`" for c in results[m].get("commands", []))
+        for m in METHODS
+        if m in results
     )
-    text = f"""# Every method on SmolLM2-135M-Instruct, one task
+    text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task
 
-`python benchmarks/real_model.py` (this file and {os.path.basename(plot)}), {time.strftime("%Y-%m-%d")}: {platform.machine()},
-{os.cpu_count()} CPU cores, torch {torch.__version__}, each run `python script.py` with OMP_NUM_THREADS={args.threads}.
+`python benchmarks/real_model.py` (this file and {os.path.basename(plot)}), {time.strftime("%Y-%m-%d")}: {cpu_name()},
+{os.cpu_count()} cores, torch {torch.__version__}, each run `python script.py` with OMP_NUM_THREADS={args.threads}.
 Held-out accuracy on 64 one-digit two-term chain_sum problems that no training row contains: greedy, and sampled at
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the

@@ -70,7 +70,7 @@ def test_reverse_kl_policy_gradient():
 
 def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama):
     out = run_script([GKD, *TINY, "--total-steps", "4", "--lmbda", "0.5", "--beta", "0.9", "--seq-kd"], tmp_path)
-    assert "gkd: 4 steps" in out and "held-out accuracy: student" in out
+    assert "gkd: 4 steps" in out and "held-out accuracy: student" in out and "held-out KL to the teacher per token" in out
     on_policy = read_scalars(str(tmp_path / "runs"), "train/on_policy")
     assert len(on_policy) == 4 and 0 < sum(on_policy) < 4  # lmbda 0.5: some batches the student's, some the teacher's
     check_model_card(tmp_path / "outputs" / "gkd", "gkd")
