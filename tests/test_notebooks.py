@@ -26,7 +26,9 @@ BUDGETS = {
     "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
+    "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "8"]},
     "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"]},
+    "real_model": {"UPDATES": 2, "FLAGS": ["--eval-samples", "1", "--eval-problems", "8"]},
     "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
 }
 
