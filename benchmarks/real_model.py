@@ -46,6 +46,7 @@ from common.performance import sampling_kwargs  # noqa: E402
 from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--seed", "1"]  # the scripts' default task config and split
 METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo")
 
@@ -148,7 +149,7 @@ def generate(model, tokenizer, prompts: list, n: int = 1, greedy: bool = False, 
     sampling = dict(do_sample=False) if greedy else sampling_kwargs(1.0, 0, 1.0)
     for i in range(0, len(all_prompts), batch):
         rendered = [render(tokenizer, p)[0] for p in all_prompts[i : i + batch]]
-        inputs = tokenizer(rendered, padding=True, add_special_tokens=False, return_tensors="pt")
+        inputs = tokenizer(rendered, padding=True, add_special_tokens=False, return_tensors="pt").to(model.device)
         out = model.generate(**inputs, max_new_tokens=32, pad_token_id=tokenizer.pad_token_id, **sampling)
         for row in out[:, inputs["input_ids"].shape[1] :]:
             ended = (row == tokenizer.eos_token_id).nonzero()
@@ -165,7 +166,8 @@ def self_samples(args: Args, folder: str) -> dict:
     if os.path.isfile(os.path.join(data, "stats.json")):
         return json.load(open(os.path.join(data, "stats.json")))
     os.makedirs(data, exist_ok=True)
-    tokenizer, model = load_tokenizer(MODEL, padding_side="left"), load_pretrained(MODEL, AutoModelForCausalLM).eval()
+    tokenizer = load_tokenizer(MODEL, padding_side="left")
+    model = load_pretrained(MODEL, AutoModelForCausalLM).to(DEVICE).eval()
     train, _ = task()
     questions = list({json.dumps(r["prompt"]): r for r in train}.values())
     start = time.time()
@@ -215,7 +217,7 @@ def task():
 def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
     """Greedy and sampled held-out accuracy, KL to the initial model, completion length, distinct answers."""
     tokenizer = load_tokenizer(MODEL, padding_side="left")
-    model = load_pretrained(folder_or_name, AutoModelForCausalLM).eval()
+    model = load_pretrained(folder_or_name, AutoModelForCausalLM).to(DEVICE).eval()
     held_out = task()[1][:problems]
     prompts, answers = [r["prompt"] for r in held_out], [r["answer"] for r in held_out]
     entries = [r["rg_entry"] for r in held_out]
@@ -225,12 +227,12 @@ def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
     def repeat(values: list) -> list:  # each problem's value for each of its replies
         return [x for x in values for _ in range(samples)]
 
-    base = load_pretrained(MODEL, AutoModelForCausalLM).eval()
+    base = load_pretrained(MODEL, AutoModelForCausalLM).to(DEVICE).eval()
     kls = []  # k1: the sum over each reply of log pi - log pi_0, on pi's own samples, 32 replies per forward pass
     prompt_ids = [tokenizer(render(tokenizer, p)[0], add_special_tokens=False)["input_ids"] for p in repeat(prompts)]
     for i in range(0, len(ids), 32):
         rows = [p + c for p, c in zip(prompt_ids[i : i + 32], ids[i : i + 32])]
-        batch = tokenizer.pad({"input_ids": rows}, padding_side="left", return_tensors="pt")
+        batch = tokenizer.pad({"input_ids": rows}, padding_side="left", return_tensors="pt").to(DEVICE)
         position_ids = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
         labels = batch["input_ids"][:, 1:]
         logps = [
@@ -256,28 +258,35 @@ def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
 # ---- TRL's GRPOTrainer on the same model, data, reward and settings ----
 
 
-def trl_run(args: Args, folder: str, name: str) -> float:
+def trl_run(args: Args, folder: str, name: str) -> tuple[float, float]:
     """`trl_steps` steps of TRL 1.x's GRPOTrainer or RLOOTrainer (`name`: trl_grpo, trl_rloo) with our runs' settings (8
     prompts x 4 completions, 32 new tokens, lr 1e-5, beta 0, temperature 1, the verifier's reward, the same chat
     prompts; TRL's defaults otherwise, gradient checkpointing off as ours has none, float32 as ours), saved for the
-    evaluation. Returns the median step time."""
+    evaluation. Returns the median step time and the median time of its rollouts (TRL's `_generate`) per step."""
     sys.path.insert(0, os.path.join(HERE, ".trl-current"))
     import trl
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from transformers import TrainerCallback
 
     torch.set_num_threads(args.threads)
     train, _ = task()
     rows = [dict(prompt=r["prompt"], answer=r["answer"], rg_entry=r["rg_entry"]) for r in train]
-    times = []
+    times, rollouts = [], []
+
+    def synchronized_time() -> float:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return time.time()
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.start = time.time()
+            self.start = synchronized_time()
+            rollouts.append(0.0)
 
         def on_step_end(self, *a, **k):
-            times.append(time.time() - self.start)
-            print(f"{name} step {len(times)}: {times[-1]:.1f}s", flush=True)
+            times.append(synchronized_time() - self.start)
+            print(f"{name} step {len(times)}: {times[-1]:.1f}s (rollout {rollouts[-1]:.1f}s)", flush=True)
 
     kind = "GRPO" if name == "trl_grpo" else "RLOO"
     config = getattr(trl, f"{kind}Config")(
@@ -292,7 +301,7 @@ def trl_run(args: Args, folder: str, name: str) -> float:
         max_steps=args.trl_steps,
         gradient_checkpointing=False,
         bf16=False,  # TRL's default is bf16 autocast; ours train in float32 (and a CPU without bf16 instructions crawls)
-        use_cpu=True,
+        use_cpu=DEVICE == "cpu",
         report_to=[],
         logging_steps=1,
         save_strategy="no",
@@ -303,14 +312,23 @@ def trl_run(args: Args, folder: str, name: str) -> float:
         model=model,
         reward_funcs=verifier,
         args=config,
-        train_dataset=Dataset.from_list(rows),
+        train_dataset=Dataset(InMemoryTable.from_pylist(rows), fingerprint="real-model-train"),  # no hashing of rows
         processing_class=load_tokenizer(MODEL, padding_side="left"),
         callbacks=[Timer()],
     )
+    generate = trainer._generate
+
+    def timed_generate(*a, **k):  # TRL's rollout: generation and decoding, before scoring
+        start = synchronized_time()
+        out = generate(*a, **k)
+        rollouts[-1] += synchronized_time() - start
+        return out
+
+    trainer._generate = timed_generate
     trainer.train()
     trainer.model.save_pretrained(os.path.join(folder, name))
     load_tokenizer(MODEL).save_pretrained(os.path.join(folder, name))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], sorted(rollouts)[len(rollouts) // 2]
 
 
 # ---- report ----
@@ -326,14 +344,15 @@ LABELS = {
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
 }
-# (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags)
+# (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags, the rollout tag)
+PPO_PHASES = ["time/rollout", "time/score", "time/forward", "time/optimise"]
 CURVES = {
-    "grpo": ("grpo", "eval/reward", 32, ["time/step"]),
-    "rloo": ("rloo", "eval/reward", 32, ["time/step"]),
-    "ppo": ("ppo", "eval/reward_mean", 16, ["time/rollout", "time/score", "time/forward", "time/optimise"]),
-    "rft": ("rft", None, 0, ["time/step"]),
-    "dpo": ("dpo", None, 0, ["time/step"]),
-    "rm_ppo": ("rm_ppo", None, 16, ["time/rollout", "time/score", "time/forward", "time/optimise"]),
+    "grpo": ("grpo", "eval/reward", 32, ["time/step"], "time/generate"),
+    "rloo": ("rloo", "eval/reward", 32, ["time/step"], "time/generate"),
+    "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
+    "rft": ("rft", None, 0, ["time/step"], None),
+    "dpo": ("dpo", None, 0, ["time/step"], None),
+    "rm_ppo": ("rm_ppo", None, 16, PPO_PHASES, "time/rollout"),
 }
 
 
@@ -349,12 +368,18 @@ def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
 
 
-def step_time(folder: str, method: str) -> tuple[float, int]:
-    """The median seconds per update (the sum of the phases for PPO) and the number of updates of a method's run."""
-    run, _, _, tags = CURVES[method]
+def median(values: list) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
+def step_time(folder: str, method: str) -> tuple[float, int, float]:
+    """The median seconds per update (the sum of the phases for PPO), the number of updates of a method's run and the
+    median seconds of its rollouts (generation) per update."""
+    run, _, _, tags, rollout = CURVES[method]
     series = [[v for _, v in scalars(os.path.join(folder, "runs", run), t)] for t in tags]
     steps = [sum(vs) for vs in zip(*series)] if series and all(series) else []
-    return (sorted(steps)[len(steps) // 2] if steps else float("nan")), len(steps)
+    rollouts = [v for _, v in scalars(os.path.join(folder, "runs", run), rollout)] if rollout else []
+    return median(steps), len(steps), median(rollouts)
 
 
 def cpu_name() -> str:
@@ -364,6 +389,13 @@ def cpu_name() -> str:
         return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.machine()
+
+
+def machine() -> str:
+    """The GPU the runs used (float32 weights and maths, TRL's too), else the CPU."""
+    if DEVICE == "cuda":
+        return f"one {torch.cuda.get_device_name()} (float32, no autocast, ours and TRL's), {os.cpu_count()} CPU cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def report(args: Args, results: dict, folder: str) -> None:
@@ -382,9 +414,9 @@ def report(args: Args, results: dict, folder: str) -> None:
         r = results[method]
         drawn = r.get("self_samples", {}).get("samples", 0)  # the replies drawn to build the offline data
         if method in CURVES:
-            run, tag, per_update, _ = CURVES[method]
+            run, tag, per_update = CURVES[method][:3]
             if os.path.isdir(os.path.join(folder, "runs", run)):  # else the numbers kept in the results
-                r["step_s"], r["updates"] = step_time(folder, method)
+                r["step_s"], r["updates"], r["rollout_s"] = step_time(folder, method)
                 r["completions"] = drawn + per_update * r["updates"]
                 curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
                 r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
@@ -403,7 +435,8 @@ def report(args: Args, results: dict, folder: str) -> None:
             f"| {LABELS[method]} | {completions} | {base['greedy']:.2f} -> {r['greedy']:.2f} | "
             f"{base['sampled']:.2f} -> {r['sampled']:.2f} | {r['kl']:.2f} | {r['length']:.1f} | {r['distinct']:.2f} | "
             + (f"{wall / 60:.1f} min | " if wall else "- | ")
-            + (f"{seconds:.1f} ({updates}) |" if not math.isnan(seconds) else "- |")
+            + (f"{seconds:.{1 if seconds >= 1 else 2}f} ({updates}) | " if not math.isnan(seconds) else "- | ")
+            + (f"{r['rollout_s'] / seconds:.0%} |" if not math.isnan(r.get("rollout_s", math.nan)) else "- |")
         )
     axis.axhline(base["sampled"], color="grey", linestyle=":", label="before training (sampled)")
     axis.set(xlabel="sampled completions used", ylabel="held-out accuracy (sampled, temperature 1)", ylim=(0, 1))
@@ -414,23 +447,26 @@ def report(args: Args, results: dict, folder: str) -> None:
     figure.savefig(plot, dpi=110)
     header = (
         "| method | completions sampled | greedy accuracy | sampled accuracy | KL to the start | reply tokens | "
-        f"distinct answers (of {args.eval_samples}) | wall time | s/update (updates) |\n|-|-|-|-|-|-|-|-|-|"
+        f"distinct answers (of {args.eval_samples}) | wall time | s/update (updates) | rollout share |\n|-|-|-|-|-|-|-|-|-|-|"
     )
     commands_md = "\n".join(
         f"- {LABELS[m]}:\n" + "\n".join(f"  `{c.replace(ROOT + os.sep, '')}`" for c in results[m].get("commands", []))
         for m in METHODS
         if m in results
     )
+    where = f"{results.get('date', time.strftime('%Y-%m-%d'))}: {results.get('machine', machine())}, torch "
+    where += results.get("torch", torch.__version__)  # where the runs ran (a report may be drawn elsewhere)
     text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task
 
-`python benchmarks/real_model.py` (this file and {os.path.basename(plot)}), {time.strftime("%Y-%m-%d")}: {cpu_name()},
-{os.cpu_count()} cores, torch {torch.__version__}, each run `python script.py` with OMP_NUM_THREADS={args.threads}.
+`python benchmarks/real_model.py` (this file and {os.path.basename(plot)}), {where}, each run `python script.py` with
+OMP_NUM_THREADS={args.threads}.
 Held-out accuracy on 64 one-digit two-term chain_sum problems that no training row contains: greedy, and sampled at
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the
 {args.eval_samples} replies of a problem. Completions sampled: every reply the method drew to learn from (for rft, dpo
 and rm_ppo the base model's {results.get("rft", results.get("dpo", {})).get("self_samples", {}).get("samples", "-")}
-replies to the training questions, plus PPO's episodes). s/update: the median over the run.
+replies to the training questions, plus PPO's episodes). s/update: the median over the run; rollout share: the median
+time of an update's generation over the median update time.
 
 {header}
 {chr(10).join(rows)}
@@ -455,6 +491,7 @@ if __name__ == "__main__":
     results_file = os.path.join(folder, "results.json")
     results = json.load(open(results_file)) if os.path.isfile(results_file) else {}
     if not args.report_only:
+        results |= dict(machine=machine(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         if "base" not in results:
             results["base"] = dict(evaluate(MODEL, args.eval_samples, args.eval_problems), completions=0)
         plan = commands(args, folder)
@@ -462,11 +499,12 @@ if __name__ == "__main__":
             stats = self_samples(args, folder) if method in ("rft", "dpo", "rm_ppo") else {}
             if method.startswith("trl_"):
                 start = time.time()
-                step = trl_run(args, folder, method)
+                step, rollout = trl_run(args, folder, method)
                 wall = time.time() - start
                 results[method] = dict(
                     evaluate(os.path.join(folder, method), args.eval_samples, args.eval_problems), step_s=step
                 )
+                results[method]["rollout_s"] = rollout
                 results[method] |= dict(completions=32 * args.trl_steps, wall_s=wall)
                 results[method]["commands"] = [
                     f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"

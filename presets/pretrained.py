@@ -257,6 +257,8 @@ def build_smollm2(folder: str) -> None:
         )
     print("builtin:smollm2-135m-instruct: converting the GGUF weights to float32 (once; about 30 seconds)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    if tokenizer.pad_token is None:  # the GGUF's pad is its EOS; transformers before 5.2x does not read it
+        tokenizer.pad_token = tokenizer.eos_token
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"): the same weights in a plain model do not
     config = gguf_model.config
