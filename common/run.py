@@ -3,6 +3,7 @@
 import ast
 import contextlib
 import dataclasses
+import glob
 import inspect
 import json
 import logging
@@ -19,12 +20,15 @@ import torch
 import tyro
 from accelerate import Accelerator
 from accelerate.checkpointing import load as load_states
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
+from peft import set_peft_model_state_dict
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import load_file
 from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError
+from common.models import VALUE_HEAD_FILE, peft_model_of
 from common.performance import keep_freed_memory
 
 
@@ -234,16 +238,33 @@ def save_checkpoint(
     accelerator: Accelerator, path: str, state: dict, model=None, tokenizer=None, total_limit: int | None = None
 ) -> None:
     """A resumable checkpoint, written atomically by the main process (every rank calls it): `model` and `tokenizer` in
-    from_pretrained format if given, accelerate's state (model, optimizer, scheduler, RNG) in accelerate_state/, and
-    the loop's own `state` (its step, controllers), the run's id and arguments in trainer_state.json. With `total_limit`,
-    only the newest `total_limit` checkpoints of this run stay beside it (TRL's save_total_limit); other runs' are kept."""
+    from_pretrained format if given, accelerate's state (optimizer, scheduler, RNG, the other prepared models) in
+    accelerate_state/, and the loop's own `state` (its step, controllers), the run's id and arguments in
+    trainer_state.json. `model`'s weights are stored once, in its from_pretrained files (under FSDP / DeepSpeed also in
+    accelerate's sharded state). With `total_limit`, only the newest `total_limit` checkpoints of this run stay beside
+    it (TRL's save_total_limit); other runs' are kept."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(path) as tmp:
             for part in (model, tokenizer):
                 if part is not None:
                     part.save_pretrained(tmp)
-            accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+            skipped = []
+
+            def skip_model(models, weights, _):  # accelerate's hook: its copy of `model`'s weights is not written
+                for i, prepared in enumerate(models):
+                    if model is not None and accelerator.unwrap_model(prepared) is model and len(weights) == len(models):
+                        weights.pop(i)
+                        skipped.append(i)
+                        return
+
+            hook = accelerator.register_save_state_pre_hook(skip_model) if stored_once(accelerator) else None
+            try:
+                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+            finally:
+                if hook is not None:
+                    hook.remove()
+            state = state | ({"model_in_folder": skipped[0]} if skipped else {})
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(state | {"run": RUN["id"], "args": RUN["args"]}, f, default=str)
         parent = os.path.dirname(os.path.abspath(path))
@@ -259,6 +280,32 @@ def save_checkpoint(
         for _, folder in sorted(ours)[: -total_limit if total_limit else 0]:
             shutil.rmtree(os.path.join(parent, folder), ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def stored_once(accelerator: Accelerator) -> bool:
+    """Whether a checkpoint keeps its model's weights only in the from_pretrained files: not where accelerate saves
+    sharded states (FSDP, DeepSpeed, Megatron), whose restore needs its own files."""
+    sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    return accelerator.distributed_type not in sharded
+
+
+def load_weights(model: torch.nn.Module, folder: str) -> None:
+    """Load into `model` (plain, peft, or with a value head) the weights its save_pretrained wrote to `folder`."""
+    if hasattr(model, "v_head"):
+        model.v_head.load_state_dict(load_file(os.path.join(folder, VALUE_HEAD_FILE)))
+    peft = peft_model_of(model)
+    if peft is not None:
+        set_peft_model_state_dict(peft, load_file(os.path.join(folder, "adapter_model.safetensors")))
+        return
+    inner = getattr(model, "pretrained_model", model)
+    weights = {}
+    for file in sorted(glob.glob(os.path.join(folder, "model*.safetensors"))):
+        weights |= load_file(file)
+    missing = set(inner.load_state_dict(weights, strict=False).missing_keys)
+    loaded = {p.data_ptr() for name, p in inner.state_dict().items() if name in weights}
+    untied = [name for name in missing if inner.state_dict()[name].data_ptr() not in loaded]  # tied copies are loaded
+    if untied:
+        raise UsageError(f"--resume-from {folder}: its weights lack {', '.join(sorted(untied)[:3])}.")
 
 
 def read_checkpoint(path: str) -> dict:
@@ -280,12 +327,24 @@ def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
     continues as the checkpoint's, and a line says which arguments differ from the ones it was saved with."""
     state = read_checkpoint(path)
     folder = os.path.join(path, "accelerate_state")
+    restored = []
+
+    def take_model(models, _):  # the model whose weights save_checkpoint kept only in its from_pretrained files
+        restored.append(models.pop(state["model_in_folder"]))
+
     rng = os.path.join(folder, f"random_states_{accelerator.process_index}.pkl")
     try:
         load_states(rng)  # accelerate's loader: weights_only, NumPy's generator state allowed
     except Exception as error:  # noqa: BLE001 - a missing, truncated or foreign file: one line, not a traceback
         raise UsageError(f"--resume-from {path}: its random state {rng} cannot be read ({type(error).__name__}).") from None
-    accelerator.load_state(folder)
+    hook = accelerator.register_load_state_pre_hook(take_model) if "model_in_folder" in state else None
+    try:
+        accelerator.load_state(folder)
+    finally:
+        if hook is not None:
+            hook.remove()
+    for model in restored:
+        load_weights(accelerator.unwrap_model(model), path)
     RUN["id"] = state.get("run", RUN["id"])
     ignore = {"resume_from", "output_dir", "log_dir", "checkpoint_dir", "exp_name", "track", "save_freq", "save_steps"}
     changed = [

@@ -96,6 +96,8 @@ def check_resume(command: list[str], save_flags: list[str], checkpoint: str, sum
     assert "resumed from" in out, out[-2000:]
     pattern = re.compile(summary)
     assert pattern.findall(out) and pattern.findall(out) == pattern.findall(straight_out), (out[-1500:], straight_out[-1500:])
+    if os.path.isfile(os.path.join(path, "model.safetensors")):  # the checkpoint's weights are stored once
+        assert not [f for f in os.listdir(os.path.join(path, "accelerate_state")) if f.startswith("model")]
     straight, resumed = (load_file(os.path.join(cwd, d, "model.safetensors")) for d in ("straight", "resumed"))
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     return out, path

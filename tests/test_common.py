@@ -48,7 +48,7 @@ from common.performance import (
     lm_token_logprobs,
     sampling_kwargs,
 )
-from common.run import RunLogger, atomic_directory, write_model_card
+from common.run import RunLogger, atomic_directory, load_checkpoint, save_checkpoint, write_model_card
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
@@ -704,3 +704,33 @@ def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
     assert any(line.startswith("a second paragraph") for line in lines)
     assert dataclasses.fields(Args)[0].metadata["help"].count("\n") == 2
     assert "help" not in dataclasses.fields(Args)[1].metadata  # no docstring: the next field's default is not one
+
+
+@pytest.mark.parametrize("kind", ["plain", "lora", "value-head"])
+def test_a_checkpoint_stores_the_trained_weights_once_and_restores_them(tmp_path, kind):
+    """save_checkpoint keeps the model's weights only in its from_pretrained files (accelerate's state holds the
+    optimizer, not a second copy); load_checkpoint puts them back bit for bit, adapters and value head included."""
+    from accelerate import Accelerator
+
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+    if kind == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    if kind == "value-head":
+        model = AutoModelForCausalLMWithValueHead(model)
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    output = model(input_ids=ids)
+    loss = (output[1] if kind == "value-head" else output.logits).float().pow(2).mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    save_checkpoint(accelerator, str(tmp_path / "step_1"), {"step": 1}, model, load_tokenizer("builtin:tiny-gpt2"))
+    assert not list((tmp_path / "step_1" / "accelerate_state").glob("model*.safetensors"))  # stored once
+    with torch.no_grad():  # a resumed run starts from the untrained model (with LoRA: the same frozen base)
+        for p in model.parameters():
+            p.add_(1.0 if p.requires_grad else 0.0)
+    assert load_checkpoint(accelerator, str(tmp_path / "step_1"))["step"] == 1
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert optimizer.state_dict()["state"]  # the optimizer's moments came back from accelerate's state
