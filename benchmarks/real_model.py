@@ -405,7 +405,7 @@ def report(args: Args, results: dict, folder: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 5))
+    figure, axis = plt.subplots(figsize=(11, 5))
     base = results["base"]
     rows = []
     for method in ("base", *METHODS):
@@ -422,9 +422,9 @@ def report(args: Args, results: dict, folder: str) -> None:
                 r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
             seconds, updates, completions = r["step_s"], r["updates"], r["completions"]
             if r.get("curve"):
-                axis.plot(*zip(*r["curve"]), marker=".", label=LABELS[method])
+                axis.plot(*zip(*r["curve"]), marker=".", color=f"C{METHODS.index(method)}", label=LABELS[method])
             else:
-                axis.scatter([completions], [r["sampled"]], label=LABELS[method], zorder=3)
+                axis.scatter([completions], [r["sampled"]], color=f"C{METHODS.index(method)}", label=LABELS[method], zorder=3)
         else:
             seconds, updates, completions = r.get("step_s", float("nan")), args.trl_steps, r.get("completions", 0)
             if method.startswith("trl_"):
@@ -441,7 +441,7 @@ def report(args: Args, results: dict, folder: str) -> None:
     axis.axhline(base["sampled"], color="grey", linestyle=":", label="before training (sampled)")
     axis.set(xlabel="sampled completions used", ylabel="held-out accuracy (sampled, temperature 1)", ylim=(0, 1))
     axis.set_title("SmolLM2-135M-Instruct, one-digit chain_sum, 64 held-out problems")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot: no point hidden
     figure.tight_layout()
     plot = os.path.splitext(os.path.join(ROOT, args.write))[0] + ".png"
     figure.savefig(plot, dpi=110)
