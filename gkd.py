@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of
-from common.core import UsageError, check_args, masked_mean, weight_decay_groups
+from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import peft_model_of
 from common.performance import sampling_kwargs
@@ -243,8 +243,9 @@ def main(args: Args) -> None:
                 chunks = torch.arange(len(inputs[0]), device=device).split(args.teacher_chunk_size)
                 teacher_logits = torch.cat([token_logits(teacher, *(x[c] for x in inputs)) for c in chunks])
             logits = token_logits(student, *inputs)
-            student_logprobs = F.log_softmax(logits.float(), -1).gather(-1, completions[mb, :, None])[..., 0]
-            teacher_logprobs = F.log_softmax(teacher_logits.float(), -1).gather(-1, completions[mb, :, None])[..., 0]
+            teacher_logprobs = logprobs_from_logits(teacher_logits, completions[mb])
+            with torch.set_grad_enabled(args.objective != "gkd"):  # the JSD needs no gradient through these
+                student_logprobs = logprobs_from_logits(logits, completions[mb])
             if args.objective == "gkd":
                 loss = generalized_jsd_loss(logits, teacher_logits, mask[mb], args.beta, args.loss_temperature)
             else:
@@ -426,10 +427,7 @@ def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int,
     kl = torch.tensor(0.0, device=accelerator.device)
     if teacher is not None:
         inputs = (prompts, prompt_mask, completions, mask)
-        logps = [
-            F.log_softmax(token_logits(m, *inputs).float(), -1).gather(-1, completions[..., None])[..., 0]
-            for m in (model, teacher)
-        ]
+        logps = [logprobs_from_logits(token_logits(m, *inputs), completions) for m in (model, teacher)]
         kl = ((logps[0] - logps[1]) * mask).sum()
     totals = torch.tensor([sum(scores), mask.sum().item(), len(share), kl.item()], device=accelerator.device)
     totals = accelerator.reduce(totals * weight, "sum")

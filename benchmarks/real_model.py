@@ -41,6 +41,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from common.chat import render  # noqa: E402
+from common.core import logprobs_from_logits  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
 from common.performance import sampling_kwargs  # noqa: E402
 from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
@@ -235,12 +236,7 @@ def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
         batch = tokenizer.pad({"input_ids": rows}, padding_side="left", return_tensors="pt").to(DEVICE)
         position_ids = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
         labels = batch["input_ids"][:, 1:]
-        logps = [
-            torch.log_softmax(m(**batch, position_ids=position_ids).logits[:, :-1].float(), -1).gather(-1, labels[..., None])[
-                ..., 0
-            ]
-            for m in (model, base)
-        ]
+        logps = [logprobs_from_logits(m(**batch, position_ids=position_ids).logits[:, :-1], labels) for m in (model, base)]
         completion = torch.zeros_like(labels, dtype=torch.bool)  # the reply's tokens: the last len(reply) positions
         for row, c in enumerate(ids[i : i + 32]):
             completion[row, labels.shape[1] - len(c) :] = True

@@ -253,12 +253,13 @@ def save_checkpoint(
 
             def skip_model(models, weights, _):  # accelerate's hook: its copy of `model`'s weights is not written
                 for i, prepared in enumerate(models):
-                    if model is not None and accelerator.unwrap_model(prepared) is model and len(weights) == len(models):
+                    if accelerator.unwrap_model(prepared) is model:
                         weights.pop(i)
                         skipped.append(i)
                         return
 
-            hook = accelerator.register_save_state_pre_hook(skip_model) if stored_once(accelerator) else None
+            once = model is not None and stored_once(accelerator)
+            hook = accelerator.register_save_state_pre_hook(skip_model) if once else None
             try:
                 accelerator.save_state(os.path.join(tmp, "accelerate_state"))
             finally:
@@ -301,9 +302,10 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
     weights = {}
     for file in sorted(glob.glob(os.path.join(folder, "model*.safetensors"))):
         weights |= load_file(file)
-    missing = set(inner.load_state_dict(weights, strict=False).missing_keys)
-    loaded = {p.data_ptr() for name, p in inner.state_dict().items() if name in weights}
-    untied = [name for name in missing if inner.state_dict()[name].data_ptr() not in loaded]  # tied copies are loaded
+    missing = inner.load_state_dict(weights, strict=False).missing_keys
+    state = inner.state_dict()
+    loaded = {state[name].data_ptr() for name in weights if name in state}
+    untied = [name for name in missing if state[name].data_ptr() not in loaded]  # tied copies are loaded
     if untied:
         raise UsageError(f"--resume-from {folder}: its weights lack {', '.join(sorted(untied)[:3])}.")
 
