@@ -608,7 +608,9 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             n = min(8, args.sample_batch_size)
             grid = image_samples_hook(batches[0]["images"][:n], prompts[:n], rewards[:n].tolist())
-            logger.image("samples", grid, epoch + 1)
+            if logger.writer is not None:  # TensorBoard, and a PNG beside the run's logs
+                logger.writer.add_image("samples", np.asarray(grid.convert("RGB")), epoch + 1, dataformats="HWC")
+                grid.save(os.path.join(logger.writer.log_dir, f"samples_{epoch + 1}.png"))
         if args.save_freq and (epoch + 1) % args.save_freq == 0 and epoch + 1 < args.num_epochs:
             save_checkpoint(epoch + 1)
     if executor:

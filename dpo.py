@@ -40,8 +40,8 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import create_reference_model, peft_model_of, reference_context
-from common.performance import chunkable_head, lm_token_logprobs
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from fast_paths import chunkable_head, lm_token_logprobs
 
 
 @dataclass

@@ -36,9 +36,9 @@ from common.chat import render, text_of
 from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import peft_model_of
-from common.performance import sampling_kwargs
-from common.rewards import distinct_answers, is_number, load_task, verifier
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from fast_paths import sampling_kwargs
+from rewards import distinct_answers, is_number, load_task, verifier
 
 
 @dataclass

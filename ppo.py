@@ -68,9 +68,9 @@ from common.models import (
     peft_model_of,
     reference_context,
 )
-from common.performance import FastGenerator, sampling_kwargs
-from common.rewards import load_rewards, load_task, score_completions
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from fast_paths import FastGenerator, sampling_kwargs
+from rewards import load_rewards, load_task, score_completions
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Args:
     """nucleus sampling (1.0: off)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
-    (common/performance.py); --no-inverse-cdf-sampling: HF's own sampling"""
+    (fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; decoder-only policies without a logit
     mask, quantisation, FSDP or DeepSpeed); --no-fast-generation: HF `generate`"""

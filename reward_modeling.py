@@ -25,6 +25,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_scheduler
+from transformers.utils import logging as transformers_logging
 
 from common.chat import use_chat
 from common.core import UsageError, check_args, weight_decay_groups
@@ -45,7 +46,6 @@ from common.run import (
     cli,
     end_run,
     load_checkpoint,
-    quiet_transformers,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -286,15 +286,17 @@ if __name__ == "__main__":
         return (shard, 1.0) if shard else (pairs[:1], 0.0)
 
     # ---- model and optimiser ----
-    with quiet_transformers():  # its LOAD REPORT calls a new score head MISSING: new on purpose, said below
-        loaded = load_pretrained(
-            args.model_name,
-            AutoModelForSequenceClassification,
-            num_labels=1,
-            dtype=args.dtype,
-            output_loading_info=True,
-            **quantization,
-        )
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its LOAD REPORT calls a new score head MISSING: new on purpose, said below
+    loaded = load_pretrained(
+        args.model_name,
+        AutoModelForSequenceClassification,
+        num_labels=1,
+        dtype=args.dtype,
+        output_loading_info=True,
+        **quantization,
+    )
+    transformers_logging.set_verbosity(verbosity)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, {"missing_keys": ["every weight (a random preset)"]})
     new = sorted({k.split(".")[0] for k in info["missing_keys"]})
     accelerator.print(f"reward model from {args.model_name}: " + (f"new, trained here: {new}" if new else "its own head"))

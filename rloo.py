@@ -33,9 +33,9 @@ from common.chat import text_of
 from common.core import UsageError, check_args, exact_div, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
-from common.performance import FastGenerator, sampling_kwargs
-from common.rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from fast_paths import FastGenerator, sampling_kwargs
+from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
 
 
 @dataclass
@@ -145,7 +145,7 @@ class Args:
     """top-k sampling (0: off)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
-    (common/performance.py); --no-inverse-cdf-sampling: HF's own sampling"""
+    (fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
@@ -231,12 +231,7 @@ def main(args: Args) -> None:
     exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     sources = len(args.reward_funcs) + (args.reward_model is not None)
-    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)
-    if len(weights) != sources:
-        raise UsageError(
-            f"{len(weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
-            "give one weight each."
-        )
+    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)  # their count: check()
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
@@ -254,16 +249,8 @@ def main(args: Args) -> None:
     model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
     unwrapped = accelerator.unwrap_model(model)
     sampler = Sampler(args, tokenizer, unwrapped, accelerator)
-    start_update, resumed = 0, {}
-    if args.resume_from:  # the reference above is the initial weights; the policy's come from the checkpoint
-        resumed = load_checkpoint(accelerator, args.resume_from)
-        start_update = resumed["update"]
-        if start_update >= num_updates:
-            raise UsageError(
-                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
-                f"has {num_updates}: raise --total-prompts to train further."
-            )
-        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
+    resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights
+    start_update = resumed.get("update", 0)
 
     def score(rows, completions, mask, ended):  # rewards [N, F] of the decoded completions
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -428,6 +415,12 @@ def check(args: Args) -> None:
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
         raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
+    sources = len(args.reward_funcs) + (args.reward_model is not None)
+    if args.reward_weights and len(args.reward_weights) != sources:
+        raise UsageError(
+            f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
+            "give one weight each."
+        )
 
 
 def load_models(args: Args, accelerator: Accelerator, num_updates: int):
@@ -459,6 +452,20 @@ def load_models(args: Args, accelerator: Accelerator, num_updates: int):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
     return model, ref_model, optimizer, scheduler
+
+
+def resume(args: Args, accelerator: Accelerator, num_updates: int) -> dict:
+    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without)."""
+    if not args.resume_from:
+        return {}
+    resumed = load_checkpoint(accelerator, args.resume_from)
+    if resumed["update"] >= num_updates:
+        raise UsageError(
+            f"--resume-from {args.resume_from}: the checkpoint is at update {resumed['update']}, and this run "
+            f"has {num_updates}: raise --total-prompts to train further."
+        )
+    accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
+    return resumed
 
 
 class Sampler:

@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common.chat import conversation_pieces, is_conversation, render, render_conversation, text_of, tokenize_pieces, use_chat
+from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.core import UsageError, check_args, pad_right, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -37,8 +37,8 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import peft_model_of
-from common.performance import chunkable_head, lm_token_logprobs
 from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from fast_paths import chunkable_head, lm_token_logprobs
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory"""
     chunked_loss: bool = True
-    """the loss from the last hidden states with the LM head run on 1024 tokens at a time (common/performance.py: no
+    """the loss from the last hidden states with the LM head run on 1024 tokens at a time (fast_paths.py: no
     [batch, length, vocab] logits); off, and under FSDP / DeepSpeed or with logit soft-capping: `model(**batch).loss`"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
@@ -177,6 +177,42 @@ def neftune_hook(alpha: float):
         return output
 
     return hook
+
+
+def render_conversation(tokenizer, messages: list[dict], system_prompt: str | None = None) -> str:
+    """A whole conversation rendered, ending with the end-of-turn token (EOS appended where the template ends the turn
+    with another token)."""
+    text = tokenizer.apply_chat_template(as_messages(messages, "user", system_prompt), tokenize=False).rstrip()
+    return text if not tokenizer.eos_token or text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+
+
+def conversation_pieces(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[tuple[str, bool]]:
+    """A whole conversation rendered as consecutive (text, is_assistant) pieces: each assistant turn is the answer that
+    continues the conversation before it (`render`), the rest is what the template puts around them. Their
+    concatenation is the rendered conversation (checked); TRL's --assistant-only-loss trains on the assistant pieces."""
+    messages, pieces, done = as_messages(messages, "user", system_prompt), [], ""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant" and i > 0:
+            prompt_text, answer_text = render(tokenizer, messages[:i], [message])
+            if not (prompt_text.startswith(done) and full.startswith(prompt_text + answer_text)):
+                raise UsageError(
+                    "the chat template renders the conversation differently from its turns one by one: "
+                    "drop --assistant-only-loss"
+                )
+            pieces += [(prompt_text[len(done) :], False), (answer_text, True)]
+            done = prompt_text + answer_text
+    return [(text, flag) for text, flag in pieces + [(full[len(done) :].rstrip(), False)] if text]
+
+
+def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids of rendered pieces, each tokenised alone (the template's text already holds its special tokens), and
+    which of them belong to a piece marked True."""
+    ids, flags = [], []
+    for text, flag in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, flags = ids + piece, flags + [flag] * len(piece)
+    return ids, flags
 
 
 if __name__ == "__main__":

@@ -486,7 +486,7 @@ def rollouts(spec, env, tmp) -> dict:
 
     from common.loading import load_tokenizer
     from common.models import AutoModelForCausalLMWithValueHead
-    from common.performance import FastGenerator, sampling_kwargs
+    from fast_paths import FastGenerator, sampling_kwargs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)

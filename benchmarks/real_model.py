@@ -43,8 +43,8 @@ sys.path.insert(0, ROOT)
 from common.chat import render  # noqa: E402
 from common.core import logprobs_from_logits  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
-from common.performance import sampling_kwargs  # noqa: E402
-from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
+from fast_paths import sampling_kwargs  # noqa: E402
+from rewards import distinct_answers, load_task, verifier  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
@@ -203,7 +203,7 @@ def self_samples(args: Args, folder: str) -> dict:
 
 
 def task():
-    """The training and held-out rows of the scripts' default task with chat prompts (common.rewards.load_task)."""
+    """The training and held-out rows of the scripts' default task with chat prompts (rewards.load_task)."""
     tokenizer = load_tokenizer(MODEL)
     config = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
     args = SimpleNamespace(dataset_name="reasoning-gym:chain_sum", seed=1, task_config=config, train_size=2000, eval_size=64)

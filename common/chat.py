@@ -60,39 +60,3 @@ def render(tokenizer, prompt, answer=None, system_prompt: str | None = None) -> 
     if tokenizer.eos_token and not answer_text.endswith(tokenizer.eos_token):
         answer_text += tokenizer.eos_token
     return prompt_text, answer_text
-
-
-def render_conversation(tokenizer, messages: list[dict], system_prompt: str | None = None) -> str:
-    """A whole conversation rendered, ending with the end-of-turn token (EOS appended where the template ends the turn
-    with another token)."""
-    text = tokenizer.apply_chat_template(as_messages(messages, "user", system_prompt), tokenize=False).rstrip()
-    return text if not tokenizer.eos_token or text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
-
-
-def conversation_pieces(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[tuple[str, bool]]:
-    """A whole conversation rendered as consecutive (text, is_assistant) pieces: each assistant turn is the answer that
-    continues the conversation before it (`render`), the rest is what the template puts around them. Their
-    concatenation is the rendered conversation (checked); TRL's --assistant-only-loss trains on the assistant pieces."""
-    messages, pieces, done = as_messages(messages, "user", system_prompt), [], ""
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant" and i > 0:
-            prompt_text, answer_text = render(tokenizer, messages[:i], [message])
-            if not (prompt_text.startswith(done) and full.startswith(prompt_text + answer_text)):
-                raise UsageError(
-                    "the chat template renders the conversation differently from its turns one by one: "
-                    "drop --assistant-only-loss"
-                )
-            pieces += [(prompt_text[len(done) :], False), (answer_text, True)]
-            done = prompt_text + answer_text
-    return [(text, flag) for text, flag in pieces + [(full[len(done) :].rstrip(), False)] if text]
-
-
-def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """Token ids of rendered pieces, each tokenised alone (the template's text already holds its special tokens), and
-    which of them belong to a piece marked True."""
-    ids, flags = [], []
-    for text, flag in pieces:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, flags = ids + piece, flags + [flag] * len(piece)
-    return ids, flags

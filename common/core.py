@@ -1,9 +1,6 @@
-"""Log-prob, masking, whitening and KL utilities (with trlX's logit mask), the KL controllers, and the small checks
-every script runs on its arguments and rewards.
-
-Semantics follow TRL 0.8 `trl/core.py` and Ziegler et al. 2019 (lm-human-preferences).
-All masks are float or bool tensors of the same shape as the values they mask.
-"""
+"""Log-prob, masking, whitening and KL utilities (TRL 0.8 `trl/core.py`, trlX's logit mask), the KL controllers
+(Ziegler et al. 2019) and the small checks every script runs on its arguments and rewards. Masks are float or bool
+tensors of the shape of the values they mask."""
 
 import json
 
@@ -21,21 +18,15 @@ INVALID_LOGPROB = 1.0
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels) under softmax(logits): [..., V], [...] -> [...].
-
-    Memory-lean: one log_softmax, then a gather; no second full-vocabulary copy.
-    """
+    """log p(labels) under softmax(logits): [..., V], [...] -> [...] (one log_softmax in float32, then a gather)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 class LogitMask:
-    """trlX's `logit_mask`: which tokens may follow which. `allowed` maps a token id to the ids allowed right after
-    it; a token not in the map may be followed by anything.
-
-    Forbidden logits become the dtype's lowest finite value: zero probability in sampling and in log-probs, and no
-    NaN in entropies (as -inf would give). Callable as a transformers LogitsProcessor, `(input_ids, scores)`.
-    """
+    """trlX's `logit_mask`: `allowed` maps a token id to the ids allowed right after it (a token not in the map may be
+    followed by anything). Forbidden logits become the dtype's lowest finite value: zero probability in sampling and
+    log-probs, no NaN in entropies (as -inf would give). Callable as a transformers LogitsProcessor."""
 
     def __init__(self, allowed: dict[int, list[int]], vocab_size: int):
         for token, nexts in allowed.items():
@@ -115,10 +106,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 class RunningMoments:
-    """Running mean and (Bessel-corrected) std of a stream of batches: TRL 0.8 `RunningMoments`, parallel Welford.
-
-    Pass each batch gathered over all processes so every rank keeps the same statistics.
-    """
+    """Running mean and (Bessel-corrected) std of a stream of batches: TRL 0.8 `RunningMoments`, parallel Welford. Pass
+    each batch gathered over all processes so every rank keeps the same statistics."""
 
     def __init__(self):
         self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
@@ -140,12 +129,9 @@ def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.T
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "kl") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
-
-    kind: "kl" (k1: logp - ref), "abs" (|logp - ref|), "mse" (0.5 * (logp - ref)^2),
-    "k3" (exp(ref - logp) - 1 - (ref - logp), unbiased and non-negative, Schulman 2020),
-    "full" (exact KL over the vocabulary; both inputs are then full log-prob tensors [..., V]).
-    """
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs. kind: "kl" (k1: logp - ref),
+    "abs" (|logp - ref|), "mse" (0.5 * (logp - ref)^2), "k3" (exp(ref - logp) - 1 - (ref - logp), unbiased and
+    non-negative, Schulman 2020), "full" (exact KL over the vocabulary of full log-prob tensors [..., V])."""
     if kind == "kl":
         return logprobs - ref_logprobs
     if kind == "abs":
@@ -162,10 +148,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. 2019 (lm-human-preferences `AdaptiveKLController`).
-
-    After each batch: err = clip(KL / target - 1, -0.2, 0.2); kl_coef *= 1 + err * n_steps / horizon.
-    """
+    """Adaptive KL coefficient of Ziegler et al. 2019 (lm-human-preferences `AdaptiveKLController`): after each batch,
+    err = clip(KL / target - 1, -0.2, 0.2); kl_coef *= 1 + err * n_steps / horizon."""
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         self.value, self.target, self.horizon = init_kl_coef, target, horizon

@@ -65,10 +65,8 @@ def context_length(config) -> int | None:
 
 
 def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dtype = "float32", **kwargs):
-    """`auto_class.from_pretrained(name)` with its weights in `dtype`, or for a random built-in name a tiny model
-    initialised with `seed`. float32 by default, as TRL loads models to train: transformers 5 keeps a checkpoint's dtype,
-    and most hub checkpoints are bf16, where Adam's small updates round away (a step of 1e-5 against a weight of 0.02 is
-    below bf16's precision of 1 part in 256). "auto": the checkpoint's dtype."""
+    """`auto_class.from_pretrained(name)` with its weights in `dtype` (float32 by default, as TRL trains; "auto": the
+    checkpoint's, README "weight dtype"), or for a random built-in name a tiny model initialised with `seed`."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if is_random_builtin(name):
         return presets.random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
@@ -81,10 +79,8 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
 
 
 def quantization_kwargs(name: str, load_in_8bit: bool, load_in_4bit: bool, use_peft: bool) -> dict:
-    """from_pretrained kwargs for --load-in-8bit / --load-in-4bit (bitsandbytes), after checking they can work.
-
-    Quantised weights cannot be trained directly: LoRA adapters train on top (peft's prepare_model_for_kbit_training).
-    """
+    """from_pretrained kwargs for --load-in-8bit / --load-in-4bit (bitsandbytes), after checking they can work:
+    quantised weights are frozen, LoRA adapters train on top (peft's prepare_model_for_kbit_training)."""
     if not (load_in_8bit or load_in_4bit):
         return {}
     flag = "--load-in-8bit" if load_in_8bit else "--load-in-4bit"

@@ -39,11 +39,9 @@ class ValueHead(nn.Module):
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
-    """A causal LM (plain or peft) plus a scalar value head on its last hidden state.
-
-    forward(...) -> (logits [B, T, V], values [B, T]). `save_pretrained` writes the LM as usual (so plain
-    `AutoModelForCausalLM.from_pretrained` loads it) and the head in `value_head.safetensors` beside it.
-    """
+    """A causal LM (plain or peft) plus a scalar value head on its last hidden state: forward(...) -> (logits [B, T, V],
+    values [B, T]). `save_pretrained` writes the LM as usual (plain `AutoModelForCausalLM.from_pretrained` loads it)
+    and the head in `value_head.safetensors` beside it."""
 
     auto_class = AutoModelForCausalLM
 
@@ -123,14 +121,11 @@ LAYER_PATTERNS = {
 
 
 def create_reference_model(model: nn.Module, num_shared_layers: int | None = None, pattern: str | None = None):
-    """A frozen, eval-mode reference copy of `model`, or None for a peft model.
-
-    For a peft model the reference is the model with its adapter disabled (see `reference_context`), so no
-    copy is made. With `num_shared_layers=k`, every parameter that comes before block k (the embeddings and
-    blocks 0..k-1) is frozen in the policy and *shared* with the reference (same storage); only the rest is
-    copied. `pattern` names block parameters, e.g. "transformer.h.{layer}."; it is guessed for GPT-2,
-    GPT-NeoX, Llama-style and OPT models.
-    """
+    """A frozen, eval-mode reference copy of `model`, or None for a peft model (whose reference is the model with its
+    adapter disabled: `reference_context`). With `num_shared_layers=k`, every parameter before block k (the embeddings
+    and blocks 0..k-1) is frozen in the policy and *shared* with the reference (same storage); only the rest is copied.
+    `pattern` names block parameters, e.g. "transformer.h.{layer}."; it is guessed for GPT-2, GPT-NeoX, Llama-style
+    and OPT models."""
     if peft_model_of(model) is not None:
         return None
     named = list(model.named_parameters())

@@ -29,7 +29,7 @@ from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError
 from common.models import VALUE_HEAD_FILE, peft_model_of
-from common.performance import keep_freed_memory
+from fast_paths import keep_freed_memory
 
 
 def _report(kind, error, traceback) -> None:
@@ -58,18 +58,6 @@ class _Harmless(logging.Filter):
         return not any(text in record.getMessage() for text in self.HARMLESS)
 
 
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers' warnings off for the block (e.g. the LOAD REPORT of a classification head made fresh on purpose)."""
-    logger = transformers_logging.get_logger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def cli(args_class):
     """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2.
     A `resume_from` folder is checked here, before any model or data is loaded. transformers' per-file progress bars
@@ -86,11 +74,8 @@ def cli(args_class):
 
 
 def _flowing_help(args_class) -> None:
-    """Hand tyro each field docstring of `args_class` as flowing text (the "help" metadata it reads first).
-
-    tyro keeps a docstring's line break before any indented line, so a docstring wrapped at 120 columns in the
-    source printed in --help as ragged lines; here its line breaks become spaces, and blank lines stay paragraphs.
-    """
+    """Hand tyro each field docstring of `args_class` as flowing text (the "help" metadata it reads first): tyro keeps
+    a docstring's line breaks, which print in --help as ragged lines; here they become spaces (blank lines stay)."""
     try:
         body = ast.parse(textwrap.dedent(inspect.getsource(args_class))).body[0].body
     except (OSError, TypeError):  # no source to read (a class made at run time): tyro's own reading stands
@@ -111,10 +96,8 @@ RUN = {"id": None, "args": {}}
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
-    """Seed every RNG with `args.seed + rank`, name the run and open its logger (main process only).
-
-    `args` needs exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity (CleanRL fields).
-    """
+    """Seed every RNG with `args.seed + rank`, name the run and open its logger (main process only). `args` needs the
+    CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity."""
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
     if accelerator.device.type == "cpu":
         keep_freed_memory()
@@ -171,14 +154,6 @@ class RunLogger:
         markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|" for row in rows)
         self.writer.add_text(title, markdown, step)
 
-    def image(self, title: str, image, step: int) -> None:
-        """Log a PIL image to TensorBoard and save it as {log_dir}/{run_name}/{title}_{step}.png."""
-        if self.writer is not None:
-            import numpy as np
-
-            self.writer.add_image(title, np.asarray(image.convert("RGB")), step, dataformats="HWC")
-            image.save(os.path.join(self.writer.log_dir, f"{title}_{step}.png"))
-
     def close(self) -> None:
         """Flush TensorBoard and finish the wandb run (synced from it), here rather than at interpreter exit."""
         if self.writer is not None:
@@ -190,10 +165,9 @@ class RunLogger:
 
 
 def end_run(accelerator: Accelerator, logger: RunLogger) -> None:
-    """The last line of every script: the logger closed, every rank past one last barrier, the process group destroyed
-    by every rank together; then a run of several processes leaves at once (os._exit) instead of through interpreter
-    exit, where about one 2-process CPU run in a hundred aborted after everything had been saved ("terminate called
-    without an active exception" from a C++ destructor, no Python frame left: a failed launch)."""
+    """The last line of every script: the logger closed, one last barrier, the process group destroyed by every rank
+    together; a run of several processes then leaves with os._exit, before a C++ destructor at interpreter exit can
+    abort it ("terminate called without an active exception", about one 2-process CPU run in a hundred)."""
     logger.close()
     accelerator.wait_for_everyone()
     several = accelerator.num_processes > 1

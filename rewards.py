@@ -1,5 +1,5 @@
 """Verifiable tasks and reward functions, shared by the scripts that sample and score completions (grpo.py, rloo.py,
-ppo.py with --reward-funcs).
+ppo.py with --reward-funcs, gkd.py's evaluation): the file to read before writing a reward function of your own.
 
 A task is a list of rows: a `prompt` (text, or chat messages), its reference `answer`, and any other column, which
 reaches every reward function by name. A reward function follows TRL 1.x's contract: called with keywords
@@ -106,7 +106,7 @@ def resolve_reward(spec: str):
 def plugin_error(error: BaseException) -> str:
     """An exception raised in a plug-in, in one line: its type, message and the last place outside this repository's
     code and the installed libraries where it happened (the user's file and line)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
     frames = traceback.extract_tb(error.__traceback__)
     theirs = [f for f in frames if not (f.filename.startswith(("<", here)) or "site-packages" in f.filename)]
     where = f" ({theirs[-1].filename}, line {theirs[-1].lineno})" if theirs else ""
