@@ -117,6 +117,8 @@ class Args:
     """mu: passes of the clipped objective over each generation batch"""
     learning_rate: float = 1e-4
     """AdamW learning rate (TRL: 1e-6, for billion-parameter models; the tiny default policy needs more)"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """the learning rate over the run: constant, or decayed to 0 by its last step (TRL: linear)"""
     weight_decay: float = 0.0
     """AdamW weight decay (biases and norm weights are not decayed)"""
     max_grad_norm: float = 1.0
@@ -503,7 +505,7 @@ def check(args: Args) -> None:
 
 
 def load_models(args: Args, accelerator: Accelerator, num_updates: int):
-    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and constant schedule, and the frozen
+    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and learning-rate schedule, and the frozen
     reference (None at beta 0, or with LoRA: the adapter-disabled policy is the reference)."""
     model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
     context = context_length(model.config)
@@ -523,9 +525,9 @@ def load_models(args: Args, accelerator: Accelerator, num_updates: int):
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     per_process = args.batch_size * args.num_generations
     steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
-    scheduler = get_scheduler(
-        "constant", optimizer, num_training_steps=num_updates * steps_per_update * accelerator.num_processes
-    )
+    # accelerate steps a prepared scheduler once per process per optimizer step
+    total_steps = num_updates * steps_per_update * accelerator.num_processes
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=total_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -158,7 +158,7 @@ TINY = [
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--loss-type", "grpo", "--beta", "0.1", "--importance-sampling-level", "sequence"],
+        ["--loss-type", "grpo", "--beta", "0.1", "--importance-sampling-level", "sequence", "--lr-scheduler-type", "linear"],
         ["--loss-type", "dr_grpo", "--scale-rewards", "none", "--use-peft", "--beta", "0.1"],
         [
             "--epsilon-high",
@@ -183,6 +183,9 @@ def test_options_run(tmp_path, flags):
     assert "grpo: 2 updates" in out
     for tag in ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio"):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
+    # TRL's linear decay reaches 0 at the last optimizer step: half the rate after the first of 2 updates
+    rates = [5e-5, 0.0] if "linear" in flags else [1e-4, 1e-4]
+    assert read_scalars(str(tmp_path / "runs"), "charts/learning_rate") == pytest.approx(rates)
 
 
 def test_resume_continues_where_it_stopped(tmp_path):

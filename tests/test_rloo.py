@@ -120,7 +120,7 @@ TINY = [
             "0",
             "1.5",
         ],
-        ["--use-peft", "--num-generations", "4", "--beta", "0"],
+        ["--use-peft", "--num-generations", "4", "--beta", "0", "--lr-scheduler-type", "linear"],
     ],
 )
 def test_options_run(tmp_path, flags):
@@ -132,6 +132,9 @@ def test_options_run(tmp_path, flags):
     assert "rloo: 2 updates" in out
     for tag in ("reward", "kl", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio"):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
+    # TRL's linear decay reaches 0 at the last optimizer step: half the rate after the first of 2 updates
+    rates = [5e-5, 0.0] if "linear" in flags else [1e-4, 1e-4]
+    assert read_scalars(str(tmp_path / "runs"), "charts/learning_rate") == pytest.approx(rates)
     kl = read_scalars(str(tmp_path / "runs"), "kl")
     assert (kl[-1] == 0) == ("--beta" in flags)  # the KL is measured against a reference unless beta is 0
 
