@@ -105,8 +105,9 @@ class Args:
     """the dataset column holding the query text"""
     eval_fraction: float = 0.1
     """fraction of the prompts held out for evaluation"""
-    max_query_length: int = 48
-    """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries)"""
+    max_query_length: int | None = None
+    """queries longer than this many tokens are an error (or truncated from the left with --truncate-queries); None:
+    any length that fits the model's context with max_new_tokens, as TRL takes its queries"""
     truncate_queries: bool = False
     """keep the last `max_query_length` tokens of long queries instead of stopping with an error"""
     chat_template: bool = True
@@ -709,6 +710,8 @@ def check(args: Args) -> None:
         )
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
+    if args.truncate_queries and args.max_query_length is None:
+        raise UsageError("--truncate-queries keeps the last --max-query-length tokens of a query: pass that limit too.")
     if any(not s for s in args.stop_sequences):
         raise UsageError(f"--stop-sequences {args.stop_sequences}: an empty stop sequence would end every response at once.")
     if args.reward_funcs and (args.reward_adapter or args.reward_model not in (None, Args.reward_model)):
@@ -739,7 +742,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
             row["prompt"] = row[args.query_column]
             text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
             row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"]
-        too_long = [len(r["prompt_ids"]) for r in train_rows + eval_rows if len(r["prompt_ids"]) > args.max_query_length]
+        limit = args.max_query_length or max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
+        too_long = [len(r["prompt_ids"]) for r in train_rows + eval_rows if len(r["prompt_ids"]) > limit]
         if too_long and not args.truncate_queries:
             raise UsageError(
                 f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
@@ -749,7 +753,7 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
             accelerator.print(f"warning: {sum(not r['prompt_ids'] for r in train_rows + eval_rows)} empty queries left out")
         train_rows, eval_rows = ([r for r in rows if r["prompt_ids"]] for rows in (train_rows, eval_rows))
         for row in train_rows + eval_rows:
-            row["prompt_ids"] = row["prompt_ids"][-args.max_query_length :]
+            row["prompt_ids"] = row["prompt_ids"][-limit:]
     per_update = args.batch_size * args.world_size
     if len(train_rows) < per_update:
         raise UsageError(f"{len(train_rows)} training queries are fewer than one batch of {per_update}.")
@@ -772,10 +776,11 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         args.model_name, value_head_kwargs=dict(init=args.value_head_init), dtype=args.dtype, **quantization
     )
     context = context_length(model.config)
-    if context and not is_encoder_decoder and args.max_query_length + args.max_new_tokens > context:
+    longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)  # at most --max-query-length
+    if context and not is_encoder_decoder and longest + args.max_new_tokens > context:
         raise UsageError(
-            f"max_query_length ({args.max_query_length}) + max_new_tokens ({args.max_new_tokens}) "
-            f"exceeds the model's context of {context} tokens: shorten one of them."
+            f"the longest query ({longest} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the model's context "
+            f"of {context} tokens: lower --max-new-tokens, or cut queries (--max-query-length with --truncate-queries)."
         )
     if args.disable_dropout:
         for module in model.modules():

@@ -183,14 +183,15 @@ def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[di
     return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
 
 
-def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int) -> tuple[list[dict], list[dict], bool]:
+def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int | None) -> tuple[list[dict], list[dict], bool]:
     """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `seed`, and
     `eval_size` distinct held-out ones from seed + 1), or a dataset with a prompt and an answer column (`eval_fraction`
     held out). No held-out question occurs in training: training rows that repeat one are dropped. Prompts go through the
     chat template (`use_chat`: messages, or strings with `chat_template` for a tokenizer that has one; then a
     reasoning-gym question becomes a user message ending with `task_instruction`); each row gets the token ids of its
-    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept. Also returns whether prompts are chats.
-    `args` holds those fields and dataset_name, task_config, dataset_split, answer_column (the scripts' names)."""
+    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept (None: all). Also returns whether prompts
+    are chats. `args` holds those fields and dataset_name, task_config, dataset_split, answer_column (the scripts'
+    names)."""
     dataset_name, seed, eval_size, chat_template = args.dataset_name, args.seed, args.eval_size, args.chat_template
     if dataset_name.startswith("reasoning-gym:"):
         task = dataset_name.split(":", 1)[1]
@@ -223,7 +224,8 @@ def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int) -> tu
         )
     for row in train_rows + eval_rows:
         text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
-        row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"][-max_prompt_length:]
+        ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        row["prompt_ids"] = ids[-max_prompt_length:] if max_prompt_length else ids
     return train_rows, eval_rows, chat
 
 

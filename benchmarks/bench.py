@@ -426,7 +426,7 @@ def ppo_ours(spec, env, tmp, tag, flags=()):
 
 
 def ppo_queries(env, n: int, seed: int) -> list:
-    """n tokenised training prompts (at most 48 tokens, as ppo.py's default max_query_length)."""
+    """n tokenised training prompts (their last 48 tokens at most)."""
     import random
 
     import torch

@@ -187,6 +187,10 @@ def test_truncate_responses_after_eos_and_stop_sequences():
 def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
     assert "is not divisible by" in run_failing([PPO, *TINY, "--batch-size", "10", "--mini-batch-size", "4"], tmp_path)
     assert "longer than max_query_length=4" in run_failing([PPO, *TINY, "--max-query-length", "4"], tmp_path)
+    assert "pass that limit too" in run_failing([PPO, *TINY, "--truncate-queries"], tmp_path)
+    # no limit by default: the longest query itself must leave room for the response
+    error = run_failing([PPO, *TINY, "--max-new-tokens", "250"], tmp_path)
+    assert "the longest query (" in error and "exceeds the model's context of 256" in error
 
 
 # the random tiny preset scored by VADER: fast runs of the machinery (the default run is tested on its own below)
