@@ -714,7 +714,7 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig  # noqa: F401
 
     import common  # noqa: F401
-    from common.run import keep_freed_memory
+    from fast_paths import keep_freed_memory
 
     if not torch.cuda.is_available():  # what our scripts' start_run does, here for both sides from the start
         keep_freed_memory()

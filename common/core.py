@@ -93,9 +93,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """(x - mean) / sqrt(var + 1e-8) over the masked positions; the mean is added back if not shift_mean."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened
+    return whitened if shift_mean else whitened + mean
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

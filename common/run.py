@@ -48,9 +48,8 @@ def _report(kind, error, traceback) -> None:
 
 
 class _Harmless(logging.Filter):
-    """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning
-    from `generate`'s own decoding steps (finished rows are fed pad tokens there; every call here passes a mask) and
-    its note that the CLIP image processor diffusers imports would prefer torchvision (no images are processed)."""
+    """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning from
+    `generate`'s own decoding steps (every call here passes a mask) and diffusers' CLIP processor asking for torchvision."""
 
     HARMLESS = ("We strongly recommend passing in an `attention_mask`", "requires torchvision (not installed)")
 
@@ -90,8 +89,8 @@ def _flowing_help(args_class) -> None:
         field.metadata = types.MappingProxyType({**field.metadata, "help": help_text})
 
 
-# The run's identity and arguments, which checkpoints record: pruning (--save-total-limit) removes only the checkpoints of
-# this run (a resumed run is the checkpoint's run), and a resume says which arguments differ from the checkpoint's
+# The run's identity and arguments, recorded in its checkpoints: --save-total-limit prunes only this run's, a resume
+# continues the checkpoint's run and says which arguments differ; RunLogger's hyperparameters table comes from here
 RUN = {"id": None, "args": {}}
 
 
@@ -111,25 +110,31 @@ class RunLogger:
     """TensorBoard under runs/{run_name} (always) and wandb synced from it (`--track`), on the main process."""
 
     def __init__(self, run_name: str, args, enabled: bool = True):
-        self.writer, self.track = None, args.track
-        if not enabled:
-            return
-        config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
-        if args.track:
-            import wandb
+        self.run_name, self.args, self.enabled, self.track, self._writer = run_name, args, enabled, args.track, None
 
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=config,
-                name=run_name,
-                save_code=True,
+    @property
+    def writer(self):
+        """TensorBoard's writer, opened (with the wandb run) on first use: a run that bad input stops leaves no folder."""
+        if self._writer is None and self.enabled:
+            args, config = self.args, RUN["args"]
+            if args.track:
+                import wandb
+
+                wandb.init(
+                    project=args.wandb_project_name,
+                    entity=args.wandb_entity,
+                    sync_tensorboard=True,
+                    config=config,
+                    name=self.run_name,
+                    save_code=True,
+                )
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(os.path.join(getattr(args, "log_dir", "runs"), self.run_name))
+            self._writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
             )
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(os.path.join(getattr(args, "log_dir", "runs"), run_name))
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+        return self._writer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -156,8 +161,8 @@ class RunLogger:
 
     def close(self) -> None:
         """Flush TensorBoard and finish the wandb run (synced from it), here rather than at interpreter exit."""
-        if self.writer is not None:
-            self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
             if self.track:
                 import wandb
 

@@ -623,6 +623,8 @@ def test_quantised_loading_says_what_is_missing():
 
 def test_sample_tables_shorten_long_cells_on_the_console_only(tmp_path, capsys):
     args = SimpleNamespace(track=False, log_dir=str(tmp_path), seed=1)
+    RunLogger("run", args).close()
+    assert not (tmp_path / "run").exists()  # opened on first use: a run that stops before logging leaves no folder
     logger = RunLogger("run", args)
     logger.samples("samples", {"prompt": ["a" * 150 + "b" * 150], "score": [0.5]}, step=1, max_chars=20)
     logger.close()

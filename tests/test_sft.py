@@ -157,6 +157,7 @@ def test_sft_bad_input_is_a_clear_error(tmp_path):
     assert "exceeds the model's context of 256" in run_failing([SFT, "--max-seq-length", "1000"], tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     assert "is empty" in run_failing([SFT, "--dataset-name", str(tmp_path / "empty.jsonl")], tmp_path)
+    assert not (tmp_path / "runs").exists()  # the logger opens its folder on first use: bad input leaves none behind
 
 
 def test_long_prompts_are_cut_for_sample_generation(tmp_path):
