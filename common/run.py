@@ -95,7 +95,7 @@ RUN = {"id": None, "args": {}}
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
-    """Seed every RNG with `args.seed + rank`, name the run and open its logger (main process only). `args` needs the
+    """Seed every RNG with `args.seed + rank`, name the run and make its logger (main process only). `args` needs the
     CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity."""
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
     if accelerator.device.type == "cpu":
