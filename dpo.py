@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
-from common.core import UsageError, check_args, pad_right, weight_decay_groups
+from common.core import UsageError, check_args, masked_mean, pad_right, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
@@ -178,8 +178,8 @@ def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-
     # log_softmax gathered at the labels, without materialising the [B, T, V] log-softmax
     logits = logits.float()
     per_token_logps = torch.gather(logits, 2, labels.unsqueeze(2)).squeeze(2) - torch.logsumexp(logits, -1)
-    if average_log_prob:
-        return (per_token_logps * loss_mask).sum(-1) / loss_mask.sum(-1)
+    if average_log_prob:  # IPO's length-normalised log-probs
+        return masked_mean(per_token_logps, loss_mask, axis=-1)
     return (per_token_logps * loss_mask).sum(-1)
 
 
@@ -453,7 +453,7 @@ if __name__ == "__main__":
             per_token, mask, hidden = lm_token_logprobs(
                 policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
             )
-            logps = per_token.sum(-1) / (mask.sum(-1) if args.loss_type == "ipo" else 1)
+            logps = masked_mean(per_token, mask, axis=-1) if args.loss_type == "ipo" else per_token.sum(-1)
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
                 mean_logits += 0 if head.bias is None else head.bias.float().mean()
