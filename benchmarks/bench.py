@@ -48,8 +48,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import tyro
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -1054,7 +1052,9 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    from common.run import cli  # tyro.cli with --help text that flows
+
+    args = cli(Args)
     if args.worker:
         print("BENCH_RESULT " + json.dumps(worker(json.loads(args.worker))))
     else:

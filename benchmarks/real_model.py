@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-import tyro
 from transformers import AutoModelForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +42,7 @@ sys.path.insert(0, ROOT)
 from common.chat import render  # noqa: E402
 from common.core import logprobs_from_logits  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
+from common.run import cli  # noqa: E402
 from fast_paths import sampling_kwargs  # noqa: E402
 from rewards import distinct_answers, load_task, verifier  # noqa: E402
 
@@ -481,7 +481,7 @@ time of an update's generation over the median update time.
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)
     folder = os.path.join(ROOT, args.folder)
     os.makedirs(os.path.join(folder, "runs"), exist_ok=True)
     results_file = os.path.join(folder, "results.json")
