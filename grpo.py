@@ -295,8 +295,6 @@ def main(args: Args) -> None:
     step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
     exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
-    sources = len(args.reward_funcs) + (args.reward_model is not None)
-    weights = torch.tensor(args.reward_weights or [1.0] * sources, device=device)  # their count: check()
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
@@ -305,6 +303,7 @@ def main(args: Args) -> None:
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
+    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), device=device)  # one each: check()
     distinct = len({json.dumps(r["prompt"]) for r in train_rows})
     accelerator.print(
         f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "

@@ -742,8 +742,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
             row["prompt"] = row[args.query_column]
             text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
             row["prompt_ids"] = tokenizer(text, add_special_tokens=not chat)["input_ids"]
-        limit = args.max_query_length or max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
-        too_long = [len(r["prompt_ids"]) for r in train_rows + eval_rows if len(r["prompt_ids"]) > limit]
+        limit = args.max_query_length  # None: no limit
+        too_long = [len(r["prompt_ids"]) for r in train_rows + eval_rows if limit and len(r["prompt_ids"]) > limit]
         if too_long and not args.truncate_queries:
             raise UsageError(
                 f"{len(too_long)} queries are longer than max_query_length={args.max_query_length} tokens "
@@ -752,8 +752,9 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         if not all(r["prompt_ids"] for r in train_rows + eval_rows):
             accelerator.print(f"warning: {sum(not r['prompt_ids'] for r in train_rows + eval_rows)} empty queries left out")
         train_rows, eval_rows = ([r for r in rows if r["prompt_ids"]] for rows in (train_rows, eval_rows))
-        for row in train_rows + eval_rows:
-            row["prompt_ids"] = row["prompt_ids"][-limit:]
+        if too_long:  # --truncate-queries: each long query keeps its last `limit` tokens
+            for row in train_rows + eval_rows:
+                row["prompt_ids"] = row["prompt_ids"][-limit:]
     per_update = args.batch_size * args.world_size
     if len(train_rows) < per_update:
         raise UsageError(f"{len(train_rows)} training queries are fewer than one batch of {per_update}.")

@@ -324,7 +324,7 @@ def trl_run(args: Args, folder: str, name: str) -> tuple[float, float]:
     trainer.train()
     trainer.model.save_pretrained(os.path.join(folder, name))
     load_tokenizer(MODEL).save_pretrained(os.path.join(folder, name))
-    return sorted(times)[len(times) // 2], sorted(rollouts)[len(rollouts) // 2]
+    return median(times), median(rollouts)
 
 
 # ---- report ----
@@ -497,11 +497,8 @@ if __name__ == "__main__":
                 start = time.time()
                 step, rollout = trl_run(args, folder, method)
                 wall = time.time() - start
-                results[method] = dict(
-                    evaluate(os.path.join(folder, method), args.eval_samples, args.eval_problems), step_s=step
-                )
-                results[method]["rollout_s"] = rollout
-                results[method] |= dict(completions=32 * args.trl_steps, wall_s=wall)
+                results[method] = evaluate(os.path.join(folder, method), args.eval_samples, args.eval_problems)
+                results[method] |= dict(step_s=step, rollout_s=rollout, completions=32 * args.trl_steps, wall_s=wall)
                 results[method]["commands"] = [
                     f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
                 ]

@@ -191,6 +191,9 @@ def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
     # no limit by default: the longest query itself must leave room for the response
     error = run_failing([PPO, *TINY, "--max-new-tokens", "250"], tmp_path)
     assert "the longest query (" in error and "exceeds the model's context of 256" in error
+    # cut to their last 6 tokens, the same queries leave room for 250 new ones
+    cut = ["--max-query-length", "6", "--truncate-queries", "--max-new-tokens", "250", "--total-episodes", "8"]
+    assert "ppo: 1 updates" in run_script([PPO, *TINY, *cut], tmp_path)
 
 
 # the random tiny preset scored by VADER: fast runs of the machinery (the default run is tested on its own below)
