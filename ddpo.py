@@ -14,8 +14,6 @@ Usage:
         --train-batch-size 4 --train-gradient-accumulation-steps 2 --mixed-precision fp16
 """
 
-import importlib
-import importlib.util
 import io
 import json
 import math
@@ -41,8 +39,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from common.core import UsageError, check_args, check_scores, exact_div
-from common.loading import load_pipeline
-from common.run import atomic_directory, cli, end_run, read_checkpoint, start_run, write_model_card
+from common.loading import load_function, load_pipeline, plugin_error
+from common.run import atomic_directory, check_finite, cli, end_run, read_checkpoint, start_run, write_model_card
 
 
 @dataclass
@@ -153,6 +151,9 @@ class Args:
     output_dir: str = "outputs/ddpo"
     """final LoRA weights (pytorch_lora_weights.safetensors, `pipeline.load_lora_weights(output_dir)`) or the whole
     pipeline; for a built-in base the base pipeline is saved beside them, so `from_pretrained(output_dir)` works"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
 
 ANIMALS = (
@@ -184,26 +185,6 @@ def jpeg_compressibility(images: torch.Tensor, prompts: list[str], metadata: lis
 
 
 REWARD_FNS = {"jpeg_compressibility": jpeg_compressibility, "jpeg_incompressibility": jpeg_incompressibility}
-
-
-def resolve_function(spec: str, builtins: dict, what: str):
-    """A built-in by name, or the function named by "package.module:function" or "path/to/file.py:function"."""
-    if spec in builtins:
-        return builtins[spec]
-    if ":" not in spec:
-        raise UsageError(f"Unknown {what} {spec!r}: choose one of {sorted(builtins)} or give 'module:function'.")
-    module_name, function_name = spec.rsplit(":", 1)
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise UsageError(f"{what} {spec!r}: no such file {module_name!r}.")
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    if not callable(getattr(module, function_name, None)):
-        raise UsageError(f"{what} {spec!r}: {module_name} has no function {function_name!r}.")
-    return getattr(module, function_name)
 
 
 def ddim_step_with_logprob(
@@ -343,8 +324,8 @@ if __name__ == "__main__":
         "sample_batch_size * sample_num_batches_per_epoch / (train_batch_size * train_gradient_accumulation_steps)",
     )
     device = accelerator.device
-    prompt_fn = resolve_function(args.prompt_fn, PROMPT_FNS, "prompt function")
-    reward_fn = resolve_function(args.reward_fn, REWARD_FNS, "reward function")
+    prompt_fn = load_function(args.prompt_fn, PROMPT_FNS, "--prompt-fn")
+    reward_fn = load_function(args.reward_fn, REWARD_FNS, "--reward-fn")
     if args.train_use_8bit_adam:
         try:
             import bitsandbytes
@@ -406,14 +387,27 @@ if __name__ == "__main__":
         uncond, cond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
 
+    def call_prompt_fn() -> tuple[str, dict]:
+        """prompt_fn's (prompt, metadata), checked: what it raises or returns wrongly is one line naming your file."""
+        try:
+            out = prompt_fn()
+        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+            raise UsageError(f"--prompt-fn {args.prompt_fn} raised {plugin_error(error)}") from None
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict)):
+            raise UsageError(f"--prompt-fn {args.prompt_fn} returned {str(out)[:80]!r}: return (prompt, metadata dict).")
+        return out
+
     def call_reward_fn(images, prompts, metadata):
         """reward_fn's scores as a checked [B] tensor (one finite float per image) and its info dict."""
-        out = reward_fn(images, prompts, metadata)
+        try:
+            out = reward_fn(images, prompts, metadata)
+        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+            raise UsageError(f"--reward-fn {args.reward_fn} raised {plugin_error(error)}") from None
         rewards, info = out if isinstance(out, tuple) else (out, {})
-        return check_scores(rewards, len(images), f"reward function {args.reward_fn!r}"), info
+        return check_scores(rewards, len(images), f"--reward-fn {args.reward_fn}"), info
 
     # The reward function is checked on two grey images before any sampling: a wrong length or NaN fails fast
-    call_reward_fn(torch.full((2, 3, resolution, resolution), 0.5), [prompt_fn()[0] for _ in range(2)], [{}, {}])
+    call_reward_fn(torch.full((2, 3, resolution, resolution), 0.5), [call_prompt_fn()[0] for _ in range(2)], [{}, {}])
 
     @torch.no_grad()
     def sample(model, prompts: list[str], generator: torch.Generator | None) -> dict:
@@ -450,7 +444,7 @@ if __name__ == "__main__":
         """Mean reward of `eval_samples` images from fixed prompts and noise: the same before and after training."""
         unet.eval()
         set_seed(10**6 + accelerator.process_index)  # the training loop reseeds every epoch, so nothing is disturbed
-        prompts = [prompt_fn()[0] for _ in range(args.eval_samples)]
+        prompts = [call_prompt_fn()[0] for _ in range(args.eval_samples)]
         images = torch.cat(
             [
                 sample(unet, prompts[i : i + args.sample_batch_size], None)["images"]
@@ -528,7 +522,7 @@ if __name__ == "__main__":
         unet.eval()
         epoch_start, batches, pending = time.time(), [], []  # pending: reward futures (or results without a pool)
         for _ in range(args.sample_num_batches_per_epoch):
-            prompts, metadata = zip(*(prompt_fn() for _ in range(args.sample_batch_size)))
+            prompts, metadata = zip(*(call_prompt_fn() for _ in range(args.sample_batch_size)))
             sampled = sample(unet, list(prompts), generator=None)
             sampled.update(prompts=list(prompts))
             batches.append(sampled)
@@ -554,7 +548,7 @@ if __name__ == "__main__":
 
         # ---- optimise: PPO over (sample, timestep) pairs ----
         unet.train()
-        infos = {"train/loss": [], "train/approx_kl": [], "train/clipfrac": []}
+        infos = {"train/loss": [], "train/approx_kl": [], "train/clipfrac": [], "train/grad_norm": []}
         for _ in range(args.train_num_inner_epochs):
             # shuffle the samples, then each sample's timesteps independently (ddpo-pytorch)
             perm = torch.randperm(samples_per_epoch, device=device)
@@ -585,7 +579,10 @@ if __name__ == "__main__":
                         loss = ddpo_loss(advantages, args.train_clip_range, ratio)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(trainable, args.train_max_grad_norm)
+                            norm = accelerator.clip_grad_norm_(trainable, args.train_max_grad_norm)
+                            infos["train/grad_norm"].append(
+                                torch.as_tensor(norm if norm is not None else 0.0).float().to(device)
+                            )
                         optimizer.step()
                         optimizer.zero_grad()
                     infos["train/loss"].append(loss.detach())
@@ -603,6 +600,7 @@ if __name__ == "__main__":
             "time/epoch": time.time() - epoch_start,
             "train/global_step": global_step,
         }
+        check_finite(epoch + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         logger.log(metrics, epoch + 1)
         progress.set_postfix(reward=f"{all_rewards.mean():.3f}", kl=f"{metrics['train/approx_kl']:.2e}")
         if accelerator.is_main_process:

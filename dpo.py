@@ -39,8 +39,17 @@ from common.loading import (
     quantization_kwargs,
     train_eval_split,
 )
-from common.models import create_reference_model, peft_model_of, reference_context
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.models import check_lora_targets, create_reference_model, peft_model_of, reference_context
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import chunkable_head, lm_token_logprobs
 
 
@@ -146,6 +155,9 @@ class Args:
     """a checkpoint folder to resume from"""
     output_dir: str = "outputs/dpo"
     """where the final model and tokenizer go (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
     # LoRA
     use_peft: bool = False
@@ -344,7 +356,10 @@ if __name__ == "__main__":
         )
     tokenizer = load_tokenizer(args.model_name, padding_side="right")
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and not is_encoder_decoder
+    chat = (
+        use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns], args.system_prompt)
+        and not is_encoder_decoder
+    )
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
@@ -375,7 +390,7 @@ if __name__ == "__main__":
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0:
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
         raise UsageError(
             f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
             f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
@@ -428,6 +443,7 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
+        check_lora_targets(model, args.lora_target_modules)
         model = get_peft_model(
             model,
             LoraConfig(
@@ -592,13 +608,17 @@ if __name__ == "__main__":
                 loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro), "train")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
         # one collective and one device sync for all the metrics
+        metrics["train/grad_norm"] = torch.as_tensor(
+            grad_norm if grad_norm is not None else 0.0, device=accelerator.device
+        ).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = dict(zip(metrics, values))
+        check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         step_time = time.time() - step_start
         logger.log(
             metrics

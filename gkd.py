@@ -33,10 +33,19 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of
-from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, weight_decay_groups
+from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import peft_model_of
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import sampling_kwargs
 from rewards import distinct_answers, is_number, load_task, verifier
 
@@ -146,6 +155,9 @@ class Args:
     """a checkpoint folder to resume from"""
     output_dir: str = "outputs/gkd"
     """where the final student goes (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
 
 def generalized_jsd_loss(student_logits, teacher_logits, mask, beta: float = 0.5, temperature: float = 1.0):
@@ -255,7 +267,7 @@ def main(args: Args) -> None:
             # per-token reverse KL estimate on the sampled tokens: log p_student - log p_teacher
             kl = ((student_logprobs - teacher_logprobs).detach() * mask[mb]).sum()
             stats.append(torch.stack([loss.detach() * mask[mb].sum(), kl, mask[mb].sum()]))
-        accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -265,11 +277,13 @@ def main(args: Args) -> None:
         metrics = {
             "train/loss": (totals[0] / totals[2]).item(),
             "train/kl_to_teacher": (totals[1] / totals[2]).item(),  # per token
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "train/on_policy": float(source == "student"),
             "train/completion_length": accelerator.reduce(mask.sum(1).mean(), "mean").item(),
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "time/step": time.time() - step_start,
         }
+        check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm") if grad_norm is not None})
         logger.log(metrics, step + 1)
         history.append((metrics["train/loss"], metrics["train/kl_to_teacher"]))
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", kl=f"{metrics['train/kl_to_teacher']:.3f}")
@@ -326,6 +340,8 @@ def check(args: Args) -> None:
         raise UsageError(f"--lmbda {args.lmbda}, --beta {args.beta}: both lie in [0, 1], --warmup-ratio in [0, 1).")
     if args.objective == "reverse_kl_pg" and args.lmbda < 1:
         raise UsageError("--objective reverse_kl_pg is a policy gradient on the student's own samples: it needs --lmbda 1.")
+    if args.seq_kd and args.lmbda == 1:
+        warn_once("--seq-kd has no effect with --lmbda 1: every batch is the student's own (lower --lmbda to use it)")
 
 
 def load_models(args: Args, accelerator: Accelerator):

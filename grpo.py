@@ -34,7 +34,16 @@ from common.chat import text_of
 from common.core import UsageError, check_args, exact_div, masked_mean, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import FastGenerator, sampling_kwargs
 from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
 
@@ -186,6 +195,9 @@ class Args:
     """a checkpoint folder to resume from (policy, optimizer, scheduler, RNG, update)"""
     output_dir: str = "outputs/grpo"
     """where the final model and tokenizer go (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
@@ -377,7 +389,7 @@ def main(args: Args) -> None:
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches
         model.train()
-        stats_list = []
+        stats_list, grad_norms = [], []
         for _ in range(args.num_iterations):
             permutation = torch.randperm(len(rows), device=device)
             for s in range(0, len(rows), step_size):
@@ -407,7 +419,7 @@ def main(args: Args) -> None:
                     # grpo / bnpo / dr_grpo average each mini-batch: the step's gradient is their mean
                     accelerator.backward(loss if args.loss_type == "dapo" else loss / args.gradient_accumulation_steps)
                     stats_list.append(stats | {"entropy": torch.stack([(entropy * mask[mb]).sum(), mask[mb].sum()])})
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -428,6 +440,7 @@ def main(args: Args) -> None:
             "reward": all_rewards.nanmean().item(),
             "reward_std": nanstd(all_rewards).item(),
             "frac_reward_zero_std": is_std_zero.float().mean().item(),
+            "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
@@ -440,6 +453,7 @@ def main(args: Args) -> None:
             degenerate += 1  # not silent: a warning line and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
         metrics["degenerate_updates"] = degenerate
+        check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
         logger.log(metrics, update + 1)
         history.append((metrics["reward"], metrics.get("kl", math.nan)))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")

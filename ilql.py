@@ -38,7 +38,16 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import peft_model_of
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 
 HEADS_FILE = "ilql_heads.safetensors"
 
@@ -150,6 +159,9 @@ class Args:
     """a checkpoint folder ({output_dir}_checkpoints/step_N) to continue from"""
     output_dir: str = "outputs/ilql"
     """the LM (plain from_pretrained format, LoRA merged) and ilql_heads.safetensors"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
 
 def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
@@ -363,7 +375,7 @@ if __name__ == "__main__":
     steps_per_epoch = len(samples) // per_step
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0:
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
         raise UsageError(
             f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
             "lower --batch-size or --gradient-accumulation-steps."
@@ -508,14 +520,18 @@ if __name__ == "__main__":
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
         if (step + 1) % args.steps_for_target_q_sync == 0:
             accelerator.unwrap_model(model).sync_target_q_heads(args.alpha)
+        metrics["losses/grad_norm"] = torch.as_tensor(
+            grad_norm if grad_norm is not None else 0.0, device=accelerator.device
+        ).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())), "mean").tolist()  # one collective, one sync
         metrics = dict(zip(metrics, values))
+        check_finite(step + 1, {k: metrics[k] for k in ("losses/loss", "losses/grad_norm")})
         logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
         progress.set_postfix(loss=f"{metrics['losses/loss']:.3f}", adv=f"{metrics['values/advantage']:.3f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:

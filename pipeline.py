@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-import tyro
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common.core import logprobs_from_logits
 from common.loading import reward_model_text
+from common.run import MARKER, cli
 from presets.data import chatterbot_pairs, vader_preferences
 
 
@@ -35,6 +35,8 @@ from presets.data import chatterbot_pairs, vader_preferences
 class Args:
     output_dir: str = "outputs/pipeline"
     """everything goes here: data/, sft/, reward_model/, ppo/, dpo/, runs/ (TensorBoard), results.json"""
+    overwrite: bool = False
+    """replace what an earlier pipeline run wrote in --output-dir (every stage then gets --overwrite)"""
     launcher: str = "python"
     """how each stage is launched, e.g. "accelerate launch --num_processes 2" or with --config_file. "python" and
     "accelerate launch" run under the interpreter running this file (`sys.executable`), not whichever is first on PATH"""
@@ -148,14 +150,17 @@ def evaluate(
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = cli(Args)  # --output-dir checked: new, empty, or an earlier pipeline's (with --overwrite)
     out = args.output_dir
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, MARKER), "w") as f:  # this folder is the pipeline's: a later run may replace it
+        json.dump({"script": "pipeline.py"}, f)
     data, runs = os.path.join(out, "data"), os.path.join(out, "runs")
     heldout = prepare_data(data, args.heldout_prompts, args.seed)
     print(f"data: {len(heldout)} held-out prompts; training files in {data}")
 
     # ---- the four stages, each an unchanged script ----
-    common_flags = ["--seed", str(args.seed), "--log-dir", runs]
+    common_flags = ["--seed", str(args.seed), "--log-dir", runs] + (["--overwrite"] if args.overwrite else [])
     stages = [
         (
             "sft",

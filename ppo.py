@@ -14,6 +14,7 @@ Usage:
 
 import copy
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -48,8 +49,10 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    warn_once,
 )
 from common.loading import (
+    answers_as_text,
     check_columns,
     context_length,
     load_config,
@@ -63,12 +66,22 @@ from common.models import (
     REWARD_NORMALIZATION_FILE,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
+    check_lora_targets,
     create_reference_model,
     load_reward_model,
     peft_model_of,
     reference_context,
 )
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import FastGenerator, sampling_kwargs
 from rewards import load_rewards, load_task, score_completions
 
@@ -262,6 +275,9 @@ class Args:
     """write a checkpoint every this many updates (0: only the final model)"""
     output_dir: str = "outputs/ppo"
     """where the final model goes (plain from_pretrained format, value head in value_head.safetensors)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
     checkpoint_dir: str | None = None
     """where --save-freq checkpoints go (None: {output_dir}_checkpoints)"""
     save_total_limit: int | None = None
@@ -568,7 +584,7 @@ def main(args: Args) -> None:
 
         # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss)
         model.train()
-        all_stats, epochs_done = [], 0
+        all_stats, epochs_done, grad_norms = [], 0, []
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
@@ -591,7 +607,7 @@ def main(args: Args) -> None:
                     )
                     accelerator.backward(pg_loss + vf_loss)
                     if args.max_grad_norm is not None and accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
@@ -624,6 +640,12 @@ def main(args: Args) -> None:
                 }
             )
             metrics = reduce_mean(accelerator, metrics)
+        norms = [float(g) for g in grad_norms if g is not None]  # none without --max-grad-norm
+        metrics["ppo/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
+        check_finite(
+            update + 1,
+            {"ppo/loss/total": metrics["ppo/loss/total"]} | ({"ppo/grad_norm": metrics["ppo/grad_norm"]} if norms else {}),
+        )
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
         kl_ctl.update(mean_kl, args.batch_size * args.world_size)  # towards its target KL (Ziegler et al. 2019)
@@ -718,6 +740,8 @@ def check(args: Args) -> None:
         raise UsageError(
             "--reward-funcs replaces the reward model: drop --reward-model / --reward-adapter, or --reward-funcs."
         )
+    if args.reward_weights and not args.reward_funcs:
+        raise UsageError("--reward-weights weighs the --reward-funcs: pass the reward functions too, or drop the weights.")
     if args.reward_funcs and len(args.reward_weights or args.reward_funcs) != len(args.reward_funcs):
         raise UsageError(
             f"{len(args.reward_weights)} --reward-weights for {len(args.reward_funcs)} --reward-funcs: give one each."
@@ -734,8 +758,9 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         dataset = load_data(args.dataset_name, args.dataset_split)
         check_columns(dataset, [args.query_column], "--query-column")
         if args.reward_funcs and args.answer_column in dataset.column_names:  # grpo.py's name for the reference answer
+            dataset = answers_as_text(dataset, args.answer_column)
             dataset = dataset.rename_column(args.answer_column, "answer") if args.answer_column != "answer" else dataset
-        chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column])
+        chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column], args.system_prompt)
         train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
         train_rows, eval_rows = train_dataset.to_list(), eval_dataset.to_list()[: args.eval_samples]
         for row in train_rows + eval_rows:
@@ -752,6 +777,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         if not all(r["prompt_ids"] for r in train_rows + eval_rows):
             accelerator.print(f"warning: {sum(not r['prompt_ids'] for r in train_rows + eval_rows)} empty queries left out")
         train_rows, eval_rows = ([r for r in rows if r["prompt_ids"]] for rows in (train_rows, eval_rows))
+        if not train_rows or not eval_rows:
+            raise UsageError(f"--query-column {args.query_column}: every query is empty once tokenised; fill that column.")
         if too_long:  # --truncate-queries: each long query keeps its last `limit` tokens
             for row in train_rows + eval_rows:
                 row["prompt_ids"] = row["prompt_ids"][-limit:]
@@ -790,6 +817,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     if quantization:
         model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
     if args.use_peft and peft_model_of(model) is None:
+        check_lora_targets(model.pretrained_model, args.lora_target_modules)
         lora = LoraConfig(
             r=args.lora_r,
             lora_alpha=args.lora_alpha,
@@ -925,6 +953,8 @@ class Scorer:
         """Scores [B] of the responses to `rows`, whose prompts (as the reward model reads them) are `prompts`."""
         if self.funcs:
             rewards = score_completions(self.funcs, rows, responses_text, response_ids, ended, self.accelerator.device)
+            if rewards.isnan().all():  # grpo.py counts such a batch as degenerate; here it would train on zeros
+                warn_once("no reward function scored a batch of responses (all returned None): they score 0 there")
             return (rewards * self.weights).nansum(1).cpu()
         if self.tokenizer is None:
             return check_scores(reward_fn([text_of(p) for p in prompts], responses_text), len(responses_text), "reward_fn")

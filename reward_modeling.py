@@ -40,9 +40,10 @@ from common.loading import (
     reward_model_text,
     train_eval_split,
 )
-from common.models import REWARD_NORMALIZATION_FILE, classifier_pad, peft_model_of
+from common.models import REWARD_NORMALIZATION_FILE, check_lora_targets, classifier_pad, peft_model_of
 from common.run import (
     atomic_directory,
+    check_finite,
     cli,
     end_run,
     load_checkpoint,
@@ -135,6 +136,9 @@ class Args:
     """after training, fold a gain and bias into the model so rewards on the training responses have mean 0, std 1"""
     output_dir: str = "outputs/reward_model"
     """where the final model and tokenizer go (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
     # LoRA
     use_peft: bool = False
@@ -246,7 +250,7 @@ if __name__ == "__main__":
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0:
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
         raise UsageError(
             f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
             f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
@@ -308,6 +312,7 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model)
     if args.use_peft:
+        check_lora_targets(model, args.lora_target_modules)
         model = get_peft_model(
             model,
             LoraConfig(
@@ -391,13 +396,15 @@ if __name__ == "__main__":
                 loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
         # one collective and one device sync for all the metrics
+        metrics["grad_norm"] = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, device=accelerator.device).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
+        check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         step_time = time.time() - step_start
         logger.log(
             metrics

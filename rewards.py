@@ -10,21 +10,25 @@ completion ended with EOS) comes too. A reward function is a built-in (`verifier
 in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`reward_model_function`).
 """
 
-import importlib
-import importlib.util
 import json
 import math
 import numbers
-import os
 import re
-import traceback
 
 import numpy as np
 import torch
 
 from common.chat import is_conversation, render, text_of, use_chat
 from common.core import UsageError
-from common.loading import check_columns, load_data, reward_model_text, train_eval_split
+from common.loading import (
+    answers_as_text,
+    check_columns,
+    load_data,
+    load_function,
+    plugin_error,
+    reward_model_text,
+    train_eval_split,
+)
 from common.models import load_reward_model
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -80,39 +84,9 @@ REWARD_FUNCS = {"verifier": verifier, "format": format_reward, "r1_format": r1_f
 
 
 def resolve_reward(spec: str):
-    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"; a module
-    that fails to import is a one-line error naming it, the exception and the line of your file it came from."""
-    if spec in REWARD_FUNCS:
-        return REWARD_FUNCS[spec]
-    if ":" not in spec:
-        raise UsageError(f"Unknown reward function {spec!r}: choose {sorted(REWARD_FUNCS)} or give 'module:function'.")
-    module_name, name = spec.rsplit(":", 1)
-    if module_name.endswith(".py") and not os.path.isfile(module_name):
-        raise UsageError(f"--reward-funcs {spec}: no such file {module_name!r}.")
-    try:
-        if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
-        raise UsageError(f"--reward-funcs {spec}: importing {module_name} failed: {plugin_error(error)}") from None
-    if not callable(getattr(module, name, None)):
-        raise UsageError(f"--reward-funcs {spec}: {module_name} has no function {name!r}.")
-    return getattr(module, name)
-
-
-def plugin_error(error: BaseException) -> str:
-    """An exception raised in a plug-in, in one line: its type, message and the last place outside this repository's
-    code and the installed libraries where it happened (the user's file and line)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frames = traceback.extract_tb(error.__traceback__)
-    theirs = [f for f in frames if not (f.filename.startswith(("<", here)) or "site-packages" in f.filename)]
-    where = f" ({theirs[-1].filename}, line {theirs[-1].lineno})" if theirs else ""
-    if isinstance(error, SyntaxError):
-        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
-    return f"{type(error).__name__}: {error}{where}"
+    """A built-in reward function by name, or the function named by "module:function" or "file.py:function"
+    (`common.loading.load_function`: a module that fails to import is a one-line error naming your file and line)."""
+    return load_function(spec, REWARD_FUNCS, "--reward-funcs")
 
 
 def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32", chat: bool = True):
@@ -203,18 +177,19 @@ def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int | None
         for row in reasoning_gym_rows(task, config, 10 * eval_size, seed + 1):  # the first eval_size distinct questions
             if len(eval_rows) < eval_size and row["prompt"] not in {r["prompt"] for r in eval_rows}:
                 eval_rows.append(row)
-        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
+        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"], args.system_prompt)
         if chat:
             for row in train_rows + eval_rows:
                 row["prompt"] = [{"role": "user", "content": f"{row['prompt']} {args.task_instruction}".strip()}]
     else:
         dataset = load_data(dataset_name, args.dataset_split)
         check_columns(dataset, [prompt_column], f"--{prompt_column.replace('_', '-')}")
+        dataset = answers_as_text(dataset, args.answer_column)
         check_columns(dataset, [args.answer_column], "--answer-column", chat=False)
         dataset = dataset.rename_columns({prompt_column: "prompt", args.answer_column: "answer"})
         train_data, eval_data = train_eval_split(dataset, args.eval_fraction, seed)
         train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
-        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"])
+        chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"], args.system_prompt)
     held_out = {json.dumps(r["prompt"]) for r in eval_rows}
     train_rows = [r for r in train_rows if json.dumps(r["prompt"]) not in held_out]
     if not train_rows:

@@ -33,7 +33,16 @@ from common.chat import text_of
 from common.core import UsageError, check_args, exact_div, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import FastGenerator, sampling_kwargs
 from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
 
@@ -176,6 +185,9 @@ class Args:
     """a checkpoint folder to resume from (policy, optimizer, scheduler, RNG, update)"""
     output_dir: str = "outputs/rloo"
     """where the final model and tokenizer go (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
 
 
 def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool = False) -> torch.Tensor:
@@ -275,8 +287,8 @@ def main(args: Args) -> None:
         completions, mask, ended = sampler.generate(prompts, prompt_mask)  # [N, T], N = batch_size * k
         generate_time = time.time() - update_start
 
-        if args.mask_truncated_completions:  # a cut completion's tokens take no part in the loss (nor in its KL)
-            mask = mask * ended[:, None].float()
+        # the tokens the loss reads; `mask` stays the completion's own tokens (what is scored, measured, attended to)
+        loss_mask = mask * ended[:, None].float() if args.mask_truncated_completions else mask  # cut: no loss, no KL
 
         # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
         #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
@@ -288,10 +300,10 @@ def main(args: Args) -> None:
                 old_logps, ref_logps = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
                 for mb in torch.arange(len(rows), device=device).split(args.mini_batch_size):
                     inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature)
-                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * mask[mb]).sum(1)
+                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * loss_mask[mb]).sum(1)
                     if args.beta > 0:
                         with reference_context(unwrapped, ref_model), accelerator.autocast():
-                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * mask[mb]).sum(1)
+                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * loss_mask[mb]).sum(1)
 
         # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
         #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
@@ -311,7 +323,7 @@ def main(args: Args) -> None:
 
         # 5. optimise: num_iterations passes of the clipped sequence-level objective over shuffled mini-batches
         model.train()
-        stats_list = []
+        stats_list, grad_norms = [], []
         for _ in range(args.num_iterations):
             permutation = torch.randperm(len(rows), device=device)
             for s in range(0, len(rows), step_size):
@@ -319,19 +331,19 @@ def main(args: Args) -> None:
                     logprobs, entropy = per_token_logprobs(
                         model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
                     )
-                    logps = (logprobs * mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
+                    logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
                     old = logps.detach() if old_logps is None else old_logps[mb]
                     loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
                     accelerator.backward(loss / args.gradient_accumulation_steps)  # the step's gradient: their mean
-                    stats_list.append(stats | {"entropy": torch.stack([(entropy * mask[mb]).sum(), mask[mb].sum()])})
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    stats_list.append(stats | {"entropy": torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])})
+                grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
 
         # ================================ bookkeeping ================================
         all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
-        lengths, all_ended = accelerator.gather(mask.sum(1)), accelerator.gather(ended)
+        lengths, all_ended, loss_tokens = accelerator.gather((mask.sum(1), ended, loss_mask.sum()[None]))
         is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
         metrics = {
             f"rewards/{spec}/{stat}": value
@@ -347,8 +359,9 @@ def main(args: Args) -> None:
             "reward": all_scores.nanmean().item(),
             "reward_std": nanstd(all_scores).item(),
             "frac_reward_zero_std": is_std_zero.float().mean().item(),
-            "kl": (all_kl.sum() / lengths.sum().clamp(min=1)).item(),  # per token, as TRL logs it
+            "kl": (all_kl.sum() / loss_tokens.sum().clamp(min=1)).item(),  # per token of the loss, as TRL logs it
             "rewards/kl_penalized": all_rewards.nanmean().item(),
+            "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
@@ -361,6 +374,7 @@ def main(args: Args) -> None:
             degenerate += 1  # not silent: a warning line and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
         metrics["degenerate_updates"] = degenerate
+        check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
         logger.log(metrics, update + 1)
         history.append((metrics["reward"], metrics["kl"]))
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")

@@ -36,8 +36,17 @@ from common.loading import (
     quantization_kwargs,
     train_eval_split,
 )
-from common.models import peft_model_of
-from common.run import atomic_directory, cli, end_run, load_checkpoint, save_checkpoint, start_run, write_model_card
+from common.models import check_lora_targets, peft_model_of
+from common.run import (
+    atomic_directory,
+    check_finite,
+    cli,
+    end_run,
+    load_checkpoint,
+    save_checkpoint,
+    start_run,
+    write_model_card,
+)
 from fast_paths import chunkable_head, lm_token_logprobs
 
 
@@ -129,6 +138,9 @@ class Args:
     """a checkpoint folder to resume from"""
     output_dir: str = "outputs/sft"
     """where the final model and tokenizer go (plain from_pretrained format)"""
+    overwrite: bool = False
+    """replace what an earlier run of this codebase saved in --output-dir (and its checkpoints); a folder holding
+    anything else is never replaced"""
     num_sample_generations: int = 4
     """held-out prompts to generate from at the end"""
 
@@ -246,7 +258,9 @@ if __name__ == "__main__":
     if context and args.max_seq_length > context:
         raise UsageError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
     conversations = not args.prompt_column and is_conversation(dataset[0][text_column])
-    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns]) and (conversations or args.prompt_column)
+    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns], args.system_prompt) and (
+        conversations or args.prompt_column
+    )
     if args.assistant_only_loss and not conversations:
         raise UsageError("--assistant-only-loss trains on the assistant turns of a messages column: this data has none.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
@@ -319,7 +333,7 @@ if __name__ == "__main__":
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
     total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0:
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
         raise UsageError(
             f"{len(train_examples)} training examples make no optimizer step of {examples_per_step} x "
             f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps."
@@ -347,6 +361,7 @@ if __name__ == "__main__":
     if quantization:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
+        check_lora_targets(model, args.lora_target_modules)
         model = get_peft_model(
             model,
             LoraConfig(
@@ -428,18 +443,27 @@ if __name__ == "__main__":
                 loss = lm_loss(batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        # one collective and one device sync: mean loss and mean tokens per rank
-        train_loss, tokens = accelerator.reduce(torch.stack([loss.detach().float(), step_tokens.float()]), "mean").tolist()
+        # one collective and one device sync: mean loss, mean tokens per rank, the gradient norm
+        stacked = torch.stack(
+            [
+                loss.detach().float(),
+                step_tokens.float(),
+                torch.as_tensor(grad_norm if grad_norm is not None else 0.0).float().to(loss.device),
+            ]
+        )
+        train_loss, tokens, grad_norm = accelerator.reduce(stacked, "mean").tolist()
+        check_finite(step + 1, {"train/loss": train_loss, "train/grad_norm": grad_norm})
         progress.set_postfix(loss=f"{train_loss:.3f}")
         step_time = time.time() - step_start
         logger.log(
             {
                 "train/loss": train_loss,
                 "train/learning_rate": scheduler.get_last_lr()[0],
+                "train/grad_norm": grad_norm,
                 "train/epoch": (step + 1) * args.gradient_accumulation_steps / steps_per_epoch,
                 "time/step": step_time,
                 "throughput/tokens_per_s": tokens * accelerator.num_processes / step_time,

@@ -9,7 +9,7 @@ any other answer token. Plain-string prompts are rendered too, as one user messa
 
 from itertools import takewhile
 
-from common.core import UsageError
+from common.core import UsageError, warn_once
 
 
 def is_conversation(value) -> bool:
@@ -24,9 +24,10 @@ def text_of(completion) -> str:
     return completion[-1]["content"] if is_conversation(completion) else completion
 
 
-def use_chat(tokenizer, chat_template: bool, example) -> bool:
+def use_chat(tokenizer, chat_template: bool, example, system_prompt: str | None = None) -> bool:
     """Whether to render `example` (a prompt, or a row's values) with the chat template: messages always, strings when
-    `chat_template` and the tokenizer has one. Messages without a template are a one-line error naming the fix."""
+    `chat_template` and the tokenizer has one. Messages without a template are a one-line error naming the fix; a
+    `system_prompt` that raw text would never carry is a warning."""
     values = example if isinstance(example, (list, tuple)) and not is_conversation(example) else [example]
     messages = any(is_conversation(v) for v in values)
     if messages and not tokenizer.chat_template:
@@ -35,7 +36,22 @@ def use_chat(tokenizer, chat_template: bool, example) -> bool:
             "instruct model, set tokenizer.chat_template and save the tokenizer beside the model, or render the "
             "messages into text first"
         )
-    return messages or (chat_template and bool(tokenizer.chat_template))
+    chat = messages or (chat_template and bool(tokenizer.chat_template))
+    if system_prompt and not chat:
+        warn_once("--system-prompt has no effect: the prompts go to the model as raw text (no chat template to render it)")
+    return chat
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_roles(conversations) -> None:
+    """A warning naming the roles a chat template may not know (it may drop those messages, or fail on them)."""
+    unknown = sorted({m["role"] for messages in conversations for m in messages} - set(ROLES))
+    if unknown:
+        warn_once(
+            f"unknown chat roles {unknown} in the data (known: {', '.join(ROLES)}): the template may drop or refuse them"
+        )
 
 
 def as_messages(value, role: str = "user", system_prompt: str | None = None) -> list[dict]:

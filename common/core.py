@@ -3,9 +3,17 @@
 tensors of the shape of the values they mask."""
 
 import json
+import os
 
 import torch
 import torch.nn.functional as F
+
+
+def warn_once(message: str, _said: set = set()) -> None:  # noqa: B006 - the set is the memory of what was said
+    """Print `warning: <message>` once per run, on the main process only (RANK 0 under every launcher)."""
+    if message not in _said and int(os.environ.get("RANK", "0")) == 0:
+        _said.add(message)
+        print(f"warning: {message}", flush=True)
 
 
 class UsageError(ValueError):
@@ -169,7 +177,10 @@ class FixedKLController:
 
 def check_scores(scores, n: int, source: str) -> torch.Tensor:
     """A reward must be one finite float per sample: the scores as a [n] tensor, or an error naming `source`."""
-    scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    try:
+        scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise UsageError(f"{source} returned {str(scores)[:80]!r}: return one float per sample.") from None
     if scores.numel() != n:
         raise UsageError(f"{source} returned {scores.numel()} scores for {n} samples: return one float each.")
     if not torch.isfinite(scores).all():

@@ -3,16 +3,24 @@ offline built-in (`builtin:` names, resolved by `builtin` below: the one door to
 one-line error; and the checks every script runs on the data it loaded (columns, value kinds, the held-out split).
 """
 
+import importlib
+import importlib.util
 import json
+import math
 import os
+import socket
+import sysconfig
+import traceback
 from functools import partial
+from urllib.parse import urlparse
 
 import torch
 from datasets import Dataset, load_dataset
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 import presets
-from common.chat import as_messages, is_conversation, render, text_of, use_chat
+from common.chat import as_messages, check_roles, is_conversation, render, text_of, use_chat
 from common.core import UsageError
 
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -37,20 +45,56 @@ def resolve(name: str) -> str:
     return presets.folder(builtin(name)) if presets.is_builtin(name) and not is_random_builtin(name) else name
 
 
+# The flag each name on the command line came from (filled by common.run.cli), so that an error names the flag
+FLAGS: dict[str, str] = {}
+
+
+def hub_reachable() -> bool:
+    """Whether the hub can be reached: False under HF_HUB_OFFLINE, else one connection attempt (at most 2 s). When it
+    cannot, the hub libraries are put in offline mode for the rest of the run: a hub id then loads from the local
+    cache at once, or fails at once, instead of after 45 s of retries."""
+    import huggingface_hub.constants as hub
+
+    if not hub.HF_HUB_OFFLINE and not _REACHABLE:
+        try:
+            socket.create_connection((urlparse(hub.ENDPOINT).hostname, 443), timeout=2).close()
+            _REACHABLE.append(True)
+        except OSError:
+            import datasets.config
+
+            hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    return not hub.HF_HUB_OFFLINE
+
+
+_REACHABLE: list[bool] = []
+
+
 def located(load, name: str, what: str):
-    """`load(name)`; a local path that does not exist, a folder without `config.json`, or a hub id that cannot be reached
-    from here is a one-line error naming which of them it is."""
+    """`load(name)`; a local path that does not exist, a folder without `config.json` or whose files cannot be read,
+    or a hub id that cannot be reached from here is a one-line error naming the flag and which of them it is."""
+    flag = FLAGS.get(name, what)
     if what == "model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        raise UsageError(f"no config.json in the folder {name!r}: it holds no saved model (save_pretrained writes one)")
+        raise UsageError(
+            f"{flag} {name}: no config.json in the folder, so it holds no saved model (save_pretrained writes one)"
+        )
+    online = os.path.exists(name) or hub_reachable()
     try:
         return load(name)
-    except (OSError, ConnectionError) as error:  # transformers and datasets raise these for a missing repo or file
+    except (OSError, ConnectionError, ValueError, SafetensorError) as error:  # a missing repo or file, a corrupt one
         if os.path.exists(name):
+            if isinstance(error, UsageError):
+                raise
+            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise UsageError(
+                f"{flag} {name}: its files cannot be loaded ({type(error).__name__}: {first}); save the {what} again, "
+                "or pass another folder."
+            ) from None
+        if not isinstance(error, (OSError, ConnectionError)):
             raise
+        where = "no such file or folder here" + ("" if online else ", and the hub cannot be reached (offline)")
         raise UsageError(
-            f"{what} {name!r}: no such file or folder here, nor a hub id that can be reached from here "
-            f"({type(error).__name__}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})"
-        ) from error
+            f"{flag} {name}: {where}; pass a local folder, a builtin: name, or a hub id with network access."
+        ) from None
 
 
 def load_config(name: str):
@@ -135,26 +179,51 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
     if presets.is_builtin(name):
         return presets.dataset(builtin(name, "dataset"), seed)
     extension = os.path.splitext(name)[1].lower()
+    flag = FLAGS.get(name, "the dataset file")
     if extension in DATA_FILE_TYPES and not os.path.exists(name):
-        raise UsageError(f"the dataset file {name!r}: no such file (from {os.getcwd()})")
+        raise UsageError(f"{flag} {name}: no such file (from {os.getcwd()})")
     if os.path.isfile(name):
         if os.path.getsize(name) == 0:
-            raise UsageError(f"The dataset file {name!r} is empty.")
+            raise UsageError(f"{flag} {name}: the file is empty.")
         if extension not in DATA_FILE_TYPES:
-            raise UsageError(f"Cannot read {name!r}: use a {', '.join(DATA_FILE_TYPES)} file.")
+            raise UsageError(f"{flag} {name}: cannot read it; use a {', '.join(DATA_FILE_TYPES)} file.")
+        if extension in (".json", ".jsonl", ".csv", ".txt"):
+            check_text_file(name, flag, extension)
         try:
             return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
-        except Exception:  # a corrupt line: name it rather than the parser's internals
-            if extension in (".json", ".jsonl"):
-                with open(name) as f:
-                    for number, line in enumerate(f, 1):
-                        try:
-                            line.strip() and json.loads(line)
-                        except json.JSONDecodeError as bad:
-                            text = line.strip()[:80]
-                            raise UsageError(f"{name}, line {number}: not valid JSON ({bad.msg}): {text!r}") from None
-            raise
+        except Exception as error:  # noqa: BLE001 - rows that do not make one table: one line, not the parser's internals
+            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise UsageError(f"{flag} {name}: its rows do not make one table ({type(error).__name__}: {first}).") from None
     return located(lambda n: load_dataset(n, split=split), name, "dataset")
+
+
+def check_text_file(name: str, flag: str, extension: str) -> None:
+    """A one-line error for a text data file that is not UTF-8 (a parquet file named .jsonl, stray bytes), holds only
+    blank lines, or (JSON lines) has a line that is not valid JSON."""
+    with open(name, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw[: bad.start].count(b"\n") + 1
+        raise UsageError(
+            f"{flag} {name}, line {line}: not UTF-8 text (byte {raw[bad.start]:#04x}); save it as UTF-8"
+            f"{' JSON lines' if extension != '.csv' else ''}, or give a binary file its own extension (.parquet)."
+        ) from None
+    if not text.strip():
+        raise UsageError(f"{flag} {name}: the file holds only blank lines.")
+    if extension == ".json":
+        try:
+            json.loads(text)  # one JSON document (an array of rows, or an object); else JSON lines, as .jsonl
+            return
+        except json.JSONDecodeError:
+            pass
+    if extension in (".json", ".jsonl"):
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                line.strip() and json.loads(line)
+            except json.JSONDecodeError as bad:
+                raise UsageError(f"{flag} {name}, line {number}: not valid JSON ({bad.msg}): {line.strip()[:80]!r}") from None
 
 
 def reward_model_text(tokenizer, prompt, response, ended: bool = True, chat: bool = True) -> str:
@@ -192,11 +261,22 @@ def check_columns(
                 "reads text: render each conversation into a string first (tokenizer.apply_chat_template(messages, "
                 "tokenize=False))."
             )
+        if messages:
+            check_roles(v for v in values if is_conversation(v))
         for row, value in enumerate(values):
             ok = is_conversation(value) if messages else isinstance(value, (int, float) if column in numeric else str)
             if not ok or isinstance(value, bool):
                 wanted = "chat messages" if messages else "a number" if column in numeric else "text"
                 raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
+            if column in numeric and not math.isfinite(value):  # one NaN in a reward or margin turns every weight NaN
+                raise UsageError(f"The column {column!r}, row {row}: {value} is not a finite number (fix or drop that row).")
+
+
+def answers_as_text(dataset: Dataset, column: str) -> Dataset:
+    """A numeric answer column (many datasets store answers as numbers) as text, which the verifiers compare."""
+    if column in dataset.column_names and getattr(dataset.features[column], "dtype", "").startswith(("int", "uint", "float")):
+        return dataset.remove_columns(column).add_column(column, [str(v) for v in dataset[column]])
+    return dataset
 
 
 def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -215,3 +295,39 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
 
     load = partial(StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs)
     return located(load, name, "pipeline")
+
+
+def load_function(spec: str, builtins: dict, flag: str):
+    """A plug-in: a built-in by name, or the function named by "package.module:function" or "path/to/file.py:function";
+    a module that fails to import is a one-line error naming the exception and the line of your file it came from."""
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise UsageError(f"{flag} {spec}: unknown; choose one of {sorted(builtins)} or give 'module:function'.")
+    module_name, name = spec.rsplit(":", 1)
+    if module_name.endswith(".py") and not os.path.isfile(module_name):
+        raise UsageError(f"{flag} {spec}: no such file {module_name!r}.")
+    try:
+        if module_name.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+        raise UsageError(f"{flag} {spec}: importing {module_name} failed: {plugin_error(error)}") from None
+    if not callable(getattr(module, name, None)):
+        raise UsageError(f"{flag} {spec}: {module_name} has no function {name!r}.")
+    return getattr(module, name)
+
+
+def plugin_error(error: BaseException) -> str:
+    """An exception raised in a plug-in, in one line: its type, message and the last place outside this repository,
+    the standard library and the installed packages where it happened (the user's file and line)."""
+    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = [f for f in frames if not (f.filename.startswith(("<", *ours)) or "-packages" in f.filename)]
+    where = f" ({theirs[-1].filename}, line {theirs[-1].lineno})" if theirs else ""
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+    return f"{type(error).__name__}: {error}{where}"

@@ -95,6 +95,17 @@ class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
         return outputs.decoder_hidden_states[-1]
 
 
+def check_lora_targets(model: nn.Module, targets: list[str] | None) -> None:
+    """A one-line error for --lora-target-modules that name no module of `model` (peft matches a name or its suffix)."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets or [] if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise UsageError(
+            f"--lora-target-modules {' '.join(missing)}: no such module in the model; its linear layers: {leaves}."
+        )
+
+
 def peft_model_of(model: nn.Module) -> PeftModel | None:
     """The PeftModel inside `model` (itself, or the LM of a value-head wrapper), or None."""
     inner = getattr(model, "pretrained_model", model)

@@ -7,7 +7,9 @@ import glob
 import inspect
 import json
 import logging
+import math
 import os
+import pickle
 import shlex
 import shutil
 import sys
@@ -24,10 +26,11 @@ from accelerate.utils import DistributedType, set_seed
 from peft import set_peft_model_state_dict
 from rich.console import Console
 from rich.table import Table
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from transformers.utils import logging as transformers_logging
 
-from common.core import UsageError
+from common.core import UsageError, warn_once
 from common.models import VALUE_HEAD_FILE, peft_model_of
 from fast_paths import keep_freed_memory
 
@@ -36,14 +39,20 @@ def _report(kind, error, traceback) -> None:
     """argparse's convention for a UsageError: one line `error: ...` on stderr, exit status 2; anything unexpected keeps
     its traceback. With several processes every rank raises the same mistake and the main one reports it: another rank
     reports its own only if it is still running a moment later (the launcher stops every rank once one has failed)."""
+    rank = int(os.environ.get("RANK", "0"))
     if issubclass(kind, UsageError):
         sys.stdout.flush()
-        if int(os.environ.get("RANK", "0")):
+        if rank:
             time.sleep(2)
         # torch.distributed's exception hook swaps sys.stderr for a buffer that os._exit would never write out
         sys.__stderr__.write(f"error: {error}\n")
         sys.__stderr__.flush()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # the launcher's failure summary then names this line as its cause
+            with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": f"error: {error}", "timestamp": int(time.time())}, f)
         os._exit(2)  # an exception hook cannot choose the exit status; nothing is left to clean up before training
+    if rank and issubclass(kind, torch.distributed.DistError):
+        time.sleep(3)  # a collective broken by another rank's failure: the launcher stops this rank meanwhile
     sys.__excepthook__(kind, error, traceback)
 
 
@@ -66,10 +75,42 @@ def cli(args_class):
         handler.addFilter(_Harmless())
     transformers_logging.disable_progress_bar()
     _flowing_help(args_class)
-    args = tyro.cli(args_class)
+    quiet = int(os.environ.get("RANK", "0")) > 0  # under a launcher --help and a usage box print once, from rank 0
+    with open(os.devnull, "w") as devnull:
+        with (
+            contextlib.redirect_stdout(devnull if quiet else sys.stdout),
+            contextlib.redirect_stderr(devnull if quiet else sys.stderr),
+        ):
+            args = tyro.cli(args_class)
     if getattr(args, "resume_from", None):
-        read_checkpoint(args.resume_from)
+        script = read_checkpoint(args.resume_from).get("script")
+        if script not in (None, os.path.basename(sys.argv[0])):
+            raise UsageError(f"--resume-from {args.resume_from}: a checkpoint of {script}; resume it with {script}.")
+    check_outputs(args)
+    check_shared_flags(args)
     return args
+
+
+def check_shared_flags(args) -> None:
+    """The flags many scripts share: LoRA's ranges (an error), and a warning for LoRA flags that --use-peft (ddpo.py:
+    --use-lora) is not there to use, and for float16 training weights."""
+    lora = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name.startswith("lora_")}
+    for name in ("lora_r", "lora_rank", "lora_alpha"):
+        if name in lora and lora[name] <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} {lora[name]}: it must be > 0.")
+    if not 0 <= lora.get("lora_dropout", 0) < 1:
+        raise UsageError(f"--lora-dropout {lora['lora_dropout']}: it must lie in [0, 1).")
+    switch = "use_peft" if hasattr(args, "use_peft") else "use_lora"
+    if hasattr(args, switch) and not getattr(args, switch):
+        defaults = {f.name: f.default for f in dataclasses.fields(args)}
+        changed = [f"--{k.replace('_', '-')}" for k, v in lora.items() if v != defaults[k]]
+        if changed:
+            warn_once(f"{', '.join(changed)} has no effect without --{switch.replace('_', '-')}")
+    if getattr(args, "dtype", None) == "float16":
+        warn_once(
+            "--dtype float16 trains float16 weights, whose updates underflow and overflow without loss scaling: "
+            "train in float32 (or bfloat16) and take float16 compute from `accelerate launch --mixed_precision fp16`"
+        )
 
 
 def _flowing_help(args_class) -> None:
@@ -89,9 +130,120 @@ def _flowing_help(args_class) -> None:
         field.metadata = types.MappingProxyType({**field.metadata, "help": help_text})
 
 
+# Written into every folder this codebase saves (a model, a checkpoint): the one kind of folder it may replace
+MARKER = ".rlhf-output"
+
+
+def output_folders(args) -> dict[str, str]:
+    """The folders a run of `args` may replace, by the flag that names them: --output-dir, its {output_dir}_best
+    (ppo.py --save-best) and, where the run saves checkpoints, their folder ({output_dir}_checkpoints)."""
+    output = getattr(args, "output_dir", None)
+    if output is None:
+        return {}
+    folders = {"--output-dir": output}
+    if getattr(args, "save_best", False):
+        folders["--save-best"] = f"{output}_best"
+    if getattr(args, "save_steps", 0) or getattr(args, "save_freq", 0):
+        folders["--save-freq / --save-steps"] = getattr(args, "checkpoint_dir", None) or f"{output}_checkpoints"
+    return folders
+
+
+def check_outputs(args) -> None:
+    """Refuse, before anything is loaded, an output that would destroy what this codebase did not write: a run writes
+    only into a folder that is new, empty, or one it saved before (its MARKER inside; replaced only with --overwrite),
+    and its TensorBoard logs into a new subfolder of --log-dir. Checkpoints go into a folder of their own, which holds
+    nothing but checkpoints; resuming from one of them continues there."""
+    overwrite = getattr(args, "overwrite", False)
+    resume = os.path.abspath(args.resume_from) if getattr(args, "resume_from", None) else None
+    for flag, path in output_folders(args).items():
+        checkpoints = flag.startswith("--save-freq")
+        full = _writable_folder(path, flag)
+        entries = [e for e in os.listdir(full) if not _leftover(e)] if os.path.isdir(full) else []
+        if checkpoints:  # its entries are checkpoint folders (each with MARKER): ours only, nothing else
+            foreign = [e for e in entries if not os.path.isfile(os.path.join(full, e, MARKER))]
+            resuming_here = resume is not None and os.path.dirname(resume) == full
+            ours = bool(entries) and not foreign
+        else:
+            foreign = [] if MARKER in entries else entries
+            resuming_here, ours = False, MARKER in entries
+        if foreign:
+            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise UsageError(
+                f"{flag} {path}: the folder holds files this codebase did not write ({shown}); a run replaces its "
+                "output folder, so choose a new or empty one."
+            )
+        if ours and not overwrite and not resuming_here:
+            raise UsageError(
+                f"{flag} {path}: it holds the {'checkpoints' if checkpoints else 'model'} of an earlier run; pass "
+                "--overwrite to replace what it saved, or choose another --output-dir."
+            )
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir is not None:
+        _writable_folder(log_dir, "--log-dir")
+
+
+def _writable_folder(path: str, flag: str) -> str:
+    """The absolute path of a folder a run may create or fill: not empty, not the working directory or a folder above
+    it, not a file, not under a file, and writable."""
+    if not path.strip():
+        raise UsageError(f"{flag} is empty: name a folder of its own, e.g. outputs/run1.")
+    full, cwd = os.path.abspath(path), os.getcwd()
+    if full == cwd or cwd.startswith(full.rstrip(os.sep) + os.sep) or full == os.path.expanduser("~"):
+        raise UsageError(
+            f"{flag} {path}: that is the working directory, a folder above it or the home folder; name a new folder."
+        )
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: a file of that name exists; name a folder.")
+    existing = full
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} is a file, so no folder can be made under it.")
+    try:  # a save writes its folder beside `path` first: try that once (os.access says yes to root on a read-only disk)
+        os.rmdir(
+            tempfile.mkdtemp(
+                prefix=f".tmp-{os.path.basename(full)}-", dir=os.path.dirname(full) if existing == full else existing
+            )
+        )
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write there ({error.strerror}).") from None
+    return full
+
+
+def _leftover(entry: str) -> bool:
+    """A save's own leftovers (`atomic_directory`'s .tmp- / .new- / .old- folders), which the next save clears."""
+    return entry.startswith((".tmp-", ".new-", ".old-"))
+
+
+DIVERGED = "lower --learning-rate, or look for extreme values in the data"
+
+
+def check_finite(step: int, values: dict[str, float], hint: str = DIVERGED) -> None:
+    """Stop the run with one line when a loss, gradient norm or reward is NaN or infinite: nothing after it could be
+    trusted, and nothing of it is saved (the output folder keeps what it held)."""
+    for name, value in values.items():
+        if value is not None and not math.isfinite(value):
+            raise UsageError(
+                f"{name} is {value} at step {step}: training diverged ({hint}); nothing was saved and the output folder "
+                "is as it was."
+            )
+
+
+def non_finite_tensors(folder: str) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an infinity in the *.safetensors files under `folder`."""
+    bad = []
+    for file in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True)):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    bad.append(f"{os.path.relpath(file, folder)}:{name}")
+    return bad
+
+
 # The run's identity and arguments, recorded in its checkpoints: --save-total-limit prunes only this run's, a resume
 # continues the checkpoint's run and says which arguments differ; RunLogger's hyperparameters table comes from here
-RUN = {"id": None, "args": {}}
+RUN = {"id": None, "args": {}, "script": os.path.basename(sys.argv[0])}
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
@@ -102,7 +254,11 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
         keep_freed_memory()
     torch.backends.cudnn.deterministic = args.torch_deterministic
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    RUN.update(id=run_name, args=dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args)))
+    RUN.update(
+        id=run_name,
+        script=os.path.basename(sys.argv[0]),
+        args=dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args)),
+    )
     return run_name, RunLogger(run_name, args, enabled=accelerator.is_main_process)
 
 
@@ -195,12 +351,23 @@ def atomic_directory(path: str):
     parent, name = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     recover_directory(path)
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, MARKER)):
+        raise UsageError(f"{path}: the folder holds files this codebase did not write; they are left as they are.")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{path}: a file of that name exists; it is left as it is.")
     tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
     try:
         yield tmp
+        bad = non_finite_tensors(tmp)
+        if bad:
+            raise UsageError(
+                f"{path}: not saved, {len(bad)} tensors hold NaN or inf (first {bad[0]}); the folder is as it was."
+            )
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"script": RUN["script"], "run": RUN["id"]}, f)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -246,7 +413,7 @@ def save_checkpoint(
                     hook.remove()
             state = state | ({"model_in_folder": skipped[0]} if skipped else {})
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(state | {"run": RUN["id"], "args": RUN["args"]}, f, default=str)
+                json.dump(state | {"run": RUN["id"], "script": RUN["script"], "args": RUN["args"]}, f, default=str)
         parent = os.path.dirname(os.path.abspath(path))
         ours = []
         for folder in os.listdir(parent):
@@ -298,8 +465,21 @@ def read_checkpoint(path: str) -> dict:
             f"--resume-from {path}: not a checkpoint folder (no trainer_state.json); pass one of the "
             "folders the --save-* flags write, e.g. {output_dir}_checkpoints/step_N."
         )
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        for file in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
+            with safe_open(file, "pt") as weights:  # reads the header and checks that the file holds all it lists
+                weights.keys()
+    except (ValueError, OSError, SafetensorError) as error:  # truncated or corrupt: name the file, no traceback
+        raise UsageError(f"--resume-from {path}: a file of the checkpoint cannot be read ({_first_line(error)}).") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"--resume-from {path}: its trainer_state.json holds no state (a {type(state).__name__}).")
+    return state
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
 def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
@@ -321,11 +501,19 @@ def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
     hook = accelerator.register_load_state_pre_hook(take_model) if "model_in_folder" in state else None
     try:
         accelerator.load_state(folder)
+        for model in restored:
+            load_weights(accelerator.unwrap_model(model), path)
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError, SafetensorError) as error:
+        if isinstance(error, UsageError):
+            raise
+        # a truncated optimizer file, or a checkpoint of another model or optimizer: one line, not a traceback
+        raise UsageError(
+            f"--resume-from {path}: the checkpoint does not load into this run ({_first_line(error)[:300]}); resume "
+            "with the arguments it was saved with, from an intact checkpoint."
+        ) from None
     finally:
         if hook is not None:
             hook.remove()
-    for model in restored:
-        load_weights(accelerator.unwrap_model(model), path)
     RUN["id"] = state.get("run", RUN["id"])
     ignore = {"resume_from", "output_dir", "log_dir", "checkpoint_dir", "exp_name", "track", "save_freq", "save_steps"}
     changed = [

@@ -20,6 +20,8 @@ All are built deterministically (same weights on the same machine and thread cou
 cache, guarded by a file lock so that concurrent processes build once, and load with plain `from_pretrained(folder)`.
 """
 
+import contextlib
+import glob
 import importlib.util
 import itertools
 import os
@@ -28,6 +30,7 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -59,6 +62,8 @@ def pretrained_folder(name: str) -> str:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         with file_lock(folder + ".lock"):
             if not os.path.isfile(os.path.join(folder, "config.json")):  # another process may have built it meanwhile
+                for leftover in glob.glob(os.path.join(cache_root(), f".tmp-{FOLDERS[name]}-*")):  # a killed build's
+                    shutil.rmtree(leftover, ignore_errors=True)
                 tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
                 try:
                     start = time.time()
@@ -69,7 +74,8 @@ def pretrained_folder(name: str) -> str:
                         "builtin:smollm2-135m-instruct": build_smollm2,
                         "builtin:smollm2-student": build_smollm2_student,
                     }
-                    builders[name](tmp)
+                    with untouched_random_state():  # the run that triggered the build draws as if it were cached
+                        builders[name](tmp)
                     os.chmod(tmp, 0o755)
                     shutil.rmtree(folder, ignore_errors=True)
                     os.rename(tmp, folder)
@@ -77,6 +83,20 @@ def pretrained_folder(name: str) -> str:
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def untouched_random_state():
+    """Run the block and give every random generator it may reseed (torch's, CUDA's, Python's, NumPy's) back its
+    state: a build on first use leaves the calling run's random numbers as they would be with the cache warm."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _seeded(seed: int):
