@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError, warn_once
+from common.loading import FLAGS
 from common.models import VALUE_HEAD_FILE, peft_model_of
 from fast_paths import keep_freed_memory
 
@@ -82,6 +83,10 @@ def cli(args_class):
             contextlib.redirect_stderr(devnull if quiet else sys.stderr),
         ):
             args = tyro.cli(args_class)
+    FLAGS.clear()  # each name on the command line by its flag, for the loaders' error lines
+    for field in reversed(dataclasses.fields(args)):  # the first field that holds a name wins
+        if isinstance(getattr(args, field.name), str):
+            FLAGS[getattr(args, field.name)] = f"--{field.name.replace('_', '-')}"
     if getattr(args, "resume_from", None):
         script = read_checkpoint(args.resume_from).get("script")
         if script not in (None, os.path.basename(sys.argv[0])):

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -440,6 +441,55 @@ def test_pretrained_preset_builds_deterministically(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     random_init = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "a").config.n_layer == 4 != random_init.config.n_layer
+
+
+def test_building_a_builtin_leaves_the_callers_random_state_and_clears_a_killed_build(tmp_path, monkeypatch):
+    """A run that builds a pretrained built-in on first use draws the same random numbers as a run that finds it
+    cached (torch's, Python's, NumPy's); a half-written folder a killed build left behind is removed."""
+    import functools
+    import random
+
+    import numpy as np
+    from accelerate.utils import set_seed
+
+    import presets
+    from presets import pretrained
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(pretrained, "build_tiny_chat", functools.partial(pretrained.build_tiny_chat, max_steps=2))
+    leftover = tmp_path / "rlhf-builtin" / ".tmp-tiny-chat-v1-abcd1234"
+    leftover.mkdir(parents=True)
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    runs = []
+    for _ in ("cold", "warm"):
+        set_seed(5)
+        first = draws()
+        presets.folder("builtin:tiny-chat")
+        runs.append((first, draws()))
+    assert runs[0] == runs[1] and not leftover.exists()
+
+
+def test_a_cold_cache_run_repeats_a_warm_one(tmp_path, monkeypatch):
+    """sft.py on a pretrained built-in, once building it and once finding it cached: the same weights, bit for bit."""
+    import functools
+
+    from conftest import ROOT, run_script
+    from safetensors.torch import load_file
+
+    from presets import pretrained
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(pretrained, "build_tiny_chat", functools.partial(pretrained.build_tiny_chat, max_steps=2))
+    command = [os.path.join(ROOT, "sft.py"), "--model-name", "builtin:tiny-chat", "--max-steps", "3", "--max-seq-length", "32"]
+    outputs = [run_script([*command, "--output-dir", name], tmp_path) for name in ("cold", "warm")]
+    assert "builtin:tiny-chat: built in" in outputs[0] and "built in" not in outputs[1]
+    summaries = [re.sub(r" in \d+s", "", out.strip().splitlines()[-1]) for out in outputs]
+    assert summaries[0] == summaries[1].replace("warm", "cold"), summaries
+    cold, warm = (load_file(tmp_path / name / "model.safetensors") for name in ("cold", "warm"))
+    assert all(torch.equal(cold[k], warm[k]) for k in cold)
 
 
 def test_pretrained_preset_speaks_the_dialogue():

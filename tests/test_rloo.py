@@ -202,3 +202,21 @@ def test_rloo_learns_a_reward_it_can_reach(tmp_path):
     )
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]
+
+
+@pytest.mark.parametrize("script", ["rloo", "grpo"])
+def test_masked_truncated_completions_still_reach_the_reward_and_the_length_statistics(tmp_path, script):
+    """--mask-truncated-completions takes cut completions out of the loss only: the reward functions still read their
+    text and the logged lengths still count their tokens (every completion is cut here: 3 tokens of a random model)."""
+    (tmp_path / "seen.py").write_text(
+        "def seen(prompts, completions, **kw):\n"
+        "    with open('seen.txt', 'a') as f:\n"
+        "        f.writelines(repr(c) + '\\n' for c in completions)\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    flags = [*TINY, "--model-name", "builtin:tiny-gpt2", "--max-completion-length", "3", "--reward-funcs", "seen.py:seen"]
+    out = run_script([os.path.join(ROOT, f"{script}.py"), *flags, "--mask-truncated-completions"], tmp_path)
+    assert "every completion was cut and --mask-truncated-completions drops them" in out
+    seen = (tmp_path / "seen.txt").read_text().splitlines()[2:]  # after the two rows load_rewards tries
+    assert seen and all(line != "''" for line in seen), seen[:8]
+    assert read_scalars(str(tmp_path / "runs"), "completions/mean_length") == [3.0, 3.0]
