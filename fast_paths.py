@@ -148,6 +148,13 @@ def _cast_update(update, dtype, key_states, value_states, *args, **kwargs):
     return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
 
+def cache_argument(model) -> str:
+    """The name of a causal LM's KV-cache argument and output: `cache` from transformers 5.24 on (`past_key_values`
+    still works there with a deprecation warning, and goes in 5.40), `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it through
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 class FastGenerator:
     """Samples responses of a decoder-only model with a static KV cache, each decoding step's forward one compiled CUDA
     graph: the distribution of `generate` with `sampling_kwargs` (HF's warpers, then an inverse-CDF draw, both eager),
@@ -167,9 +174,7 @@ class FastGenerator:
         self.model, self.temperature, self.bucket = model, temperature, bucket
         self.warpers = LogitsProcessorList(warpers(temperature, top_k, top_p))
         self.caches = {}
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it through
-        # transformers 5.24 renamed the cache argument (past_key_values still works, with a deprecation warning)
-        self.cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self.cache_kw = cache_argument(model)
         self.forward = torch.compile(self._forward, mode="reduce-overhead", dynamic=False) if compile else self._forward
 
     def _draw(self, logits: torch.Tensor, with_logprob: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -48,6 +48,7 @@ from common.run import (
     start_run,
     write_model_card,
 )
+from fast_paths import cache_argument
 
 HEADS_FILE = "ilql_heads.safetensors"
 
@@ -435,18 +436,18 @@ if __name__ == "__main__":
         inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        past, generated = None, []
+        past, generated, cache_kw = None, [], cache_argument(heads.lm)
         for _ in range(args.max_new_tokens):
             position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
             out = heads.lm(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past,
+                **{cache_kw: past},
                 use_cache=True,
                 output_hidden_states=True,
             )
-            past, hidden, logits = out.past_key_values, out.hidden_states[-1][:, -1], out.logits[:, -1]
+            past, hidden, logits = out[cache_kw], out.hidden_states[-1][:, -1], out.logits[:, -1]
             if logit_mask is not None:  # the last token fed in (prompt end, or the last sampled) decides what may follow
                 logits = logit_mask.apply(logits, input_ids[:, -1])
             scores = advantage_logits(

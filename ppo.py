@@ -262,7 +262,7 @@ class Args:
     """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
     # Logging, evaluation, saving
-    log_freq: int = 5
+    log_freq: int = 20
     """log a table of sample generations every this many updates"""
     log_ref_responses: bool = False
     """with each sample table, also answer its queries with the reference model and show those responses and scores
@@ -1050,7 +1050,8 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
         "eval/distinct_2": distinct_bigrams(gather_object(responses_text)),
     }
     logger.log(metrics, update)
-    logger.samples("eval samples", {"query": queries_text, "response": responses_text, "score": scores.tolist()}, update)
+    columns = {"query": queries_text, "response": responses_text, "score": scores.tolist()}
+    logger.samples("eval samples", columns, update, console=update in (0, args.num_updates))  # between: TensorBoard only
     return metrics
 
 

@@ -149,7 +149,7 @@ def output_folders(args) -> dict[str, str]:
     if getattr(args, "save_best", False):
         folders["--save-best"] = f"{output}_best"
     if getattr(args, "save_steps", 0) or getattr(args, "save_freq", 0):
-        folders["--save-freq / --save-steps"] = getattr(args, "checkpoint_dir", None) or f"{output}_checkpoints"
+        folders["the checkpoint folder"] = getattr(args, "checkpoint_dir", None) or f"{output}_checkpoints"
     return folders
 
 
@@ -161,7 +161,7 @@ def check_outputs(args) -> None:
     overwrite = getattr(args, "overwrite", False)
     resume = os.path.abspath(args.resume_from) if getattr(args, "resume_from", None) else None
     for flag, path in output_folders(args).items():
-        checkpoints = flag.startswith("--save-freq")
+        checkpoints = flag == "the checkpoint folder"
         full = _writable_folder(path, flag)
         entries = [e for e in os.listdir(full) if not _leftover(e)] if os.path.isdir(full) else []
         if checkpoints:  # its entries are checkpoint folders (each with MARKER): ours only, nothing else
@@ -302,9 +302,11 @@ class RunLogger:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, float(value), step)
 
-    def samples(self, title: str, columns: dict[str, list], step: int, max_rows: int = 8, max_chars: int = 240) -> None:
-        """Print a table of sample generations (cells over `max_chars` lose their middle) and log it to TensorBoard
-        as markdown, in full."""
+    def samples(
+        self, title: str, columns: dict[str, list], step: int, max_rows: int = 8, max_chars: int = 240, console: bool = True
+    ) -> None:
+        """Log a table of sample generations to TensorBoard as markdown, in full, and (with `console`) print it, cells
+        over `max_chars` losing their middle."""
         if self.writer is None:
             return
         table = Table(title=title, show_lines=True)
@@ -315,7 +317,8 @@ class RunLogger:
         for row in rows:
             cells = (f"{v:.3f}" if isinstance(v, float) else str(v) for v in row)
             table.add_row(*(c if len(c) <= max_chars else f"{c[:half]} … {c[-half:]}" for c in cells))
-        Console().print(table)
+        if console:
+            Console().print(table)
         markdown = "|" + "|".join(columns) + "|\n|" + "-|" * len(columns) + "\n"
         markdown += "\n".join("|" + "|".join(str(v).replace("|", "/").replace("\n", " ") for v in row) + "|" for row in rows)
         self.writer.add_text(title, markdown, step)

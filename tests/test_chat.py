@@ -103,7 +103,7 @@ def test_sft_on_conversations_trains_the_assistant_turns_and_samples_from_the_la
     )
     error = run_failing(
         [script("sft"), "--model-name", chat_llama, "--dataset-name", "pairs.jsonl", "--assistant-only-loss"]
-        + ["--prompt-column", "prompt", "--completion-column", "chosen"],
+        + ["--prompt-column", "prompt", "--completion-column", "chosen", "--output-dir", "aol"],
         chat_data,
     )
     assert "--assistant-only-loss" in error

@@ -613,13 +613,13 @@ def _umask() -> int:
 def test_atomic_directory_recovers_a_save_killed_between_its_renames(tmp_path):
     """A SIGKILL after the old folder was renamed aside and before the new one was renamed into place leaves no
     `ckpt`; the next save (or recover_directory) puts the newest complete copy back first, and cleans up."""
-    from common.run import recover_directory
+    from common.run import MARKER, recover_directory
 
     target = tmp_path / "ckpt"
-    (tmp_path / ".old-ckpt-abcd1234").mkdir()
-    (tmp_path / ".old-ckpt-abcd1234" / "a.txt").write_text("previous")
-    (tmp_path / ".new-ckpt-abcd1234").mkdir()
-    (tmp_path / ".new-ckpt-abcd1234" / "a.txt").write_text("complete new")
+    for kind, text in (("old", "previous"), ("new", "complete new")):  # two complete saves, each with its marker
+        (tmp_path / f".{kind}-ckpt-abcd1234").mkdir()
+        (tmp_path / f".{kind}-ckpt-abcd1234" / "a.txt").write_text(text)
+        (tmp_path / f".{kind}-ckpt-abcd1234" / MARKER).write_text("{}")
     (tmp_path / ".tmp-ckpt-efgh5678").mkdir()  # a half-written one: never used
     (tmp_path / ".tmp-ckpt-2-efgh5678").mkdir()  # another folder's leftover: not ours
     recover_directory(str(target))

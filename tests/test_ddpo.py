@@ -125,7 +125,7 @@ def test_bad_input_fails_before_sampling(tmp_path):
     error = run_failing([DDPO, "--reward-fn", f"{tmp_path}/bad_reward.py:one"], tmp_path)
     assert "returned 1 scores for 2 samples" in error
     assert "NaN" in run_failing([DDPO, "--reward-fn", f"{tmp_path}/bad_reward.py:nan"], tmp_path)
-    assert "Unknown reward function" in run_failing([DDPO, "--reward-fn", "nope"], tmp_path)
+    assert "--reward-fn nope: unknown; choose one of" in run_failing([DDPO, "--reward-fn", "nope"], tmp_path)
 
 
 def test_smoke_resume_and_saved_lora_loads(tmp_path):

@@ -224,7 +224,8 @@ def test_dpo_options_run(tmp_path, pairs_file):
         ["--label-smoothing", "0.1", "--precompute-ref-log-probs", "--use-peft", "--lora-r", "4"],
     ):
         out = run_script(
-            [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags], tmp_path
+            [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2", *flags, "--overwrite"],
+            tmp_path,
         )
         assert "dpo: 2 steps" in out, flags
 

@@ -75,7 +75,9 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     assert len(on_policy) == 4 and 0 < sum(on_policy) < 4  # lmbda 0.5: some batches the student's, some the teacher's
     check_model_card(tmp_path / "outputs" / "gkd", "gkd")
     run_script([GKD, *TINY, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg"], tmp_path)
-    assert "different vocabularies" in run_failing([GKD, *TINY, "--teacher-name", chat_llama], tmp_path)  # 2 more tokens
+    assert "different vocabularies" in run_failing(
+        [GKD, *TINY, "--teacher-name", chat_llama, "--overwrite"], tmp_path
+    )  # 2 more tokens
     assert "needs --lmbda 1" in run_failing([GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5"], tmp_path)
 
 

@@ -127,7 +127,7 @@ def test_bad_input_fails_before_generation(tmp_path):
         (["--batch-size", "3", "--mini-batch-size", "5"], "is not divisible by"),
         (["--dataset-name", "reasoning-gym:no_such_task"], "reasoning_gym.factory.DATASETS"),
         (["--reward-funcs", f"{tmp_path / 'rewards.py'}:short"], "returned list of length 1 for 2"),
-        (["--reward-funcs", "nope"], "Unknown reward function 'nope'"),
+        (["--reward-funcs", "nope"], "--reward-funcs nope: unknown; choose one of"),
         (["--task-config", "{bad"], "is not JSON"),
     ):
         assert message in run_failing([GRPO, *flags], tmp_path), flags
@@ -284,7 +284,7 @@ def test_reward_plugins_that_fail_are_named_with_their_line(tmp_path):
     assert "reward function plugins.py:raises raised ZeroDivisionError" in error and "plugins.py, line 5)" in error, error
     assert "grpo: 2 updates" in run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:array"], tmp_path)  # NumPy is fine
     # a batch no reward function scored trains nothing: said in a warning line and counted in the logs, never silent
-    out = run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:unscored", "--log-dir", "unscored"], tmp_path)
+    out = run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:unscored", "--log-dir", "unscored", "--overwrite"], tmp_path)
     assert "warning: update 1 has nothing to learn from: no reward function scored any completion" in out
     assert read_scalars(str(tmp_path / "unscored"), "degenerate_updates") == [1, 2]
 

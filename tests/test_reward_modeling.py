@@ -107,11 +107,11 @@ def test_reward_model_options_and_errors(tmp_path):
     )
     assert "reward model: 3 steps" in out
     assert len(read_scalars(str(tmp_path / "runs"), "time/step")) == 3  # the step time is logged for benchmarks
-    assert "no column ['good']" in run_failing([RM, *RANDOM_MODEL, "--chosen-column", "good"], tmp_path)
+    assert "no column ['good']" in run_failing([RM, *RANDOM_MODEL, "--chosen-column", "good", "--overwrite"], tmp_path)
     same = [dict(prompt="q", chosen="x", rejected="x")] * 10
     (tmp_path / "same.jsonl").write_text("\n".join(json.dumps(r) for r in same))
     assert "no preference to learn" in run_failing(
-        [RM, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "same.jsonl")], tmp_path
+        [RM, *RANDOM_MODEL, "--dataset-name", str(tmp_path / "same.jsonl"), "--overwrite"], tmp_path
     )
 
 

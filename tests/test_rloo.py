@@ -159,7 +159,8 @@ def test_reward_model_is_one_more_reward_function(tmp_path):
     run_script([RLOO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
     assert "2 --reward-weights for 3 rewards" in run_failing(
-        [RLOO, "--reward-funcs", "verifier", "format", "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "1"],
+        [RLOO, "--reward-funcs", "verifier", "format", "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "1"]
+        + ["--overwrite"],
         tmp_path,
     )
 

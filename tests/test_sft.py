@@ -59,6 +59,7 @@ def test_chunked_loss_is_the_models_own_loss(tmp_path):
             [
                 SFT,
                 flag,
+                "--overwrite",
                 "--max-steps",
                 "3",
                 "--eval-steps",
@@ -103,7 +104,9 @@ def test_sft_options_run(tmp_path):
     assert (tmp_path / "outputs" / "sft_checkpoints" / "step_2" / "adapter_model.safetensors").exists()  # LoRA: the adapter
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())
-    run_script([SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion"], tmp_path)
+    run_script(
+        [SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion", "--overwrite"], tmp_path
+    )
 
 
 def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
@@ -217,7 +220,7 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
     ]
     out = run_script([SFT, "--model-name", str(model_dir), *flags, "--response-template", "<|assistant|>"], tmp_path)
     assert "sft: 2 steps" in out and "dropped" not in out and "How are you" in out.split("samples")[-1]  # sample prompts
-    assert "has no chat template" in run_failing([SFT, *flags], tmp_path)  # the built-in tokenizer has none
+    assert "has no chat template" in run_failing([SFT, *flags, "--overwrite"], tmp_path)  # the built-in tokenizer has none
 
 
 def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
@@ -241,7 +244,7 @@ def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
     ]
     out = run_script([*ddp_launch(), SFT, *flags, "--log-dir", str(tmp_path / "two")], tmp_path, timeout=300, **DDP_ENV)
     assert "sft: 8 steps" in out and "of 8 examples" in out  # 2 ranks x 4
-    run_script([SFT, *flags, "--log-dir", str(tmp_path / "one")], tmp_path)
+    run_script([SFT, *flags, "--log-dir", str(tmp_path / "one"), "--overwrite"], tmp_path)
     one, two = (read_scalars(str(tmp_path / name), "train/learning_rate") for name in ("one", "two"))
     assert len(one) == len(two) == 8 and one == pytest.approx(two)
     assert max(range(8), key=lambda i: one[i]) == 3  # logged after step 4's update: the peak
@@ -253,6 +256,7 @@ def test_checkpoints_are_pruned_per_run_and_a_resume_says_what_changed(tmp_path)
     error, not a resume that silently draws other numbers."""
     flags = [SFT, "--max-seq-length", "32", "--batch-size", "8", "--save-steps", "1", "--num-sample-generations", "0"]
     run_script([*flags, "--max-steps", "4"], tmp_path)  # run A: step_1 .. step_4
+    flags.append("--overwrite")  # the later runs replace run A's model and write beside its checkpoints
     run_script([*flags, "--max-steps", "2", "--save-total-limit", "1", "--seed", "2"], tmp_path)  # run B: step_1, step_2
     folder = tmp_path / "outputs" / "sft_checkpoints"
     runs = {d.name: json.loads((d / "trainer_state.json").read_text())["run"] for d in folder.iterdir()}

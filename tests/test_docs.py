@@ -1,0 +1,63 @@
+"""The docs cannot drift from the code: every relative link and anchor in README.md and docs/ resolves, and each
+script's page lists every flag of its Args, as docs/build_assets.py generates them."""
+
+import os
+import re
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "docs"))
+import build_assets  # noqa: E402
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors of a Markdown file's headings, as mkdocs and GitHub make them (lowercase, punctuation dropped)."""
+    with open(path) as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def markdown_files() -> list[str]:
+    docs = os.path.join(ROOT, "docs")
+    return [os.path.join(ROOT, "README.md")] + sorted(os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=os.path.basename)
+def test_every_relative_link_and_anchor_resolves(path):
+    with open(path) as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(resolved):
+            broken.append(target)
+        elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
+            broken.append(target)
+    assert not broken, f"{os.path.relpath(path, ROOT)}: {broken}"
+
+
+@pytest.mark.parametrize("script", build_assets.SCRIPTS)
+def test_each_script_page_lists_every_flag_of_its_args(script):
+    text, fresh = build_assets.page_with_flags(script)
+    assert text == fresh, f"docs/{script}.md's flag table is out of date: run python docs/build_assets.py"
+    import dataclasses
+    import importlib
+
+    for field in dataclasses.fields(importlib.import_module(script).Args):
+        if "Suppress" not in str(field.type):
+            assert f"`--{field.name.replace('_', '-')}`" in text, field.name
+
+
+def test_the_readme_is_a_front_door():
+    """Short, and on its first screen: what this is, how to install and run it, where to look next."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 220
+    first_screen = "\n".join(lines[:45])
+    assert "accelerate launch ppo.py" in first_screen and "pip install" in first_screen and "docs/ppo.md" in first_screen
