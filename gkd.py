@@ -283,7 +283,8 @@ def main(args: Args) -> None:
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "time/step": time.time() - step_start,
         }
-        check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm") if grad_norm is not None})
+        norm = {"train/grad_norm": metrics["train/grad_norm"]} if grad_norm is not None else {}  # DeepSpeed may not say
+        check_finite(step + 1, {"train/loss": metrics["train/loss"]} | norm)
         logger.log(metrics, step + 1)
         history.append((metrics["train/loss"], metrics["train/kl_to_teacher"]))
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", kl=f"{metrics['train/kl_to_teacher']:.3f}")

@@ -59,9 +59,14 @@ def _report(kind, error, traceback) -> None:
 
 class _Harmless(logging.Filter):
     """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning from
-    `generate`'s own decoding steps (every call here passes a mask) and diffusers' CLIP processor asking for torchvision."""
+    `generate`'s own decoding steps (every call here passes a mask), diffusers' CLIP processor asking for torchvision,
+    and transformers' note that a GPT-2 config names no loss (it then uses the causal-LM loss, the one wanted)."""
 
-    HARMLESS = ("We strongly recommend passing in an `attention_mask`", "requires torchvision (not installed)")
+    HARMLESS = (
+        "We strongly recommend passing in an `attention_mask`",
+        "requires torchvision (not installed)",
+        "`loss_type=None` was set in the config but it is unrecognized",  # GPT-2 configs: the default loss is meant
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.HARMLESS)
@@ -97,8 +102,10 @@ def cli(args_class):
 
 
 def check_shared_flags(args) -> None:
-    """The flags many scripts share: LoRA's ranges (an error), and a warning for LoRA flags that --use-peft (ddpo.py:
-    --use-lora) is not there to use, and for float16 training weights."""
+    """The flags many scripts share: the seed's and LoRA's ranges (an error), and a warning for LoRA flags that
+    --use-peft (ddpo.py: --use-lora) is not there to use, and for float16 training weights."""
+    if not 0 <= getattr(args, "seed", 0) < 2**32 - 1024:  # each rank seeds with seed + rank: numpy takes 32 bits
+        raise UsageError(f"--seed {args.seed}: it must lie in [0, 2**32 - 1024).")
     lora = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name.startswith("lora_")}
     for name in ("lora_r", "lora_rank", "lora_alpha"):
         if name in lora and lora[name] <= 0:

@@ -410,6 +410,7 @@ def test_flags_without_effect_warn_once_and_bad_lora_flags_fail(tmp_path):
     out = run_script([SCRIPTS["dpo"], *RANDOM_MODEL, "--system-prompt", "Be kind.", "--max-steps", "1"], tmp_path)
     assert out.count("warning: --system-prompt has no effect: the prompts go to the model as raw text") == 1, out[-2000:]
     for flags, message in (
+        (["--seed", "-1"], "--seed -1: it must lie in [0, 2**32 - 1024)"),
         (["--use-peft", "--lora-r", "0"], "--lora-r 0: it must be > 0"),
         (["--use-peft", "--lora-dropout", "1"], "--lora-dropout 1.0: it must lie in [0, 1)"),
         (
