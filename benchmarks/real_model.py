@@ -87,8 +87,8 @@ GROUPS = ["--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8
 def commands(args: Args, folder: str) -> dict[str, list[list[str]]]:
     """Each method's commands (python script.py ...), in the order they run."""
 
-    def out(name: str) -> list[str]:
-        return ["--output-dir", os.path.join(folder, name), "--log-dir", os.path.join(folder, "runs", name)]
+    def out(name: str) -> list[str]:  # this benchmark's own folders: a rerun replaces them
+        return ["--output-dir", os.path.join(folder, name), "--log-dir", os.path.join(folder, "runs", name), "--overwrite"]
 
     every = max(1, args.updates // 4)
     rl = [*RL, "--eval-samples", str(args.eval_problems)]

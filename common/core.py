@@ -16,6 +16,12 @@ def warn_once(message: str, _said: set = set()) -> None:  # noqa: B006 - the set
         print(f"warning: {message}", flush=True)
 
 
+def error_line(error: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message (at most 200 characters)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 class UsageError(ValueError):
     """An anticipated mistake in the input (a flag, a file, a dataset column, a reward function): reported as one line
     `error: ...` without a traceback by the handler that `common.cli` installs."""

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 import presets
 from common.chat import as_messages, check_roles, is_conversation, render, text_of, use_chat
-from common.core import UsageError
+from common.core import UsageError, error_line
 
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -84,10 +84,9 @@ def located(load, name: str, what: str):
         if os.path.exists(name):
             if isinstance(error, UsageError):
                 raise
-            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
             raise UsageError(
-                f"{flag} {name}: its files cannot be loaded ({type(error).__name__}: {first}); save the {what} again, "
-                "or pass another folder."
+                f"{flag} {name}: its files cannot be loaded ({error_line(error)}); save the {what} again, or pass another "
+                "folder."
             ) from None
         if not isinstance(error, (OSError, ConnectionError)):
             raise
@@ -192,8 +191,7 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
         try:
             return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
         except Exception as error:  # noqa: BLE001 - rows that do not make one table: one line, not the parser's internals
-            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-            raise UsageError(f"{flag} {name}: its rows do not make one table ({type(error).__name__}: {first}).") from None
+            raise UsageError(f"{flag} {name}: its rows do not make one table ({error_line(error)}).") from None
     return located(lambda n: load_dataset(n, split=split), name, "dataset")
 
 
@@ -269,7 +267,9 @@ def check_columns(
                 wanted = "chat messages" if messages else "a number" if column in numeric else "text"
                 raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
             if column in numeric and not math.isfinite(value):  # one NaN in a reward or margin turns every weight NaN
-                raise UsageError(f"The column {column!r}, row {row}: {value} is not a finite number (fix or drop that row).")
+                raise UsageError(
+                    f"The column {column!r}, row {row}: {value} is not a finite number (NaN or inf: fix or drop that row)."
+                )
 
 
 def answers_as_text(dataset: Dataset, column: str) -> Dataset:

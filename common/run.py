@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from transformers.utils import logging as transformers_logging
 
-from common.core import UsageError, warn_once
+from common.core import UsageError, error_line, warn_once
 from common.loading import FLAGS
 from common.models import VALUE_HEAD_FILE, peft_model_of
 from fast_paths import keep_freed_memory
@@ -161,16 +161,16 @@ def output_folders(args) -> dict[str, str]:
 
 
 def check_outputs(args) -> None:
-    """Refuse, before anything is loaded, an output that would destroy what this codebase did not write: a run writes
-    only into a folder that is new, empty, or one it saved before (its MARKER inside; replaced only with --overwrite),
-    and its TensorBoard logs into a new subfolder of --log-dir. Checkpoints go into a folder of their own, which holds
-    nothing but checkpoints; resuming from one of them continues there."""
+    """Refuse, before anything loads, an output that would destroy what this codebase did not write: a run writes only
+    into a folder that is new, empty, or one it saved (MARKER; replaced with --overwrite), its checkpoints into a folder
+    of checkpoints only (resuming from one continues there), its logs into a new subfolder of --log-dir."""
     overwrite = getattr(args, "overwrite", False)
     resume = os.path.abspath(args.resume_from) if getattr(args, "resume_from", None) else None
     for flag, path in output_folders(args).items():
         checkpoints = flag == "the checkpoint folder"
         full = _writable_folder(path, flag)
-        entries = [e for e in os.listdir(full) if not _leftover(e)] if os.path.isdir(full) else []
+        # what is there, less a save's own leftovers (atomic_directory's .tmp- / .new- / .old-), which the next clears
+        entries = [e for e in os.listdir(full) if not e.startswith((".tmp-", ".new-", ".old-"))] if os.path.isdir(full) else []
         if checkpoints:  # its entries are checkpoint folders (each with MARKER): ours only, nothing else
             foreign = [e for e in entries if not os.path.isfile(os.path.join(full, e, MARKER))]
             resuming_here = resume is not None and os.path.dirname(resume) == full
@@ -211,20 +211,12 @@ def _writable_folder(path: str, flag: str) -> str:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise UsageError(f"{flag} {path}: {existing} is a file, so no folder can be made under it.")
-    try:  # a save writes its folder beside `path` first: try that once (os.access says yes to root on a read-only disk)
-        os.rmdir(
-            tempfile.mkdtemp(
-                prefix=f".tmp-{os.path.basename(full)}-", dir=os.path.dirname(full) if existing == full else existing
-            )
-        )
+    beside = os.path.dirname(full) if existing == full else existing  # where a save makes its folder first
+    try:  # tried once: os.access says yes to root on a read-only disk
+        os.rmdir(tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(full)}-", dir=beside))
     except OSError as error:
         raise UsageError(f"{flag} {path}: cannot write there ({error.strerror}).") from None
     return full
-
-
-def _leftover(entry: str) -> bool:
-    """A save's own leftovers (`atomic_directory`'s .tmp- / .new- / .old- folders), which the next save clears."""
-    return entry.startswith((".tmp-", ".new-", ".old-"))
 
 
 DIVERGED = "lower --learning-rate, or look for extreme values in the data"
@@ -487,14 +479,10 @@ def read_checkpoint(path: str) -> dict:
             with safe_open(file, "pt") as weights:  # reads the header and checks that the file holds all it lists
                 weights.keys()
     except (ValueError, OSError, SafetensorError) as error:  # truncated or corrupt: name the file, no traceback
-        raise UsageError(f"--resume-from {path}: a file of the checkpoint cannot be read ({_first_line(error)}).") from None
+        raise UsageError(f"--resume-from {path}: a file of the checkpoint cannot be read ({error_line(error)}).") from None
     if not isinstance(state, dict):
         raise UsageError(f"--resume-from {path}: its trainer_state.json holds no state (a {type(state).__name__}).")
     return state
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
 def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
@@ -523,7 +511,7 @@ def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
             raise
         # a truncated optimizer file, or a checkpoint of another model or optimizer: one line, not a traceback
         raise UsageError(
-            f"--resume-from {path}: the checkpoint does not load into this run ({_first_line(error)[:300]}); resume "
+            f"--resume-from {path}: the checkpoint does not load into this run ({error_line(error)}); resume "
             "with the arguments it was saved with, from an intact checkpoint."
         ) from None
     finally:

@@ -78,7 +78,9 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     assert "different vocabularies" in run_failing(
         [GKD, *TINY, "--teacher-name", chat_llama, "--overwrite"], tmp_path
     )  # 2 more tokens
-    assert "needs --lmbda 1" in run_failing([GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5"], tmp_path)
+    assert "needs --lmbda 1" in run_failing(
+        [GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5", "--overwrite"], tmp_path
+    )
 
 
 def test_gkd_student_moves_towards_a_fixed_teacher(tmp_path):

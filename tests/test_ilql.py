@@ -190,6 +190,7 @@ def test_text_reward_data_peft_and_bad_input(tmp_path):
         [
             ILQL,
             *RANDOM_MODEL,
+            "--overwrite",
             "--dataset-name",
             str(data),
             "--prompt-column",
@@ -202,13 +203,14 @@ def test_text_reward_data_peft_and_bad_input(tmp_path):
         tmp_path,
     )
     assert "exceeds the model's context of 256" in run_failing(
-        [ILQL, *RANDOM_MODEL, "--max-length", "250"], tmp_path
+        [ILQL, *RANDOM_MODEL, "--max-length", "250", "--overwrite"], tmp_path
     )  # + 12 new
     data.write_text("".join(f'{{"text": "x {i}", "score": NaN}}\n' for i in range(40)))
     assert "NaN" in run_failing(
         [
             ILQL,
             *RANDOM_MODEL,
+            "--overwrite",
             "--dataset-name",
             str(data),
             "--prompt-column",

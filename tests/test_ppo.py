@@ -185,11 +185,13 @@ def test_truncate_responses_after_eos_and_stop_sequences():
 
 
 def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
-    assert "is not divisible by" in run_failing([PPO, *TINY, "--batch-size", "10", "--mini-batch-size", "4"], tmp_path)
-    assert "longer than max_query_length=4" in run_failing([PPO, *TINY, "--max-query-length", "4"], tmp_path)
-    assert "pass that limit too" in run_failing([PPO, *TINY, "--truncate-queries"], tmp_path)
+    assert "is not divisible by" in run_failing(
+        [PPO, *TINY, "--overwrite", "--batch-size", "10", "--mini-batch-size", "4"], tmp_path
+    )
+    assert "longer than max_query_length=4" in run_failing([PPO, *TINY, "--overwrite", "--max-query-length", "4"], tmp_path)
+    assert "pass that limit too" in run_failing([PPO, *TINY, "--overwrite", "--truncate-queries"], tmp_path)
     # no limit by default: the longest query itself must leave room for the response
-    error = run_failing([PPO, *TINY, "--max-new-tokens", "250"], tmp_path)
+    error = run_failing([PPO, *TINY, "--overwrite", "--max-new-tokens", "250"], tmp_path)
     assert "the longest query (" in error and "exceeds the model's context of 256" in error
     # cut to their last 6 tokens, the same queries leave room for 250 new ones
     cut = ["--max-query-length", "6", "--truncate-queries", "--max-new-tokens", "250", "--total-episodes", "8"]
@@ -323,13 +325,13 @@ def test_reward_model_from_local_folder(tmp_path):
     load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1, n_positions=24).save_pretrained(
         tmp_path / "rm"
     )
-    error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
+    error = run_failing([PPO, *TINY, "--overwrite", "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "exceed the reward model's context of 24" in error
     # a reward model that scores NaN: the reward is checked on a smoke batch before the first rollout
     broken = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
     torch.nn.init.constant_(broken.score.weight, float("nan"))
     broken.save_pretrained(tmp_path / "rm")
-    error = run_failing([PPO, *TINY, "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
+    error = run_failing([PPO, *TINY, "--overwrite", "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
     assert "returned a NaN or infinite score: [nan, nan]" in error  # the two smoke samples, not a rollout batch
 
 
@@ -354,13 +356,19 @@ def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     first = read_scalars(str(tmp_path / "runs"), "env/reward_mean")[0]
     # the logged reward is the POSITIVE logit of the classifier on "query response<eos>" texts: recompute one batch
     assert math.isfinite(first)
-    assert "pass --reward-label" in run_failing([PPO, *TINY, "--reward-model", folder], tmp_path)
-    assert "has the labels" in run_failing([PPO, *TINY, "--reward-model", folder, "--reward-label", "HAPPY"], tmp_path)
+    assert "pass --reward-label" in run_failing([PPO, *TINY, "--overwrite", "--reward-model", folder], tmp_path)
+    assert "has the labels" in run_failing(
+        [PPO, *TINY, "--overwrite", "--reward-model", folder, "--reward-label", "HAPPY"], tmp_path
+    )
     # a causal LM folder (e.g. outputs/sft) would load with a freshly initialised score head: refused
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "lm")
-    assert "no trained classification head" in run_failing([PPO, *TINY, "--reward-model", str(tmp_path / "lm")], tmp_path)
-    assert "randomly initialised preset" in run_failing([PPO, *TINY, "--reward-model", "builtin:tiny-gpt2"], tmp_path)
+    assert "no trained classification head" in run_failing(
+        [PPO, *TINY, "--overwrite", "--reward-model", str(tmp_path / "lm")], tmp_path
+    )
+    assert "randomly initialised preset" in run_failing(
+        [PPO, *TINY, "--overwrite", "--reward-model", "builtin:tiny-gpt2"], tmp_path
+    )
 
 
 def test_health_check_warns_on_reward_hacking():
@@ -466,9 +474,9 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     )
     assert "ppo: 1 updates" in out
     adapter = str(tmp_path / "rm" / "reward_adapter")
-    assert "add --use-peft" in run_failing([PPO, *TINY, "--reward-adapter", adapter], tmp_path)
+    assert "add --use-peft" in run_failing([PPO, *TINY, "--overwrite", "--reward-adapter", adapter], tmp_path)
     assert "must share the base model" in run_failing(
-        [PPO, *TINY, "--use-peft", "--model-name", "builtin:tiny-t5", "--reward-adapter", adapter], tmp_path
+        [PPO, *TINY, "--overwrite", "--use-peft", "--model-name", "builtin:tiny-t5", "--reward-adapter", adapter], tmp_path
     )
 
 
