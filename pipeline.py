@@ -26,9 +26,8 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common.core import logprobs_from_logits
-from common.loading import reward_model_text
+from common.loading import load_data, reward_model_text
 from common.run import MARKER, cli
-from presets.data import chatterbot_pairs, vader_preferences
 
 
 @dataclass
@@ -66,7 +65,8 @@ class Args:
 def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
     """Write the built-in dialogue, preference pairs and prompts as jsonl files without the held-out prompts,
     so no stage sees them; return the held-out prompts."""
-    pairs = chatterbot_pairs()
+    dialogue = load_data("builtin:chatterbot-dialogue")  # the built-ins, by name as every script reaches them
+    pairs = [(p, c.removeprefix(" ")) for p, c in zip(dialogue["prompt"], dialogue["completion"])]  # " " + reply
     # Every line of the dialogue is a prompt, not only the openers of builtin:chatterbot-prompts: measured on openers
     # alone, PPO learned to leave more answers empty, which the reward model trained here scores above the SFT
     # policy's attempts at many trivia questions (seed 1: 20 -> 67 of 256 held-out answers; VADER fell in 2 of 3 seeds)
@@ -75,7 +75,9 @@ def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
     held = set(prompts[:heldout])
     tables = {
         "sft": [dict(prompt=p, completion=" " + c, text=f"{p} {c}") for p, c in pairs if p not in held],
-        "preferences": [row for row in vader_preferences(seed) if row["prompt"] not in held],
+        "preferences": [
+            row for row in load_data("builtin:vader-preferences", seed=seed).to_list() if row["prompt"] not in held
+        ],
         "prompts": [dict(prompt=p) for p in prompts[heldout:]],
     }
     os.makedirs(directory, exist_ok=True)

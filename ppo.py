@@ -14,7 +14,6 @@ Usage:
 
 import copy
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -640,12 +639,10 @@ def main(args: Args) -> None:
                 }
             )
             metrics = reduce_mean(accelerator, metrics)
-        norms = [float(g) for g in grad_norms if g is not None]  # none without --max-grad-norm
-        metrics["ppo/grad_norm"] = sum(norms) / len(norms) if norms else math.nan
-        check_finite(
-            update + 1,
-            {"ppo/loss/total": metrics["ppo/loss/total"]} | ({"ppo/grad_norm": metrics["ppo/grad_norm"]} if norms else {}),
-        )
+        norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
+        if norms:
+            metrics["ppo/grad_norm"] = sum(norms) / len(norms)
+        check_finite(update + 1, {k: metrics[k] for k in ("ppo/loss/total", "ppo/grad_norm") if k in metrics})
         mean_kl = metrics["objective/kl"]
         metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
         kl_ctl.update(mean_kl, args.batch_size * args.world_size)  # towards its target KL (Ziegler et al. 2019)

@@ -3,6 +3,7 @@ offline built-in (`builtin:` names, resolved by `builtin` below: the one door to
 one-line error; and the checks every script runs on the data it loaded (columns, value kinds, the held-out split).
 """
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -11,7 +12,6 @@ import os
 import socket
 import sysconfig
 import traceback
-from functools import partial
 from urllib.parse import urlparse
 
 import torch
@@ -49,24 +49,22 @@ def resolve(name: str) -> str:
 FLAGS: dict[str, str] = {}
 
 
+@functools.cache
 def hub_reachable() -> bool:
-    """Whether the hub can be reached: False under HF_HUB_OFFLINE, else one connection attempt (at most 2 s). When it
-    cannot, the hub libraries are put in offline mode for the rest of the run: a hub id then loads from the local
-    cache at once, or fails at once, instead of after 45 s of retries."""
+    """Whether the hub can be reached (one 2-s connection attempt, unless HF_HUB_OFFLINE); if not, the hub libraries go
+    offline for the run, so a hub id loads from the local cache or fails at once instead of after 45 s of retries."""
     import huggingface_hub.constants as hub
 
-    if not hub.HF_HUB_OFFLINE and not _REACHABLE:
-        try:
-            socket.create_connection((urlparse(hub.ENDPOINT).hostname, 443), timeout=2).close()
-            _REACHABLE.append(True)
-        except OSError:
-            import datasets.config
+    if hub.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection((urlparse(hub.ENDPOINT).hostname, 443), timeout=2).close()
+        return True
+    except OSError:
+        import datasets.config
 
-            hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-    return not hub.HF_HUB_OFFLINE
-
-
-_REACHABLE: list[bool] = []
+        hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+        return False
 
 
 def located(load, name: str, what: str):
@@ -293,7 +291,9 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
         return presets.pipeline(builtin(name, "pipeline"), seed)
     from diffusers import StableDiffusionPipeline
 
-    load = partial(StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs)
+    load = functools.partial(
+        StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs
+    )
     return located(load, name, "pipeline")
 
 
