@@ -15,6 +15,7 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
+import functools
 import json
 import math
 import os
@@ -30,8 +31,9 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from agents import Agent, Episodes, episode_text
 from common.chat import text_of
-from common.core import UsageError, check_args, exact_div, masked_mean, weight_decay_groups
+from common.core import UsageError, check_args, exact_div, masked_mean, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
 from common.run import (
@@ -45,7 +47,15 @@ from common.run import (
     write_model_card,
 )
 from fast_paths import FastGenerator, sampling_kwargs
-from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
+from rewards import (
+    degenerate_batch,
+    distinct_answers,
+    is_number,
+    load_rewards,
+    load_task,
+    prompt_ids,
+    score_completions,
+)
 
 
 @dataclass
@@ -170,6 +180,22 @@ class Args:
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
+
+    # Tools and environments: multi-turn episodes (agents.py)
+    tools: list[str] = field(default_factory=list)
+    """functions the model may call: calculator (built-in), or "module:function" / "file.py:function", each with type
+    hints and a docstring (its JSON schema reaches the model through the chat template's tools=)"""
+    environment: str | None = None
+    """an environment class, one instance per episode: guess_number (built-in) or "file.py:Class"; reset(**row) starts
+    it, its public methods are the episode's tools, its get_reward() one more reward (TRL's environment_factory)"""
+    max_tool_calling_iterations: int | None = None
+    """rounds of tool calls per episode (None: as many as --max-completion-length allows, which bounds the model's and
+    the tools' tokens together)"""
+    tool_timeout: float = 10.0
+    """seconds a tool call may run; a slower one becomes an error message to the model, counted as a failure"""
+    chat_template_path: str | None = None
+    """a Jinja chat template that renders tools, calls and results (None: the tokenizer's own if it can, else
+    agents.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
 
     # LoRA
     use_peft: bool = False
@@ -309,13 +335,20 @@ def main(args: Args) -> None:
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
+    agent = Agent(args, tokenizer) if args.tools or args.environment else None  # multi-turn episodes with tools
+    schemas = agent.schemas if agent else None
+    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
+    if agent and not chat:
+        raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
     eval_rows = eval_rows[: args.eval_samples]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
-    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), device=device)  # one each: check()
+    weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: check()
+    if agent and agent.reward_function():  # the environment's get_reward(), weight 1 (TRL)
+        reward_funcs, weights = reward_funcs + [agent.reward_function()], weights + [1.0]
+    weights = torch.tensor(weights, device=device)
     distinct = len({json.dumps(r["prompt"]) for r in train_rows})
     accelerator.print(
         f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "
@@ -324,14 +357,20 @@ def main(args: Args) -> None:
     )
     model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
     unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, tokenizer, unwrapped, accelerator)
+    render_ids = functools.partial(prompt_ids, tokenizer, chat=chat, system_prompt=args.system_prompt, tools=schemas)
+    sampler = Sampler(args, tokenizer, unwrapped, accelerator, agent, render_ids)
     resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights
     start_update = resumed.get("update", 0)
 
-    def score(rows, completions, mask, ended):  # rewards [N, F] of the decoded completions
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    def score(rows, rollout):  # rewards [N, F] of the completions (decoded, or the episodes' messages) and their texts
+        completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
         ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-        return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
+        if episodes is None:
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
+        environments = rollout.environments if agent.factory else None
+        rewards = score_completions(reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)
+        return rewards, [episode_text(m) for m in episodes.messages]
 
     first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
     first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
@@ -345,17 +384,24 @@ def main(args: Args) -> None:
         order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * world + accelerator.process_index) * args.batch_size
         rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
-        prompts, prompt_mask = sampler.pad_left(rows)
         unwrapped.eval()
-        completions, mask, ended = sampler.generate(prompts, prompt_mask)  # [N, T], N = batch_size * G
+        rollout = sampler.rollout(rows)  # completions [N, T], N = batch_size * G; with tools, whole episodes
+        prompts, prompt_mask, completions, mask, ended = (
+            rollout.prompts,
+            rollout.prompt_mask,
+            rollout.completions,
+            rollout.mask,
+            rollout.ended,
+        )
+        model_mask = rollout.model_mask  # the model's own tokens: all of mask, but tool results in an episode
         generate_time = time.time() - update_start
 
         # 2. score: every reward function on every completion, a weighted sum; DAPO's overlong punishment
-        rewards_per_func, completions_text = score(rows, completions, mask, ended)  # [N, F]
+        rewards_per_func, completions_text = score(rows, rollout)  # [N, F]
         rewards = (rewards_per_func * weights).nansum(1)
         rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.overlong_buffer:
-            lengths = mask.sum(1)
+            lengths = model_mask.sum(1)
             over = (lengths - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
 
@@ -364,7 +410,7 @@ def main(args: Args) -> None:
         all_advantages, is_std_zero = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
         local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
         advantages = all_advantages[local]
-        loss_mask = mask.clone()
+        loss_mask = model_mask.clone()  # tool and environment tokens: context, never loss
         if args.mask_truncated_completions:  # DAPO: a cut completion's tokens take no part in the loss
             loss_mask = loss_mask * ended[:, None].float()
         if args.drop_zero_std_groups:  # DAPO's dynamic sampling: equal rewards in a group carry no gradient
@@ -418,7 +464,8 @@ def main(args: Args) -> None:
                     )
                     # grpo / bnpo / dr_grpo average each mini-batch: the step's gradient is their mean
                     accelerator.backward(loss if args.loss_type == "dapo" else loss / args.gradient_accumulation_steps)
-                    stats_list.append(stats | {"entropy": torch.stack([(entropy * mask[mb]).sum(), mask[mb].sum()])})
+                    entropy_stats = torch.stack([(entropy * model_mask[mb]).sum(), model_mask[mb].sum()])
+                    stats_list.append(stats | {"entropy": entropy_stats})
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
@@ -426,7 +473,7 @@ def main(args: Args) -> None:
 
         # ================================ bookkeeping ================================
         all_rewards_per_func = accelerator.gather(rewards_per_func)
-        lengths, all_ended = accelerator.gather(mask.sum(1)), accelerator.gather(ended)
+        lengths, all_ended = accelerator.gather(model_mask.sum(1)), accelerator.gather(ended)
         metrics = {
             f"rewards/{spec}/{stat}": value
             for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
@@ -449,6 +496,8 @@ def main(args: Args) -> None:
             "time/generate": generate_time,
             "time/step": time.time() - update_start,
         }
+        if rollout.episodes is not None:
+            metrics |= episode_metrics(accelerator, rollout)
         for reason in degenerate_batch(lengths, all_ended, all_rewards, args.mask_truncated_completions):
             degenerate += 1  # not silent: a warning line and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
@@ -497,9 +546,11 @@ def check(args: Args) -> None:
         positive=(
             "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations "
             "learning_rate max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length "
-            "eval_samples log_freq train_size eval_size"
+            "eval_samples log_freq train_size eval_size tool_timeout"
         ),
-        non_negative="beta weight_decay top_k eval_freq save_freq overlong_buffer overlong_penalty",
+        non_negative=(
+            "beta weight_decay top_k eval_freq save_freq overlong_buffer overlong_penalty max_tool_calling_iterations"
+        ),
         fractions="eval_fraction",
     )
     if args.num_generations < 2:
@@ -509,6 +560,8 @@ def check(args: Args) -> None:
             f"--top-p {args.top_p} lies in (0, 1]; --overlong-buffer {args.overlong_buffer} must be below "
             f"--max-completion-length {args.max_completion_length}."
         )
+    if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
+        warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     sources = len(args.reward_funcs) + (args.reward_model is not None)
     if args.reward_weights and len(args.reward_weights) != sources:
         raise UsageError(
@@ -562,12 +615,29 @@ def resume(args: Args, accelerator: Accelerator, num_updates: int) -> dict:
     return resumed
 
 
+@dataclass
+class Rollout:
+    """Sampled completions: left-padded prompts [N, P] and their mask, right-padded completions [N, T], their mask (the
+    context), the mask of the policy's own tokens (the loss; tool results excluded), whether each ended with EOS [N];
+    with tools, the episodes (agents.Episodes) and their environments."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    completions: torch.Tensor
+    mask: torch.Tensor
+    model_mask: torch.Tensor
+    ended: torch.Tensor
+    episodes: Episodes | None = None
+    environments: list | None = None
+
+
 class Sampler:
     """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator` (the same distribution)."""
+    `FastGenerator` (the same distribution); with an `agent`, multi-turn episodes with tools (agents.py)."""
 
-    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator):
+    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator, agent=None, render_ids=None):
         self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
+        self.agent, self.render_ids = agent, render_ids
         self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
         self.fast = None
         if (
@@ -578,15 +648,38 @@ class Sampler:
         ):
             self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
         accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+        if agent:
+            tools = ", ".join(s["function"]["name"] for s in agent.schemas)
+            accelerator.print(f"episodes: tools {tools}; chat template: {agent.template}")
 
-    def pad_left(self, rows: list[dict]):
-        batch = self.tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
+    def pad_left(self, token_lists: list[list[int]]):
+        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
         return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
+    def rollout(self, rows: list[dict]) -> Rollout:
+        """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
+        if self.agent is None:
+            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
+            completions, mask, ended = self.generate(prompts, prompt_mask)
+            return Rollout(prompts, prompt_mask, completions, mask, mask, ended)
+
+        def generate(contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+            completions, mask, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
+            return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+
+        episodes, environments = self.agent.run(rows, generate, self.render_ids)
+        device, width = self.accelerator.device, max(1, *map(len, episodes.completion_ids))
+        padded = lambda lists, value: torch.tensor([x + [value] * (width - len(x)) for x in lists], device=device)  # noqa: E731
+        completions = padded(episodes.completion_ids, self.tokenizer.pad_token_id)
+        mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
+        model_mask = padded(episodes.model_mask, 0).float()
+        ended = torch.tensor(episodes.ended, device=device)
+        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, environments)
+
     @torch.no_grad()
-    def generate(self, prompts, prompt_mask):
+    def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None):
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
-        tokenizer, length = self.tokenizer, self.args.max_completion_length
+        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
         with self.accelerator.autocast():
             if self.fast is not None:
                 completions = self.fast(prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
@@ -636,12 +729,15 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
     rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
     totals = torch.zeros(3, device=device)
     table = {"prompt": [], "completion": [], "answer": [], "score": []}
+    episodes = []
     for i in range(0, len(rows), 64):
         chunk = rows[i : i + 64]
-        completions, mask, ended = sampler.generate(*sampler.pad_left(chunk))
-        scores, texts = score(chunk, completions, mask, ended)
+        rollout = sampler.rollout(chunk)
+        scores, texts = score(chunk, rollout)
         scores = scores[:, 0]
-        totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
+        count = torch.tensor(len(chunk), device=device)
+        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
+        episodes.append(rollout)
         table = {
             "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
             "completion": table["completion"] + texts,
@@ -657,9 +753,37 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
         "eval/completion_length": (totals[1] / totals[2]).item(),
         "eval/top_answer_share": float(top_share),
     }
+    if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks (weight 0: a rank's filler)
+        totals = accelerator.reduce(weight * sum(episode_totals(r) for r in episodes), "sum")
+        metrics |= {f"eval/{k}": v for k, v in episode_stats(totals).items()}
     logger.log(metrics, update)
     logger.samples("eval samples", table, update)
     return metrics
+
+
+def episode_totals(rollout: Rollout) -> torch.Tensor:
+    """Sums over a rollout's episodes: episodes, tool calls, failed calls, turns, the model's tokens, the tools' tokens."""
+    e = rollout.episodes
+    model_tokens, all_tokens = rollout.model_mask.sum(), rollout.mask.sum()
+    values = [len(e.turns), sum(e.tool_calls), sum(e.failures), sum(e.turns), model_tokens, all_tokens - model_tokens]
+    return torch.tensor([float(v) for v in values], device=rollout.mask.device)
+
+
+def episode_stats(totals: torch.Tensor) -> dict[str, float]:
+    """Per-episode means of `episode_totals` (summed over processes), and the share of the calls that failed."""
+    episodes, calls, failures, turns, model_tokens, tool_tokens = totals.tolist()
+    return {
+        "tools/call_frequency": calls / episodes,  # TRL's name: tool calls per episode
+        "tools/failure_frequency": failures / calls if calls else 0.0,  # TRL's name: the share of calls that failed
+        "episodes/turns": turns / episodes,
+        "episodes/model_tokens": model_tokens / episodes,
+        "episodes/tool_tokens": tool_tokens / episodes,
+    }
+
+
+def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, float]:
+    """The tool-use metrics of an update's episodes, pooled over the processes."""
+    return episode_stats(accelerator.reduce(episode_totals(rollout), "sum"))
 
 
 def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:

@@ -125,14 +125,19 @@ def check_rewards(values, n: int, name: str) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
 
 
-def score_completions(reward_funcs, rows: list[dict], completions: list[str], completion_ids, ended, device) -> torch.Tensor:
-    """Rewards [N, F] of each completion (text) by each (name, function) in `reward_funcs`, NaN where a function returned
-    None, called with TRL 1.x's keywords (see the module docstring) and `ended`."""
+def score_completions(
+    reward_funcs, rows: list[dict], completions, completion_ids, ended, device, environments=None
+) -> torch.Tensor:
+    """Rewards [N, F] of each completion (text, or an episode's messages) by each (name, function) in `reward_funcs`,
+    NaN where a function returned None, called with TRL 1.x's keywords (see the module docstring), `ended`, and the
+    episodes' `environments` when there are some."""
     prompts = [r["prompt"] for r in rows]
-    if is_conversation(prompts[0]):  # TRL: conversational completions are assistant messages
+    if is_conversation(prompts[0]) and isinstance(completions[0], str):  # TRL: conversational completions are messages
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, ended=ended, **columns)
+    if environments is not None:
+        kwargs["environments"] = environments
     rewards = []
     for name, function in reward_funcs:
         try:
@@ -157,15 +162,17 @@ def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[di
     return [dict(prompt=e["question"], answer=str(e["answer"]), rg_entry=json.dumps(e, default=str)) for e in problems]
 
 
-def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int | None) -> tuple[list[dict], list[dict], bool]:
+def load_task(
+    args, tokenizer, prompt_column: str, max_prompt_length: int | None, tools=None
+) -> tuple[list[dict], list[dict], bool]:
     """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `seed`, and
     `eval_size` distinct held-out ones from seed + 1), or a dataset with a prompt and an answer column (`eval_fraction`
     held out). No held-out question occurs in training: training rows that repeat one are dropped. Prompts go through the
     chat template (`use_chat`: messages, or strings with `chat_template` for a tokenizer that has one; then a
     reasoning-gym question becomes a user message ending with `task_instruction`); each row gets the token ids of its
-    rendered prompt (with `system_prompt`), the last `max_prompt_length` kept (None: all). Also returns whether prompts
-    are chats. `args` holds those fields and dataset_name, task_config, dataset_split, answer_column (the scripts'
-    names)."""
+    rendered prompt (`prompt_ids`, with `system_prompt` and the `tools` schemas), the last `max_prompt_length` kept
+    (None: all). Also returns whether prompts are chats. `args` holds those fields and dataset_name, task_config,
+    dataset_split, answer_column (the scripts' names)."""
     dataset_name, seed, eval_size, chat_template = args.dataset_name, args.seed, args.eval_size, args.chat_template
     if dataset_name.startswith("reasoning-gym:"):
         task = dataset_name.split(":", 1)[1]
@@ -198,10 +205,21 @@ def load_task(args, tokenizer, prompt_column: str, max_prompt_length: int | None
             "more problems (--train-size, --task-config)"
         )
     for row in train_rows + eval_rows:
-        text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]
-        ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
-        row["prompt_ids"] = ids[-max_prompt_length:] if max_prompt_length else ids
+        row["prompt_ids"] = prompt_ids(tokenizer, row["prompt"], chat, args.system_prompt, max_prompt_length, tools)
     return train_rows, eval_rows, chat
+
+
+def prompt_ids(tokenizer, prompt, chat: bool, system_prompt=None, max_length: int | None = None, tools=None) -> list[int]:
+    """The token ids of a prompt, rendered by the chat template (with `system_prompt` and the `tools` schemas) when
+    `chat`, its last `max_length` kept (None: all). With tools, a prompt that would lose its first tokens (the tool
+    schemas) is a one-line error instead."""
+    text = render(tokenizer, prompt, system_prompt=system_prompt, tools=tools)[0] if chat else prompt
+    ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+    if tools and max_length and len(ids) > max_length:
+        raise UsageError(
+            f"a prompt with the tool schemas takes {len(ids)} tokens, over --max-prompt-length {max_length}: raise it"
+        )
+    return ids[-max_length:] if max_length else ids
 
 
 def load_rewards(specs: list[str], rows: list[dict], device, chat: bool, reward_model=None, label=None, dtype="float32"):

@@ -14,6 +14,7 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
+import functools
 import json
 import math
 import os
@@ -29,8 +30,9 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from agents import Agent, Episodes, episode_text
 from common.chat import text_of
-from common.core import UsageError, check_args, exact_div, weight_decay_groups
+from common.core import UsageError, check_args, exact_div, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, reference_context
 from common.run import (
@@ -44,7 +46,15 @@ from common.run import (
     write_model_card,
 )
 from fast_paths import FastGenerator, sampling_kwargs
-from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, score_completions
+from rewards import (
+    degenerate_batch,
+    distinct_answers,
+    is_number,
+    load_rewards,
+    load_task,
+    prompt_ids,
+    score_completions,
+)
 
 
 @dataclass
@@ -161,6 +171,22 @@ class Args:
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
 
+    # Tools and environments: multi-turn episodes (agents.py)
+    tools: list[str] = field(default_factory=list)
+    """functions the model may call: calculator (built-in), or "module:function" / "file.py:function", each with type
+    hints and a docstring (its JSON schema reaches the model through the chat template's tools=)"""
+    environment: str | None = None
+    """an environment class, one instance per episode: guess_number (built-in) or "file.py:Class"; reset(**row) starts
+    it, its public methods are the episode's tools, its get_reward() one more reward (TRL's environment_factory)"""
+    max_tool_calling_iterations: int | None = None
+    """rounds of tool calls per episode (None: as many as --max-completion-length allows, which bounds the model's and
+    the tools' tokens together)"""
+    tool_timeout: float = 10.0
+    """seconds a tool call may run; a slower one becomes an error message to the model, counted as a failure"""
+    chat_template_path: str | None = None
+    """a Jinja chat template that renders tools, calls and results (None: the tokenizer's own if it can, else
+    agents.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
+
     # LoRA
     use_peft: bool = False
     """train LoRA adapters (merged at the end); with beta > 0 the reference is the adapter-disabled policy"""
@@ -246,13 +272,20 @@ def main(args: Args) -> None:
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
+    agent = Agent(args, tokenizer) if args.tools or args.environment else None  # multi-turn episodes with tools
+    schemas = agent.schemas if agent else None
+    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
+    if agent and not chat:
+        raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
     eval_rows = eval_rows[: args.eval_samples]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
-    weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), device=device)  # one each: check()
+    weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: check()
+    if agent and agent.reward_function():  # the environment's get_reward(), weight 1 (TRL)
+        reward_funcs, weights = reward_funcs + [agent.reward_function()], weights + [1.0]
+    weights = torch.tensor(weights, device=device)
     distinct = len({json.dumps(r["prompt"]) for r in train_rows})
     accelerator.print(
         f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "
@@ -261,14 +294,20 @@ def main(args: Args) -> None:
     )
     model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
     unwrapped = accelerator.unwrap_model(model)
-    sampler = Sampler(args, tokenizer, unwrapped, accelerator)
+    render_ids = functools.partial(prompt_ids, tokenizer, chat=chat, system_prompt=args.system_prompt, tools=schemas)
+    sampler = Sampler(args, tokenizer, unwrapped, accelerator, agent, render_ids)
     resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights
     start_update = resumed.get("update", 0)
 
-    def score(rows, completions, mask, ended):  # rewards [N, F] of the decoded completions
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    def score(rows, rollout):  # rewards [N, F] of the completions (decoded, or the episodes' messages) and their texts
+        completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
         ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-        return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
+        if episodes is None:
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
+        environments = rollout.environments if agent.factory else None
+        rewards = score_completions(reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)
+        return rewards, [episode_text(m) for m in episodes.messages]
 
     first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
     first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
@@ -282,13 +321,21 @@ def main(args: Args) -> None:
         order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * world + accelerator.process_index) * args.batch_size
         rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
-        prompts, prompt_mask = sampler.pad_left(rows)
         unwrapped.eval()
-        completions, mask, ended = sampler.generate(prompts, prompt_mask)  # [N, T], N = batch_size * k
+        rollout = sampler.rollout(rows)  # completions [N, T], N = batch_size * k; with tools, whole episodes
+        prompts, prompt_mask, completions, mask, ended = (
+            rollout.prompts,
+            rollout.prompt_mask,
+            rollout.completions,
+            rollout.mask,
+            rollout.ended,
+        )
+        model_mask = rollout.model_mask  # the model's own tokens: all of mask, but tool results in an episode
         generate_time = time.time() - update_start
 
-        # the tokens the loss reads; `mask` stays the completion's own tokens (what is scored, measured, attended to)
-        loss_mask = mask * ended[:, None].float() if args.mask_truncated_completions else mask  # cut: no loss, no KL
+        # the tokens the loss reads; `mask` stays the completion's tokens (what is scored and attended to), model_mask
+        # the policy's own (the lengths); tool results and cut completions (with the flag) take no part in loss and KL
+        loss_mask = model_mask * ended[:, None].float() if args.mask_truncated_completions else model_mask
 
         # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
         #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
@@ -307,7 +354,7 @@ def main(args: Args) -> None:
 
         # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
         #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
-        rewards_per_func, completions_text = score(rows, completions, mask, ended)  # [N, F]
+        rewards_per_func, completions_text = score(rows, rollout)  # [N, F]
         scores = (rewards_per_func * weights).nansum(1)
         scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.reward_clip_range is not None:
@@ -343,7 +390,7 @@ def main(args: Args) -> None:
 
         # ================================ bookkeeping ================================
         all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
-        lengths, all_ended, loss_tokens = accelerator.gather((mask.sum(1), ended, loss_mask.sum()[None]))
+        lengths, all_ended, loss_tokens = accelerator.gather((model_mask.sum(1), ended, loss_mask.sum()[None]))
         is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
         metrics = {
             f"rewards/{spec}/{stat}": value
@@ -370,6 +417,8 @@ def main(args: Args) -> None:
             "time/generate": generate_time,
             "time/step": time.time() - update_start,
         }
+        if rollout.episodes is not None:
+            metrics |= episode_metrics(accelerator, rollout)
         for reason in degenerate_batch(lengths, all_ended, all_scores, args.mask_truncated_completions):
             degenerate += 1  # not silent: a warning line and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
@@ -417,9 +466,9 @@ def check(args: Args) -> None:
         positive=(
             "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations "
             "learning_rate max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length "
-            "eval_samples log_freq train_size eval_size"
+            "eval_samples log_freq train_size eval_size tool_timeout"
         ),
-        non_negative="beta weight_decay top_k eval_freq save_freq",
+        non_negative="beta weight_decay top_k eval_freq save_freq max_tool_calling_iterations",
         fractions="eval_fraction",
     )
     if args.num_generations < 2:
@@ -430,6 +479,8 @@ def check(args: Args) -> None:
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
         raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
+    if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
+        warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     sources = len(args.reward_funcs) + (args.reward_model is not None)
     if args.reward_weights and len(args.reward_weights) != sources:
         raise UsageError(
@@ -483,12 +534,29 @@ def resume(args: Args, accelerator: Accelerator, num_updates: int) -> dict:
     return resumed
 
 
+@dataclass
+class Rollout:
+    """Sampled completions: left-padded prompts [N, P] and their mask, right-padded completions [N, T], their mask (the
+    context), the mask of the policy's own tokens (the loss; tool results excluded), whether each ended with EOS [N];
+    with tools, the episodes (agents.Episodes) and their environments."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    completions: torch.Tensor
+    mask: torch.Tensor
+    model_mask: torch.Tensor
+    ended: torch.Tensor
+    episodes: Episodes | None = None
+    environments: list | None = None
+
+
 class Sampler:
     """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator` (the same distribution)."""
+    `FastGenerator` (the same distribution); with an `agent`, multi-turn episodes with tools (agents.py)."""
 
-    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator):
+    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator, agent=None, render_ids=None):
         self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
+        self.agent, self.render_ids = agent, render_ids
         self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
         self.fast = None
         if (
@@ -499,15 +567,38 @@ class Sampler:
         ):
             self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
         accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+        if agent:
+            tools = ", ".join(s["function"]["name"] for s in agent.schemas)
+            accelerator.print(f"episodes: tools {tools}; chat template: {agent.template}")
 
-    def pad_left(self, rows: list[dict]):
-        batch = self.tokenizer.pad({"input_ids": [r["prompt_ids"] for r in rows]}, return_tensors="pt")
+    def pad_left(self, token_lists: list[list[int]]):
+        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
         return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
+    def rollout(self, rows: list[dict]) -> Rollout:
+        """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
+        if self.agent is None:
+            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
+            completions, mask, ended = self.generate(prompts, prompt_mask)
+            return Rollout(prompts, prompt_mask, completions, mask, mask, ended)
+
+        def generate(contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+            completions, mask, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
+            return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+
+        episodes, environments = self.agent.run(rows, generate, self.render_ids)
+        device, width = self.accelerator.device, max(1, *map(len, episodes.completion_ids))
+        padded = lambda lists, value: torch.tensor([x + [value] * (width - len(x)) for x in lists], device=device)  # noqa: E731
+        completions = padded(episodes.completion_ids, self.tokenizer.pad_token_id)
+        mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
+        model_mask = padded(episodes.model_mask, 0).float()
+        ended = torch.tensor(episodes.ended, device=device)
+        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, environments)
+
     @torch.no_grad()
-    def generate(self, prompts, prompt_mask):
+    def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None):
         """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
-        tokenizer, length = self.tokenizer, self.args.max_completion_length
+        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
         with self.accelerator.autocast():
             if self.fast is not None:
                 completions = self.fast(prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
@@ -557,12 +648,15 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
     rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
     totals = torch.zeros(3, device=device)
     table = {"prompt": [], "completion": [], "answer": [], "score": []}
+    episodes = []
     for i in range(0, len(rows), 64):
         chunk = rows[i : i + 64]
-        completions, mask, ended = sampler.generate(*sampler.pad_left(chunk))
-        scores, texts = score(chunk, completions, mask, ended)
+        rollout = sampler.rollout(chunk)
+        scores, texts = score(chunk, rollout)
         scores = scores[:, 0]
-        totals += weight * torch.stack([scores.nan_to_num().sum(), mask.sum(), torch.tensor(len(chunk), device=device)])
+        count = torch.tensor(len(chunk), device=device)
+        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
+        episodes.append(rollout)
         table = {
             "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
             "completion": table["completion"] + texts,
@@ -578,9 +672,37 @@ def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger,
         "eval/completion_length": (totals[1] / totals[2]).item(),
         "eval/top_answer_share": float(top_share),
     }
+    if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks (weight 0: a rank's filler)
+        totals = accelerator.reduce(weight * sum(episode_totals(r) for r in episodes), "sum")
+        metrics |= {f"eval/{k}": v for k, v in episode_stats(totals).items()}
     logger.log(metrics, update)
     logger.samples("eval samples", table, update)
     return metrics
+
+
+def episode_totals(rollout: Rollout) -> torch.Tensor:
+    """Sums over a rollout's episodes: episodes, tool calls, failed calls, turns, the model's tokens, the tools' tokens."""
+    e = rollout.episodes
+    model_tokens, all_tokens = rollout.model_mask.sum(), rollout.mask.sum()
+    values = [len(e.turns), sum(e.tool_calls), sum(e.failures), sum(e.turns), model_tokens, all_tokens - model_tokens]
+    return torch.tensor([float(v) for v in values], device=rollout.mask.device)
+
+
+def episode_stats(totals: torch.Tensor) -> dict[str, float]:
+    """Per-episode means of `episode_totals` (summed over processes), and the share of the calls that failed."""
+    episodes, calls, failures, turns, model_tokens, tool_tokens = totals.tolist()
+    return {
+        "tools/call_frequency": calls / episodes,  # TRL's name: tool calls per episode
+        "tools/failure_frequency": failures / calls if calls else 0.0,  # TRL's name: the share of calls that failed
+        "episodes/turns": turns / episodes,
+        "episodes/model_tokens": model_tokens / episodes,
+        "episodes/tool_tokens": tool_tokens / episodes,
+    }
+
+
+def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, float]:
+    """The tool-use metrics of an update's episodes, pooled over the processes."""
+    return episode_stats(accelerator.reduce(episode_totals(rollout), "sum"))
 
 
 def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:

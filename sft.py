@@ -11,6 +11,7 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml sft.py --model-name gpt2 --dataset-name data.jsonl
 """
 
+import json
 import math
 import os
 import time
@@ -24,6 +25,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from agents import use_tool_template
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.core import UsageError, check_args, pad_right, weight_decay_groups
 from common.loading import (
@@ -89,6 +91,9 @@ class Args:
     when it has one (messages always are); --no-chat-template: raw text, as TRL does with string pairs"""
     system_prompt: str | None = None
     """a system message put before every chat prompt that has none (None: the template's default, if any)"""
+    chat_template_path: str | None = None
+    """a Jinja chat template file to render the data with (saved with the model); None: the tokenizer's own, or for
+    messages with tool calls that it cannot render, agents.TOOL_TEMPLATE on ChatML models such as SmolLM2"""
     assistant_only_loss: bool = False
     """messages data: the loss on the assistant turns only, each with its end-of-turn token (TRL 1.x)"""
     response_template: str | None = None
@@ -191,22 +196,25 @@ def neftune_hook(alpha: float):
     return hook
 
 
-def render_conversation(tokenizer, messages: list[dict], system_prompt: str | None = None) -> str:
-    """A whole conversation rendered, ending with the end-of-turn token (EOS appended where the template ends the turn
-    with another token)."""
-    text = tokenizer.apply_chat_template(as_messages(messages, "user", system_prompt), tokenize=False).rstrip()
+def render_conversation(tokenizer, messages: list[dict], system_prompt: str | None = None, tools=None) -> str:
+    """A whole conversation rendered (with the `tools` schemas), ending with the end-of-turn token (EOS appended where
+    the template ends the turn with another token)."""
+    messages = as_messages(messages, "user", system_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False).rstrip()
     return text if not tokenizer.eos_token or text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
 
 
-def conversation_pieces(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[tuple[str, bool]]:
+def conversation_pieces(
+    tokenizer, messages: list[dict], system_prompt: str | None = None, tools=None
+) -> list[tuple[str, bool]]:
     """A whole conversation rendered as consecutive (text, is_assistant) pieces: each assistant turn is the answer that
     continues the conversation before it (`render`), the rest is what the template puts around them. Their
     concatenation is the rendered conversation (checked); TRL's --assistant-only-loss trains on the assistant pieces."""
     messages, pieces, done = as_messages(messages, "user", system_prompt), [], ""
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     for i, message in enumerate(messages):
         if message["role"] == "assistant" and i > 0:
-            prompt_text, answer_text = render(tokenizer, messages[:i], [message])
+            prompt_text, answer_text = render(tokenizer, messages[:i], [message], tools=tools)
             if not (prompt_text.startswith(done) and full.startswith(prompt_text + answer_text)):
                 raise UsageError(
                     "the chat template renders the conversation differently from its turns one by one: "
@@ -215,6 +223,12 @@ def conversation_pieces(tokenizer, messages: list[dict], system_prompt: str | No
             pieces += [(prompt_text[len(done) :], False), (answer_text, True)]
             done = prompt_text + answer_text
     return [(text, flag) for text, flag in pieces + [(full[len(done) :].rstrip(), False)] if text]
+
+
+def row_tools(row: dict) -> list[dict] | None:
+    """A row's tool schemas (TRL's `tools` column: JSON schemas, or their JSON text), for the chat template."""
+    tools = row.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else tools
 
 
 def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
@@ -263,6 +277,9 @@ if __name__ == "__main__":
     )
     if args.assistant_only_loss and not conversations:
         raise UsageError("--assistant-only-loss trains on the assistant turns of a messages column: this data has none.")
+    calls = conversations and any(m["role"] == "tool" or m.get("tool_calls") for m in dataset[0][text_column])
+    if chat and (args.chat_template_path or calls or "tools" in dataset.column_names):
+        accelerator.print(f"chat template: {use_tool_template(tokenizer, args.chat_template_path)}")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
     template_ids = tokenizer(args.response_template, add_special_tokens=False)["input_ids"] if args.response_template else None
 
@@ -280,11 +297,11 @@ if __name__ == "__main__":
                 ids = (prompt + completion)[: args.max_seq_length]
                 labels = ([-100] * len(prompt) + completion)[: args.max_seq_length]
             elif conversations and args.assistant_only_loss:  # the loss on the assistant turns only (TRL 1.x)
-                pieces = conversation_pieces(tokenizer, row[text_column], args.system_prompt)
+                pieces = conversation_pieces(tokenizer, row[text_column], args.system_prompt, row_tools(row))
                 ids, assistant = (x[: args.max_seq_length] for x in tokenize_pieces(tokenizer, pieces))
                 labels = [i if a else -100 for i, a in zip(ids, assistant)]
             elif conversations:  # a whole conversation, rendered, ending with its end-of-turn token (EOS)
-                text = render_conversation(tokenizer, row[text_column], args.system_prompt)
+                text = render_conversation(tokenizer, row[text_column], args.system_prompt, row_tools(row))
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_seq_length]
                 labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
             else:
@@ -302,7 +319,7 @@ if __name__ == "__main__":
                     [  # each conversation's closing EOS is the separator pack_sequences puts after every text
                         ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
                         for ids in tokenizer(
-                            [render_conversation(tokenizer, m, args.system_prompt) for m in split[text_column]],
+                            [render_conversation(tokenizer, r[text_column], args.system_prompt, row_tools(r)) for r in split],
                             add_special_tokens=False,
                         )["input_ids"]
                     ]
@@ -506,7 +523,8 @@ if __name__ == "__main__":
                 else " ".join(t.split()[:4])
                 for t in rows[text_column]
             ]
-        texts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] for p in prompts] if chat else prompts
+        tools = [row_tools(r) for r in rows]
+        texts = [render(tokenizer, p, None, args.system_prompt, t)[0] for p, t in zip(prompts, tools)] if chat else prompts
         keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
         ids = [i[-keep:] for i in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
         batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)

@@ -62,15 +62,15 @@ def as_messages(value, role: str = "user", system_prompt: str | None = None) -> 
     return messages
 
 
-def render(tokenizer, prompt, answer=None, system_prompt: str | None = None) -> tuple[str, str | None]:
+def render(tokenizer, prompt, answer=None, system_prompt: str | None = None, tools=None) -> tuple[str, str | None]:
     """The rendered prompt (ending with the generation prompt) and the answer that continues it, up to and including the
-    end-of-turn token (EOS appended where the template ends the turn with another token). As TRL, the prompt is the
-    common prefix of the prompt rendered alone and with the answer (templates that drop reasoning differ)."""
+    end-of-turn token (EOS appended where the template ends the turn with another token), with the `tools` schemas. As
+    TRL, the prompt is the common prefix of the prompt rendered alone and with the answer (templates may drop reasoning)."""
     messages = as_messages(prompt, "user", system_prompt)
-    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     if answer is None:
         return prompt_text, None
-    full = tokenizer.apply_chat_template(messages + as_messages(answer, "assistant"), tokenize=False)
+    full = tokenizer.apply_chat_template(messages + as_messages(answer, "assistant"), tools=tools, tokenize=False)
     prompt_text = "".join(a for a, _ in takewhile(lambda pair: pair[0] == pair[1], zip(prompt_text, full)))
     answer_text = full[len(prompt_text) :].rstrip()  # the newline after the end-of-turn token is not generated
     if tokenizer.eos_token and not answer_text.endswith(tokenizer.eos_token):

@@ -9,6 +9,14 @@ builtin:chatterbot-mixed-replies  prompt, completion: each utterance with its re
 Conversational variants (TRL's chat format, lists of {"role", "content"} messages):
 builtin:chatterbot-chat           messages: every conversation, its turns alternately the user's and the assistant's
 builtin:vader-preferences-chat    prompt (a user message), chosen, rejected (assistant messages): vader-preferences
+
+Agents (agents.py's built-in tool and environment), with SFT warm-start traces (messages with tool calls, and the
+tools' JSON schemas as a JSON string, TRL's `tools` column):
+builtin:calculator-traces         messages, tools: reasoning-gym `products` (3-digit x 3-digit, drawn with seed 1000, apart
+                                  from grpo.py's problems), each solved by one calculator call and the answer
+builtin:guess-number              prompt, answer: find a number from 1 to 100 (the answer) with the guess tool
+builtin:guess-number-traces       messages, tools: binary search for the 80 numbers that `--eval-fraction 0.2 --seed 1`
+                                  trains on (grpo.py / rloo.py hold the other 20 out)
 """
 
 import glob
@@ -24,6 +32,9 @@ DATASETS = (
     "builtin:chatterbot-mixed-replies",
     "builtin:chatterbot-chat",
     "builtin:vader-preferences-chat",
+    "builtin:calculator-traces",
+    "builtin:guess-number",
+    "builtin:guess-number-traces",
 )
 
 
@@ -99,4 +110,13 @@ def dataset(name: str, seed: int = 0) -> Dataset:
                 for r in rows
             ]
         )
+    if name in ("builtin:calculator-traces", "builtin:guess-number", "builtin:guess-number-traces"):
+        from presets import agents
+
+        rows = {
+            "builtin:calculator-traces": agents.calculator_traces,
+            "builtin:guess-number": agents.guess_number_rows,
+            "builtin:guess-number-traces": agents.guess_number_traces,
+        }[name]()
+        return Dataset.from_list(rows)
     raise KeyError(f"Unknown built-in dataset {name!r}: choose {', '.join(DATASETS)}.")

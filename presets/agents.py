@@ -1,0 +1,138 @@
+"""The offline built-ins of agents.py: a calculator tool, a number-guessing environment, and their data: problems and
+SFT warm-start traces (messages with tool calls and tool results, and a `tools` column of JSON schemas as JSON text,
+TRL's conversational tool format), served as builtin: datasets by presets/data.py.
+
+A tool is a plain function with type hints and a docstring whose Args: section describes each argument; an environment
+is a class with reset(**row), public methods as its tools and get_reward() (agents.py says the contract).
+"""
+
+import ast
+import json
+import math
+import operator
+
+from datasets import Dataset
+from transformers.utils import get_json_schema
+
+GUESS_PROMPT = (
+    "I am thinking of a whole number from 1 to 100. Find it with the guess tool: after each guess I say higher, lower or "
+    "correct. You have 7 guesses."
+)
+PRODUCTS = {"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 3}  # reasoning-gym products: 3 x 3 digits
+
+
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: the arithmetic expression, for example "123 * 456"
+    """
+    if not isinstance(expression, str) or len(expression) > 200:
+        raise ValueError("give the expression as a string of at most 200 characters")
+
+    def value(node):  # parsed by ast and walked: model output is never passed to eval or exec
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
+                raise ValueError("the power is too large")
+            result = _OPERATORS[type(node.op)](left, right)
+            if abs(result) > 1e100 or (isinstance(result, float) and not math.isfinite(result)):
+                raise ValueError("the result is too large")
+            return result
+        raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
+    result = value(ast.parse(expression.strip(), mode="eval").body)
+    return str(int(result)) if float(result).is_integer() and abs(result) < 2**53 else f"{result:.10g}"
+
+
+class GuessTheNumber:
+    """Guess a whole number from 1 to 100 within 7 guesses, told "higher" or "lower" after each: the row's `answer`
+    is the secret. The reward, 0 unsolved, is 1 for the first guess and 1/7 less for each further one."""
+
+    max_guesses = 7
+
+    def reset(self, answer, **row) -> None:
+        self.secret, self.guesses, self.solved = int(answer), 0, False
+
+    def guess(self, number: int) -> str:
+        """Guesses the secret number; the reply is "higher" (the secret is larger), "lower" or "correct".
+
+        Args:
+            number: a whole number from 1 to 100
+        """
+        if self.solved or self.guesses >= self.max_guesses:
+            return "The game is over."
+        self.guesses += 1
+        number = int(number)
+        if number == self.secret:
+            self.solved = True
+            return "correct"
+        return "higher" if self.secret > number else "lower"
+
+    def get_reward(self) -> float:
+        return (self.max_guesses + 1 - self.guesses) / self.max_guesses if self.solved else 0.0
+
+
+def guess_number_rows() -> list[dict]:
+    """The game for every number from 1 to 100: the prompt, and the number as the answer (reset's argument)."""
+    return [{"prompt": GUESS_PROMPT, "answer": str(n)} for n in range(1, 101)]
+
+
+def calculator_traces(size: int = 1000, instruction: str = "Give only the final answer.") -> list[dict]:
+    """Each question (as grpo.py renders a reasoning-gym one: the question and --task-instruction) answered by one
+    calculator call on its product and then the result."""
+    import reasoning_gym
+
+    tools = json.dumps([get_json_schema(calculator)])
+    rows = []
+    for entry in reasoning_gym.create_dataset("products", size=size, seed=1000, **PRODUCTS):
+        expression = entry["question"].split(": ", 1)[1].split(".")[0].strip()  # "Solve ...: 361 * 220. Give ..."
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        messages = [
+            {"role": "user", "content": f"{entry['question']} {instruction}"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": calculator(expression)},
+            {"role": "assistant", "content": str(entry["answer"])},
+        ]
+        rows.append({"messages": messages, "tools": tools})
+    return rows
+
+
+def guess_number_traces() -> list[dict]:
+    """Binary search for each number that grpo.py trains on with --eval-fraction 0.2 --seed 1: guess the middle of
+    what is left, then say the number."""
+    game = GuessTheNumber()
+    tools = json.dumps([get_json_schema(game.guess)])
+    rows = Dataset.from_list(guess_number_rows())  # held out as common.loading.train_eval_split does
+    training = rows.train_test_split(test_size=int(len(rows) * 0.2), seed=1)["train"]["answer"]
+    rows = []
+    for secret in sorted(int(a) for a in training):
+        game.reset(answer=secret)
+        messages, low, high, reply = [{"role": "user", "content": GUESS_PROMPT}], 1, 100, ""
+        while reply != "correct":
+            guess = (low + high) // 2
+            reply = game.guess(guess)
+            low, high = (guess + 1, high) if reply == "higher" else (low, guess - 1) if reply == "lower" else (low, high)
+            call = {"type": "function", "function": {"name": "guess", "arguments": {"number": guess}}}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append({"role": "tool", "name": "guess", "content": reply})
+        messages.append({"role": "assistant", "content": f"The number is {secret}."})
+        rows.append({"messages": messages, "tools": tools})
+    return rows

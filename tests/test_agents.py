@@ -1,0 +1,331 @@
+"""Multi-turn episodes with tools and environments (agents.py, grpo.py / rloo.py --tools / --environment): parsing,
+the safe calculator, failing tools, the episode loop's limits and masks, and whole runs on a tiny random Llama whose
+turns are scripted (a random model never writes a tool call; the log-probs and the training are the model's own)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from conftest import run_failing, run_script
+
+from agents import (
+    TOOL_TEMPLATE,
+    GuessTheNumber,
+    calculator,
+    parse_tool_calls,
+    run_calls,
+    run_episodes,
+    supports_tools,
+    tool_suffix_ids,
+    use_tool_template,
+)
+from common.loading import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_llama):
+    tokenizer = load_tokenizer(chat_llama, padding_side="left")
+    assert not supports_tools(tokenizer)  # SmolLM2's template: no tools
+    use_tool_template(tokenizer, None)
+    assert tokenizer.chat_template == TOOL_TEMPLATE and supports_tools(tokenizer)
+    return tokenizer
+
+
+def test_tool_calls_are_parsed_one_or_several_and_malformed_ones_are_failures():
+    assert parse_tool_calls("The answer is 6.") == ("The answer is 6.", [])
+    content, calls = parse_tool_calls(f"Let me compute. {CALL}\n{CALL.replace('2 * 3', '4 + 5')}")
+    assert content == "Let me compute."
+    assert calls == [
+        {"name": "calculator", "arguments": {"expression": "2 * 3"}},
+        {"name": "calculator", "arguments": {"expression": "4 + 5"}},
+    ]
+    # arguments written as a JSON string are accepted
+    quoted = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert parse_tool_calls(quoted)[1] == [{"name": "f", "arguments": {"x": 1}}]
+    for bad, why in [
+        ("<tool_call>{name: f}</tool_call>", "not JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', '{"name"'),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '{"name"'),
+        ('<tool_call>{"name": "f", "arguments": {}}', "closing"),
+    ]:
+        (call,) = parse_tool_calls(bad)[1]
+        assert why in call["error"], (bad, call)
+
+
+def test_the_calculator_evaluates_arithmetic_and_refuses_everything_else():
+    assert [calculator(e) for e in ["361 * 220", "7 / 2", "-(3 + 4) ** 2", "17 // 5", "17 % 5", "1.5 * 4"]] == [
+        "79420",
+        "3.5",
+        "-49",
+        "3",
+        "2",
+        "6",
+    ]
+    for bad in ["__import__('os').system('true')", "open('x')", "x + 1", "(1).real", "[1, 2]", "2 ** 10000", "1e308 * 10"]:
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+    with pytest.raises(ZeroDivisionError):
+        calculator("1 / 0")
+
+
+def test_failing_tools_become_error_messages_and_never_stop_or_hang_the_run():
+    def slow(seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    def raises(x: int) -> str:
+        raise RuntimeError("boom")
+
+    def number(x: int) -> int:
+        return x
+
+    tools = {"calculator": calculator, "slow": slow, "raises": raises, "number": number}
+    calls = [
+        [{"name": "calculator", "arguments": {"expression": "6 * 7"}}],
+        [{"name": "slow", "arguments": {"seconds": 30}}, {"name": "calculator", "arguments": {"expression": "1 + 1"}}],
+        [{"name": "raises", "arguments": {"x": 1}}],
+        [{"name": "number", "arguments": {"x": 1}}],
+        [{"name": "nothing", "arguments": {}}],
+        [{"name": "calculator", "arguments": {"wrong": "1"}}],
+        [{"error": "the tool call is not JSON"}],
+        [],
+    ]
+    start = time.monotonic()
+    results = run_calls(calls, [tools] * len(calls), timeout=0.3)
+    assert time.monotonic() - start < 10  # the 30-second tool was abandoned at its timeout
+    assert results[0] == [("calculator", "42", False)]
+    assert [failed for *_, failed in results[1]] == [True, True] and "--tool-timeout" in results[1][0][1]
+    assert "RuntimeError: boom" in results[2][0][1] and results[2][0][2]
+    assert "returned int, not a string" in results[3][0][1]
+    assert "unknown tool 'nothing'" in results[4][0][1]
+    assert "TypeError" in results[5][0][1] and results[5][0][2]
+    assert json.loads(results[6][0][1]) == {"error": "the tool call is not JSON"}
+    assert results[7] == []
+
+
+def scripted(tokenizer, answers):
+    """A policy whose turns are fixed: a calculator call first, then after each tool result the next of `answers`
+    (a call again where the answer is CALL); returns generate(contexts, max_new_tokens) and each episode's turns."""
+    eos = tokenizer.eos_token_id
+
+    def generate(contexts, max_new_tokens):
+        turns = []
+        for context in contexts:
+            results = tokenizer.decode(context).count("<tool_response>")
+            text = CALL if results == 0 else answers[min(results - 1, len(answers) - 1)]
+            turns.append((tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens])
+        return turns
+
+    return generate
+
+
+def test_an_episode_masks_exactly_the_tool_tokens_and_stops_at_each_limit(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2 * 3?"}], add_generation_prompt=True, return_dict=False
+    )
+    eos = tokenizer.eos_token_id
+    call_ids = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [eos]
+    answer_ids = tokenizer("6", add_special_tokens=False)["input_ids"] + [eos]
+    suffix = tool_suffix_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": "6"}])
+    tools = [{"calculator": calculator}]
+
+    # a call, its result, the answer: two turns; the mask is 1 on both turns and 0 on the tool's tokens only
+    out = run_episodes(scripted(tokenizer, ["6"]), tokenizer, [prompt], tools, 200, None, 5.0)
+    assert out.completion_ids[0] == call_ids + suffix + answer_ids
+    assert out.model_mask[0] == [1] * len(call_ids) + [0] * len(suffix) + [1] * len(answer_ids)
+    assert (out.turns, out.tool_calls, out.failures, out.ended) == ([2], [1], [0], [True])
+    assert [m["role"] for m in out.messages[0]] == ["assistant", "tool", "assistant"]
+    assert out.messages[0][1]["content"] == "6" and out.messages[0][2]["content"] == "6"
+    assert out.messages[0][0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "2 * 3"}}
+    # the rendered conversation is what the model sees: the completion continues the prompt token for token
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2 * 3?"}, *out.messages[0]], tokenize=True, return_dict=False
+    )
+    assert rendered[: len(prompt) + len(out.completion_ids[0])] == prompt + out.completion_ids[0]
+
+    # --max-tool-calling-iterations: a policy that always calls stops after that many rounds of calls
+    out = run_episodes(scripted(tokenizer, [CALL]), tokenizer, [prompt], tools, 500, 2, 5.0)
+    assert (out.turns, out.tool_calls) == ([3], [2])
+    # --max-completion-length bounds the model's and the tools' tokens together; no room for a result: it stops
+    for limit in (len(call_ids) + len(suffix), len(call_ids) + len(suffix) + 2, 5):
+        out = run_episodes(scripted(tokenizer, ["6"]), tokenizer, [prompt], tools, limit, None, 5.0)
+        assert len(out.completion_ids[0]) <= limit and len(out.completion_ids[0]) == len(out.model_mask[0])
+    assert out.ended == [False] and out.tool_calls == [0]  # cut mid-call: never run
+    # a turn without a call ends the episode at once
+    out = run_episodes(lambda c, n: [answer_ids] * len(c), tokenizer, [prompt, prompt], tools * 2, 200, None, 5.0)
+    assert out.turns == [1, 1] and out.model_mask == [[1] * len(answer_ids)] * 2
+
+
+def test_the_guessing_game_rewards_fewer_guesses():
+    game = GuessTheNumber()
+    game.reset(answer="37", prompt="...")
+    assert [game.guess(50), game.guess(25), game.guess(37)] == ["lower", "higher", "correct"]
+    assert game.get_reward() == pytest.approx(5 / 7)
+    game.reset(answer=37)
+    assert game.guess(37) == "correct" and game.get_reward() == 1.0
+    game.reset(answer=37)
+    assert [game.guess(1) for _ in range(8)][-1] == "The game is over." and game.get_reward() == 0.0
+
+
+RECORDER = '''
+import json, os
+
+def final_answer(prompts, completions, environments=None, **columns):
+    """1 for an episode whose last message says 6; every call's completions are written to received.jsonl."""
+    with open(os.path.join(os.path.dirname(__file__), "received.jsonl"), "a") as f:
+        f.write(json.dumps({"completions": completions, "environments": environments is not None}) + "\\n")
+    return [float(c[-1]["content"].strip() == "6") if isinstance(c, list) else 0.0 for c in completions]
+'''
+
+
+def agent_args(script, chat_llama, tmp_path, *extra):
+    return [
+        script,
+        "--model-name",
+        chat_llama,
+        "--dataset-name",
+        "reasoning-gym:products",
+        "--task-config",
+        '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
+        "--train-size",
+        "40",
+        "--eval-size",
+        "4",
+        "--eval-samples",
+        "4",
+        "--max-prompt-length",
+        "400",
+        "--max-completion-length",
+        "96",
+        "--total-prompts",
+        "8",
+        "--batch-size",
+        "4",
+        "--num-generations",
+        "2",
+        "--mini-batch-size",
+        "4",
+        "--gradient-accumulation-steps",
+        "2",
+        "--log-freq",
+        "1",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--log-dir",
+        str(tmp_path / "runs"),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("script", ["grpo", "rloo"])
+def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, chat_llama, tmp_path, monkeypatch):
+    """The whole loop with the calculator: the loss mask of every mini-batch is exactly the policy's turns (a tool
+    token in the loss fails), reward functions receive the episodes as messages, and the tool metrics are logged."""
+    import importlib
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    module = importlib.import_module(script)
+    tokenizer = load_tokenizer(chat_llama, padding_side="left")
+    use_tool_template(tokenizer, None)
+    answers, count = ["6", "7"], iter(range(10**6))  # alternate answers: the rewards of a group differ
+
+    def generate(self, prompts, prompt_mask, max_new_tokens=None):
+        """The scripted policy's turns for Sampler.rollout: a calculator call, then after its result an answer."""
+        turns = []
+        for p, m in zip(prompts, prompt_mask):
+            text = CALL if "<tool_response>" not in tokenizer.decode(p[m.bool()]) else answers[next(count) % 2]
+            turns.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        width = max(map(len, turns))
+        completions = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t in turns])
+        mask = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in turns])
+        return completions, mask, torch.ones(len(turns), dtype=torch.bool)
+
+    monkeypatch.setattr(module.Sampler, "generate", generate)
+    call_ids = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    model_turns = {
+        tuple(call_ids + tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for a in answers
+    }
+    seen, forward = [], module.per_token_logprobs
+
+    def recording(net, prompts, prompt_mask, completions, mask, temperature, entropy=False):
+        logprobs, entropies = forward(net, prompts, prompt_mask, completions, mask, temperature, entropy)
+        if entropy:  # the training forward: the loss of these rows follows, with this logprobs tensor
+            seen.append(completions)
+            logprobs.register_hook(lambda grad: seen.append(grad))
+        return logprobs, entropies
+
+    monkeypatch.setattr(module, "per_token_logprobs", recording)
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    args = agent_args(
+        f"{script}.py", chat_llama, tmp_path, "--tools", "calculator", "--reward-funcs", f"{tmp_path}/recorder.py:final_answer"
+    )
+    monkeypatch.setattr("sys.argv", [str(a) for a in args])
+    monkeypatch.chdir(ROOT)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    module.main(module.cli(module.Args))
+
+    # every training row's gradient reaches exactly the policy's own tokens: the call turn and the answer turn
+    pairs = list(zip(seen[0::2], seen[1::2]))
+    assert pairs
+    for completions, grad in pairs:
+        for row, g in zip(completions, grad):
+            assert tuple(row[g != 0].tolist()) in model_turns, tokenizer.decode(row[g != 0])
+    received = [json.loads(line) for line in open(tmp_path / "received.jsonl")]
+    episode = received[-1]["completions"][0]
+    assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"] and episode[1]["content"] == "6"
+    from conftest import read_scalars
+
+    run_dir = os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0])
+    assert read_scalars(run_dir, "tools/call_frequency") == [1.0, 1.0]
+    assert read_scalars(run_dir, "tools/failure_frequency") == [0.0, 0.0]
+    assert read_scalars(run_dir, "episodes/turns") == [2.0, 2.0]
+    assert read_scalars(run_dir, "completions/mean_length")[0] == pytest.approx(len(call_ids) + 2)  # model tokens
+    assert read_scalars(run_dir, "eval/tools/call_frequency") == [1.0, 1.0]
+
+
+def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_llama, tmp_path):
+    """rloo.py with a plug-in environment: each episode's instance is reset with its row, its tool is called by the
+    policy (a random one: it never calls, so the episode is one turn), and get_reward() becomes a logged reward."""
+    (tmp_path / "env.py").write_text(
+        "class Counter:\n"
+        "    def reset(self, answer, **row):\n"
+        "        self.answer = answer\n"
+        "        return ' Count with the tool.'\n"
+        "    def count(self, n: int) -> str:\n"
+        '        """Counts.\n\n        Args:\n            n: how far\n        """\n'
+        "        return str(n)\n"
+        "    def get_reward(self) -> float:\n"
+        "        return float(len(self.answer))\n"
+    )
+    args = agent_args(
+        "rloo.py", chat_llama, tmp_path, "--environment", f"{tmp_path}/env.py:Counter", "--max-completion-length", "8"
+    )
+    output = run_script(args, ROOT)
+    assert "episodes: tools count" in output
+    from conftest import read_scalars
+
+    run_dir = os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0])
+    assert read_scalars(run_dir, "rewards/Counter/mean") and read_scalars(run_dir, "episodes/turns") == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file"),
+        (["--tools", "agents:run_calls"], "has no schema"),
+        (["--environment", "agents:calculator"], "creating an instance raised TypeError"),
+        (["--tools", "calculator", "--tool-timeout", "0"], "--tool-timeout 0"),
+        (["--tools", "calculator", "--max-prompt-length", "32"], "raise it"),
+        (["--tools", "calculator", "--chat-template-path", "missing.jinja"], "--chat-template-path missing.jinja"),
+    ],
+)
+def test_bad_tools_are_one_line_errors_before_any_model_loads(extra, message, chat_llama, tmp_path):
+    error = run_failing(agent_args("grpo.py", chat_llama, tmp_path, *extra), ROOT)
+    assert error.startswith("UsageError") and message in error, error
