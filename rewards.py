@@ -145,7 +145,7 @@ def score_completions(
         except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
             raise UsageError(f"reward function {name} raised {plugin_error(error)}") from None
         rewards.append(check_rewards(values, len(rows), name))
-    return torch.tensor(rewards, device=device).T
+    return torch.tensor(rewards, device=device).T if rewards else torch.zeros(len(rows), 0, device=device)
 
 
 def reasoning_gym_rows(task: str, config: dict, size: int, seed: int) -> list[dict]:

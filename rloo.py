@@ -285,6 +285,8 @@ def main(args: Args) -> None:
     weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: check()
     if agent and agent.reward_function():  # the environment's get_reward(), weight 1 (TRL)
         reward_funcs, weights = reward_funcs + [agent.reward_function()], weights + [1.0]
+    if not reward_funcs:
+        raise UsageError("no reward: give --reward-funcs, --reward-model, or an --environment with get_reward().")
     weights = torch.tensor(weights, device=device)
     distinct = len({json.dumps(r["prompt"]) for r in train_rows})
     accelerator.print(

@@ -302,17 +302,17 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
         '        """Counts.\n\n        Args:\n            n: how far\n        """\n'
         "        return str(n)\n"
         "    def get_reward(self) -> float:\n"
-        "        return float(len(self.answer))\n"
+        "        return float(self.answer.isdigit())\n"
     )
-    args = agent_args(
-        "rloo.py", chat_llama, tmp_path, "--environment", f"{tmp_path}/env.py:Counter", "--max-completion-length", "8"
-    )
+    environment = ["--environment", f"{tmp_path}/env.py:Counter", "--reward-funcs"]  # the environment's reward alone
+    args = agent_args("rloo.py", chat_llama, tmp_path, *environment, "--max-completion-length", "8")
     output = run_script(args, ROOT)
     assert "episodes: tools count" in output
     from conftest import read_scalars
 
     run_dir = os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0])
-    assert read_scalars(run_dir, "rewards/Counter/mean") and read_scalars(run_dir, "episodes/turns") == [1.0, 1.0]
+    assert read_scalars(run_dir, "rewards/Counter/mean") == [1.0, 1.0]  # reset saw each row's answer
+    assert read_scalars(run_dir, "episodes/turns") == [1.0, 1.0] and read_scalars(run_dir, "eval/reward") == [1.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -322,6 +322,7 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
         (["--tools", "agents:run_calls"], "has no schema"),
         (["--environment", "agents:calculator"], "creating an instance raised TypeError"),
         (["--tools", "calculator", "--tool-timeout", "0"], "--tool-timeout 0"),
+        (["--tools", "calculator", "--reward-funcs"], "no reward"),
         (["--tools", "calculator", "--max-prompt-length", "32"], "raise it"),
         (["--tools", "calculator", "--chat-template-path", "missing.jinja"], "--chat-template-path missing.jinja"),
     ],

@@ -28,7 +28,8 @@ BUDGETS = {
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
     "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "8"]},
     "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"]},
-    "real_model": {"UPDATES": 2, "FLAGS": ["--eval-samples", "1", "--eval-problems", "8"]},
+    # one thread: its runs are subprocesses beside the other pytest worker (2 threads each would oversubscribe 2 cores)
+    "real_model": {"UPDATES": 2, "FLAGS": ["--eval-samples", "1", "--eval-problems", "8", "--threads", "1"]},
     "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
 }
 

@@ -1,0 +1,307 @@
+"""Agents on the real model: builtin:smollm2-135m-instruct with the calculator on reasoning-gym `products` (3-digit x
+3-digit), and in the number-guessing environment. Writes benchmarks/RESULTS-agents.md, its JSON and a PNG.
+
+Stages, each run through its script's own CLI and skipped when its result is already in the JSON (a sweep resumes):
+- base: the model as it comes, without tools and with the calculator;
+- sft: sft.py on builtin:calculator-traces (--assistant-only-loss), a checkpoint every --sft-every steps, each evaluated:
+  the share of episodes with a well-formed call, accuracy, failures; the warm start is the first checkpoint where at
+  least half of the episodes call the tool well;
+- grpo, rloo: from that checkpoint, with the live calculator, 4 problems x 8 episodes per update;
+- guess: sft.py on builtin:guess-number-traces, then grpo.py in the guess_number environment.
+
+Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
+one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
+episode, turns, the model's tokens, distinct answers, and the KL to the base model (the mean over episodes of the summed
+log-ratio of the model's own tokens, on the evaluated model's samples).
+
+    python benchmarks/agents.py                  # everything
+    python benchmarks/agents.py --stages base sft
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from accelerate import Accelerator  # noqa: E402
+
+import grpo  # noqa: E402
+from agents import Agent  # noqa: E402
+from common.loading import load_pretrained, load_tokenizer  # noqa: E402
+from common.run import cli  # noqa: E402
+from presets.agents import PRODUCTS  # noqa: E402
+from rewards import distinct_answers, extract_answer, load_task, verifier  # noqa: E402
+
+BASE = "builtin:smollm2-135m-instruct"
+TASK = ["--dataset-name", "reasoning-gym:products", "--task-config", json.dumps(PRODUCTS)]
+EPISODE = ["--max-prompt-length", "400", "--max-completion-length", "96"]
+
+
+@dataclass
+class Args:
+    out: str = "outputs/agents"
+    """the runs' folders (replaced by a rerun of their stage)"""
+    results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
+    """the measured results, read first so that finished stages are skipped"""
+    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "guess"])
+    """which stages to run (base sft grpo rloo guess)"""
+    eval_size: int = 64
+    """held-out problems per evaluation"""
+    sft_steps: int = 20
+    """the longest SFT warm start tried"""
+    sft_every: int = 4
+    """steps between the SFT checkpoints evaluated"""
+    rl_updates: int = 16
+    """grpo / rloo updates of 4 problems x 8 episodes"""
+    guess_sft_steps: int = 12
+    """SFT steps on the binary-search traces"""
+    threads: int = 2
+    """torch threads of each run"""
+
+
+def run(command: list[str], threads: int) -> float:
+    """A script through its CLI; returns its wall time (s)."""
+    start = time.time()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+    print("$", " ".join(command), flush=True)
+    subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True)
+    return time.time() - start
+
+
+@torch.no_grad()
+def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: str | None = None) -> dict:
+    """One sampled episode per held-out problem (grpo.py's Sampler and agents.Agent), scored by the verifier (or the
+    environment's reward)."""
+    flags = dict(model_name=folder, max_prompt_length=400, max_completion_length=96, eval_size=eval_size, train_size=64)
+    if environment:
+        flags |= dict(dataset_name="builtin:guess-number", eval_fraction=0.2, environment=environment)
+        flags |= dict(max_prompt_length=400, max_completion_length=160)
+    else:
+        flags |= dict(dataset_name="reasoning-gym:products", task_config=json.dumps(PRODUCTS), tools=["calculator"] * tools)
+    args = grpo.Args(**flags)
+    accelerator = Accelerator()
+    tokenizer = load_tokenizer(folder, padding_side="left")
+    agent = Agent(args, tokenizer) if tools or environment else None
+    _, rows, chat = load_task(args, tokenizer, "prompt", args.max_prompt_length, agent.schemas if agent else None)
+    policy = load_pretrained(folder, grpo.AutoModelForCausalLM).eval()
+    sampler = grpo.Sampler(args, tokenizer, policy, accelerator, agent, None)
+    torch.manual_seed(args.seed)
+    scores, calls, failures, turns, tokens, formed, kls, texts = [], [], [], [], [], [], [], []
+    for i in range(0, len(rows), 32):
+        chunk = rows[i : i + 32]
+        rollout = sampler.rollout(chunk)
+        if rollout.episodes is None:
+            completions = tokenizer.batch_decode(rollout.completions, skip_special_tokens=True)
+            messages = [[{"role": "assistant", "content": c}] for c in completions]
+        else:
+            messages = rollout.episodes.messages
+            calls += rollout.episodes.tool_calls
+            failures += rollout.episodes.failures
+            turns += rollout.episodes.turns
+            formed += [any(m.get("tool_calls") for m in e) for e in messages]
+        if environment:
+            scores += [e.get_reward() for e in rollout.environments]
+        else:
+            scores += verifier(None, messages, [r["answer"] for r in chunk], rg_entry=[r["rg_entry"] for r in chunk])
+        texts += [m[-1]["content"] for m in messages]
+        tokens += rollout.model_mask.sum(1).tolist()
+        if base is not None:  # sum over the model's own tokens of log pi - log pi_base, on the model's samples
+            inputs = (rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask, 1.0)
+            ratio = grpo.per_token_logprobs(policy, *inputs)[0] - grpo.per_token_logprobs(base, *inputs)[0]
+            kls += (ratio * rollout.model_mask).sum(1).tolist()
+    n = len(scores)
+    result = {
+        "accuracy": sum(scores) / n,
+        "reply_tokens": sum(tokens) / n,
+        "distinct_answers": distinct_answers(texts, True)[1],
+        "kl": sum(kls) / n if kls else 0.0,
+        "samples": [{"answer": r["answer"], "reply": extract_answer(t), "text": t} for r, t in zip(rows[:3], texts)],
+    }
+    if agent:
+        result |= {
+            "calls_per_episode": sum(calls) / n,
+            "failure_rate": sum(failures) / max(1, sum(calls)),
+            "turns": sum(turns) / n,
+            "well_formed": sum(formed) / n,
+        }
+    if environment:
+        result["solved"] = sum(s > 0 for s in scores) / n
+    return result
+
+
+def main(args: Args) -> None:
+    results = json.load(open(args.results)) if os.path.exists(args.results) else {}
+    base_model = load_pretrained(BASE, grpo.AutoModelForCausalLM).eval()
+
+    def save():
+        with open(args.results + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.results + ".tmp", args.results)  # a killed sweep keeps what it measured
+
+    def measure(key: str, folder: str, tools: bool = True, **kw) -> None:
+        results[key] = results.get(key) or evaluate(folder, tools, args.eval_size, base_model, **kw)
+        print(key, {k: v for k, v in results[key].items() if k != "samples"}, flush=True)
+        save()
+
+    torch.set_num_threads(args.threads)
+    if "base" in args.stages:
+        measure("base without tools", BASE, tools=False)
+        measure("base with the calculator", BASE)
+    sft_dir = os.path.join(args.out, "sft")
+    if "sft" in args.stages and "sft curve" not in results:
+        sft = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:calculator-traces", "--assistant-only-loss"]
+        sft += ["--max-steps", str(args.sft_steps), "--save-steps", str(args.sft_every), "--batch-size", "8"]
+        sft += ["--learning-rate", "2e-5", "--max-seq-length", "320", "--eval-steps", "1000", "--eval-fraction", "0.02"]
+        sft += ["--output-dir", sft_dir, "--overwrite", "--log-dir", os.path.join(args.out, "runs")]
+        results["sft seconds"] = run(sft, args.threads)
+        curve = []
+        for step in range(args.sft_every, args.sft_steps + 1, args.sft_every):
+            folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{step}")
+            curve.append({"step": step} | evaluate(folder, True, args.eval_size, base_model))
+            print("sft", {k: v for k, v in curve[-1].items() if k != "samples"}, flush=True)
+        results["sft curve"] = curve
+        save()
+    if "sft curve" in results:
+        warm = next((c for c in results["sft curve"] if c["well_formed"] >= 0.5), results["sft curve"][-1])
+        results["sft warm start"] = warm
+        warm_folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{warm['step']}")
+        for script in ("grpo", "rloo"):
+            if script not in args.stages or f"sft then {script}" in results:
+                continue
+            folder = os.path.join(args.out, script)
+            command = [f"{script}.py", "--model-name", warm_folder, *TASK, "--tools", "calculator", *EPISODE]
+            command += ["--batch-size", "4", "--num-generations", "8", "--mini-batch-size", "16"]
+            command += ["--gradient-accumulation-steps", "2", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--learning-rate", "1e-5", "--eval-freq", "4", "--eval-samples", str(args.eval_size)]
+            command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(args.out, "runs", script)]
+            seconds = run(command, args.threads)
+            measure(f"sft then {script}", folder)
+            results[f"sft then {script}"] |= {"seconds": seconds, "curve": curve(os.path.join(args.out, "runs", script))}
+            save()
+    if "guess" in args.stages:  # the environment: before and after SFT on binary-search traces, then after GRPO
+        game = dict(environment="guess_number")
+        measure("guess: base", BASE, **game)
+        guess_sft = os.path.join(args.out, "guess_sft")
+        if "guess: sft" not in results:
+            command = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:guess-number-traces"]
+            command += ["--assistant-only-loss", "--max-steps", str(args.guess_sft_steps), "--batch-size", "8"]
+            command += ["--learning-rate", "2e-5", "--max-seq-length", "640", "--eval-steps", "1000"]
+            command += ["--eval-fraction", "0.05", "--output-dir", guess_sft, "--overwrite"]
+            seconds = run(command + ["--log-dir", os.path.join(args.out, "runs", "guess_sft")], args.threads)
+            measure("guess: sft", guess_sft, **game)
+            results["guess: sft"]["seconds"] = seconds
+        if "guess: sft then grpo" not in results:
+            folder = os.path.join(args.out, "guess_grpo")
+            command = ["grpo.py", "--model-name", guess_sft, "--environment", "guess_number"]
+            command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
+            command += ["--max-prompt-length", "400", "--max-completion-length", "160"]
+            command += ["--batch-size", "4", "--num-generations", "8", "--mini-batch-size", "16"]
+            command += ["--gradient-accumulation-steps", "2", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--learning-rate", "1e-5", "--eval-freq", "4", "--output-dir", folder, "--overwrite"]
+            seconds = run(command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")], args.threads)
+            measure("guess: sft then grpo", folder, **game)
+            results["guess: sft then grpo"]["seconds"] = seconds
+    for script in ("grpo", "rloo"):  # the held-out curve of each RL run, from its logs
+        if f"sft then {script}" in results and "curve" not in results[f"sft then {script}"]:
+            results[f"sft then {script}"]["curve"] = curve(os.path.join(args.out, "runs", script))
+    results["machine"] = machine(args.threads)
+    save()
+    report(results, args.results[: -len(".json")] + ".md")
+
+
+def curve(log_dir: str, tag: str = "eval/reward") -> list[tuple[int, float]]:
+    """A run's logged scalar (the held-out reward at each evaluation)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = sorted(os.path.join(log_dir, d) for d in os.listdir(log_dir))[-1]
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    return [(e.step, round(e.value, 4)) for e in events.Scalars(tag)]
+
+
+def machine(threads: int) -> str:
+    """The CPU, its cores and the thread count of the runs."""
+    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    return f"{name}, {os.cpu_count()} cores, `python`, {threads} threads"
+
+
+ROWS = [
+    ("base without tools", "the base model, no tools"),
+    ("base with the calculator", "the base model with the calculator"),
+    ("sft warm start", "after SFT on tool traces (the warm start)"),
+    ("sft then grpo", "SFT, then grpo.py with the live calculator"),
+    ("sft then rloo", "SFT, then rloo.py with the live calculator"),
+]
+
+
+def report(results: dict, path: str) -> None:
+    """RESULTS-agents.md and its PNG from the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def cell(r, key, fmt="{:.2f}"):
+        return fmt.format(r[key]) if key in r else "-"
+
+    lines = [
+        "# Agents on the real model",
+        "",
+        f"builtin:smollm2-135m-instruct, {results.get('machine', '')}; `python benchmarks/agents.py`. Held-out: "
+        "reasoning-gym `products` (3-digit x 3-digit) drawn with seed 2, none of them among the RL (seed 1) or SFT "
+        "(seed 1000) problems; one episode per problem sampled at temperature 1.",
+        "",
+        "| model | held-out accuracy (sampled) | tool calls per episode | failure rate | well-formed call | KL to the "
+        "start | policy tokens | distinct answers | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, name in ROWS:
+        if key in results:
+            r = results[key]
+            wall = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
+            lines.append(
+                f"| {name} | {cell(r, 'accuracy')} | {cell(r, 'calls_per_episode')} | {cell(r, 'failure_rate')} | "
+                f"{cell(r, 'well_formed')} | {cell(r, 'kl')} | {cell(r, 'reply_tokens', '{:.1f}')} | "
+                f"{r['distinct_answers']} | {wall} |"
+            )
+    if "sft curve" in results:
+        lines += ["", "SFT warm start (8 traces per step, learning rate 2e-5), each checkpoint evaluated:", ""]
+        lines += [
+            "| SFT steps | well-formed call | accuracy | tool calls per episode | failure rate | KL |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in results["sft curve"]:
+            lines.append(
+                f"| {c['step']} | {c['well_formed']:.2f} | {c['accuracy']:.2f} | {c['calls_per_episode']:.2f} | "
+                f"{c['failure_rate']:.2f} | {c['kl']:.2f} |"
+            )
+    for key in ("sft then grpo", "sft then rloo"):
+        if key in results and results[key].get("curve"):
+            lines += ["", f"{key}: held-out accuracy during training (update, accuracy): {results[key]['curve']}"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    if "sft curve" in results:
+        steps = [c["step"] for c in results["sft curve"]]
+        axes[0].plot(steps, [c["well_formed"] for c in results["sft curve"]], marker="o", label="well-formed call")
+        axes[0].plot(steps, [c["accuracy"] for c in results["sft curve"]], marker="o", label="accuracy")
+        axes[0].set(xlabel="SFT steps", ylim=(0, 1), title="SFT warm start")
+        axes[0].legend()
+    for key in ("sft then grpo", "sft then rloo"):
+        if key in results and results[key].get("curve"):
+            axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)
+    axes[1].set(xlabel="update", ylabel="held-out accuracy", ylim=(0, 1), title="RL with the live calculator")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path[: -len(".md")] + ".png", dpi=100)
+
+
+if __name__ == "__main__":
+    main(cli(Args))
