@@ -14,6 +14,8 @@ ends at a turn without a call, after `max_iterations` rounds of calls, or when t
 the tools' together, as TRL counts) would pass `max_completion_length`. All episodes of a batch advance together, turn
 by turn. The model's own tokens are marked 1 in `model_mask`, the tools' 0: the loss, the importance ratio, the KL and
 the lengths use the model's tokens only, while the tool tokens stay in the context.
+
+The built-in tool (`calculator`) and environment (`guess_number`) are examples to copy: presets/agents.py.
 """
 
 import inspect

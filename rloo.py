@@ -325,14 +325,8 @@ def main(args: Args) -> None:
         rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
         unwrapped.eval()
         rollout = sampler.rollout(rows)  # completions [N, T], N = batch_size * k; with tools, whole episodes
-        prompts, prompt_mask, completions, mask, ended = (
-            rollout.prompts,
-            rollout.prompt_mask,
-            rollout.completions,
-            rollout.mask,
-            rollout.ended,
-        )
-        model_mask = rollout.model_mask  # the model's own tokens: all of mask, but tool results in an episode
+        prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
+        ended, model_mask = rollout.ended, rollout.model_mask  # model_mask: the policy's own tokens (not a tool's)
         generate_time = time.time() - update_start
 
         # the tokens the loss reads; `mask` stays the completion's tokens (what is scored and attended to), model_mask

@@ -6,7 +6,9 @@ Stages, each run through its script's own CLI and skipped when its result is alr
 - sft: sft.py on builtin:calculator-traces (--assistant-only-loss), a checkpoint every --sft-every steps, each evaluated:
   the share of episodes with a well-formed call, accuracy, failures; the warm start is the first checkpoint where at
   least half of the episodes call the tool well;
-- grpo, rloo: from that checkpoint, with the live calculator, 4 problems x 8 episodes per update;
+- grpo, rloo: from that checkpoint, with the live calculator, 4 problems x 4 episodes per update (their own
+  evaluation during the run on 16 of the held-out problems, the final one here on all);
+- trl: TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start, at the same settings;
 - guess: sft.py on builtin:guess-number-traces, then grpo.py in the guess_number environment.
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
@@ -20,6 +22,7 @@ log-ratio of the model's own tokens, on the evaluated model's samples).
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -50,16 +53,18 @@ class Args:
     """the runs' folders (replaced by a rerun of their stage)"""
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
-    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "guess"])
-    """which stages to run (base sft grpo rloo guess)"""
+    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "guess"])
+    """which stages to run (base sft grpo rloo trl guess)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
-    sft_steps: int = 20
+    sft_steps: int = 30
     """the longest SFT warm start tried"""
-    sft_every: int = 4
-    """steps between the SFT checkpoints evaluated"""
-    rl_updates: int = 16
-    """grpo / rloo updates of 4 problems x 8 episodes"""
+    sft_every: int = 5
+    """steps between the SFT checkpoints"""
+    sft_curve: list[int] = field(default_factory=lambda: [5, 10, 20])
+    """the SFT checkpoints evaluated (an evaluation of 64 episodes takes about 5 minutes on 2 CPU cores)"""
+    rl_updates: int = 10
+    """grpo / rloo updates of 4 problems x 4 episodes"""
     guess_sft_steps: int = 12
     """SFT steps on the binary-search traces"""
     threads: int = 2
@@ -145,6 +150,10 @@ def main(args: Args) -> None:
             json.dump(results, f, indent=1)
         os.replace(args.results + ".tmp", args.results)  # a killed sweep keeps what it measured
 
+    def launch(key: str, command: list[str]) -> float:  # a script run, its command kept for the report
+        results.setdefault("commands", {})[key] = "python " + shlex.join(command)
+        return run(command, args.threads)
+
     def measure(key: str, folder: str, tools: bool = True, **kw) -> None:
         results[key] = results.get(key) or evaluate(folder, tools, args.eval_size, base_model, **kw)
         print(key, {k: v for k, v in results[key].items() if k != "samples"}, flush=True)
@@ -155,19 +164,22 @@ def main(args: Args) -> None:
         measure("base without tools", BASE, tools=False)
         measure("base with the calculator", BASE)
     sft_dir = os.path.join(args.out, "sft")
-    if "sft" in args.stages and "sft curve" not in results:
-        sft = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:calculator-traces", "--assistant-only-loss"]
-        sft += ["--max-steps", str(args.sft_steps), "--save-steps", str(args.sft_every), "--batch-size", "8"]
-        sft += ["--learning-rate", "2e-5", "--max-seq-length", "320", "--eval-steps", "1000", "--eval-fraction", "0.02"]
-        sft += ["--output-dir", sft_dir, "--overwrite", "--log-dir", os.path.join(args.out, "runs")]
-        results["sft seconds"] = run(sft, args.threads)
-        curve = []
-        for step in range(args.sft_every, args.sft_steps + 1, args.sft_every):
-            folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{step}")
-            curve.append({"step": step} | evaluate(folder, True, args.eval_size, base_model))
-            print("sft", {k: v for k, v in curve[-1].items() if k != "samples"}, flush=True)
-        results["sft curve"] = curve
-        save()
+    if "sft" in args.stages:
+        last = os.path.join(f"{sft_dir}_checkpoints", f"step_{args.sft_steps}")
+        if not os.path.isdir(last):  # train once; the checkpoints are evaluated one by one below
+            sft = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:calculator-traces", "--assistant-only-loss"]
+            sft += ["--max-steps", str(args.sft_steps), "--save-steps", str(args.sft_every), "--batch-size", "8"]
+            sft += ["--learning-rate", "2e-5", "--max-seq-length", "320", "--eval-steps", "1000", "--eval-fraction", "0.02"]
+            sft += ["--output-dir", sft_dir, "--overwrite", "--log-dir", os.path.join(args.out, "runs")]
+            results["sft seconds"] = launch("sft", sft)
+        points = results.setdefault("sft curve", [])
+        for step in args.sft_curve:
+            if step not in [c["step"] for c in points]:
+                folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{step}")
+                points.append({"step": step} | evaluate(folder, True, args.eval_size, base_model))
+                points.sort(key=lambda c: c["step"])
+                print("sft", {k: v for k, v in points[-1].items() if k != "samples"}, flush=True)
+                save()
     if "sft curve" in results:
         warm = next((c for c in results["sft curve"] if c["well_formed"] >= 0.5), results["sft curve"][-1])
         results["sft warm start"] = warm
@@ -177,14 +189,22 @@ def main(args: Args) -> None:
                 continue
             folder = os.path.join(args.out, script)
             command = [f"{script}.py", "--model-name", warm_folder, *TASK, "--tools", "calculator", *EPISODE]
-            command += ["--batch-size", "4", "--num-generations", "8", "--mini-batch-size", "16"]
-            command += ["--gradient-accumulation-steps", "2", "--total-prompts", str(4 * args.rl_updates)]
-            command += ["--learning-rate", "1e-5", "--eval-freq", "4", "--eval-samples", str(args.eval_size)]
+            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
+            command += ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--eval-samples", "16"]
             command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(args.out, "runs", script)]
-            seconds = run(command, args.threads)
+            seconds = launch(f"sft then {script}", command)
             measure(f"sft then {script}", folder)
-            results[f"sft then {script}"] |= {"seconds": seconds, "curve": curve(os.path.join(args.out, "runs", script))}
+            results[f"sft then {script}"]["seconds"] = seconds
             save()
+    if "trl" in args.stages and "sft warm start" in results and "sft then trl grpo" not in results:
+        folder = os.path.join(args.out, "trl_grpo")
+        start = time.time()
+        step_s = trl_grpo(args, os.path.join(f"{sft_dir}_checkpoints", f"step_{results['sft warm start']['step']}"), folder)
+        seconds = time.time() - start
+        measure("sft then trl grpo", folder)
+        results["sft then trl grpo"] |= {"seconds": seconds, "step_s": step_s}
+        save()
     if "guess" in args.stages:  # the environment: before and after SFT on binary-search traces, then after GRPO
         game = dict(environment="guess_number")
         measure("guess: base", BASE, **game)
@@ -194,7 +214,7 @@ def main(args: Args) -> None:
             command += ["--assistant-only-loss", "--max-steps", str(args.guess_sft_steps), "--batch-size", "8"]
             command += ["--learning-rate", "2e-5", "--max-seq-length", "640", "--eval-steps", "1000"]
             command += ["--eval-fraction", "0.05", "--output-dir", guess_sft, "--overwrite"]
-            seconds = run(command + ["--log-dir", os.path.join(args.out, "runs", "guess_sft")], args.threads)
+            seconds = launch("guess: sft", command + ["--log-dir", os.path.join(args.out, "runs", "guess_sft")])
             measure("guess: sft", guess_sft, **game)
             results["guess: sft"]["seconds"] = seconds
         if "guess: sft then grpo" not in results:
@@ -205,15 +225,78 @@ def main(args: Args) -> None:
             command += ["--batch-size", "4", "--num-generations", "8", "--mini-batch-size", "16"]
             command += ["--gradient-accumulation-steps", "2", "--total-prompts", str(4 * args.rl_updates)]
             command += ["--learning-rate", "1e-5", "--eval-freq", "4", "--output-dir", folder, "--overwrite"]
-            seconds = run(command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")], args.threads)
+            seconds = launch("guess: sft then grpo", command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")])
             measure("guess: sft then grpo", folder, **game)
             results["guess: sft then grpo"]["seconds"] = seconds
     for script in ("grpo", "rloo"):  # the held-out curve of each RL run, from its logs
         if f"sft then {script}" in results and "curve" not in results[f"sft then {script}"]:
-            results[f"sft then {script}"]["curve"] = curve(os.path.join(args.out, "runs", script))
+            logs = os.path.join(args.out, "runs", script)
+            times = sorted(v for _, v in curve(logs, "time/step"))
+            results[f"sft then {script}"] |= {"curve": curve(logs), "step_s": times[len(times) // 2]}
     results["machine"] = machine(args.threads)
     save()
     report(results, args.results[: -len(".json")] + ".md")
+
+
+def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
+    """TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start and at the same settings (4 problems x 4
+    episodes per step, 96 tokens, lr 1e-5, beta 0, temperature 1, float32, the verifier's reward). TRL parses tool calls
+    with a response template it knows by the chat template; ours (agents.TOOL_TEMPLATE) is not among them, so the
+    tokenizer gets TRL's Qwen3 one, which reads the same <tool_call> JSON. Returns the median step time."""
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.chat_template_utils import qwen3_template
+
+    from presets.agents import calculator
+
+    args_ = grpo.Args(model_name=warm_start, train_size=2000, tools=["calculator"], max_prompt_length=400)
+    args_.dataset_name, args_.task_config = "reasoning-gym:products", json.dumps(PRODUCTS)
+    tokenizer = load_tokenizer(warm_start, padding_side="left")
+    tokenizer.response_template = qwen3_template
+    train, _, _ = load_task(args_, tokenizer, "prompt", 400, Agent(args_, tokenizer).schemas)
+    rows = [dict(prompt=r["prompt"], answer=r["answer"], rg_entry=r["rg_entry"]) for r in train]
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.time()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.time() - self.start)
+            print(f"trl step {len(times)}: {times[-1]:.1f}s", flush=True)
+
+    config = trl.GRPOConfig(
+        output_dir=folder + "_tmp",
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        max_completion_length=96,
+        temperature=1.0,
+        learning_rate=1e-5,
+        beta=0.0,
+        max_steps=args.rl_updates,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+    )
+    trainer = trl.GRPOTrainer(
+        model=load_pretrained(warm_start, grpo.AutoModelForCausalLM),
+        reward_funcs=verifier,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        tools=[calculator],
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    trainer.model.save_pretrained(folder)
+    load_tokenizer(warm_start).save_pretrained(folder)
+    return sorted(times)[len(times) // 2]
 
 
 def curve(log_dir: str, tag: str = "eval/reward") -> list[tuple[int, float]]:
@@ -238,6 +321,7 @@ ROWS = [
     ("sft warm start", "after SFT on tool traces (the warm start)"),
     ("sft then grpo", "SFT, then grpo.py with the live calculator"),
     ("sft then rloo", "SFT, then rloo.py with the live calculator"),
+    ("sft then trl grpo", "SFT, then TRL 1.16 GRPOTrainer(tools=[calculator])"),
 ]
 
 
@@ -259,8 +343,8 @@ def report(results: dict, path: str) -> None:
         "(seed 1000) problems; one episode per problem sampled at temperature 1.",
         "",
         "| model | held-out accuracy (sampled) | tool calls per episode | failure rate | well-formed call | KL to the "
-        "start | policy tokens | distinct answers | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "start | policy tokens | distinct answers | wall | s/update |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, name in ROWS:
         if key in results:
@@ -269,7 +353,7 @@ def report(results: dict, path: str) -> None:
             lines.append(
                 f"| {name} | {cell(r, 'accuracy')} | {cell(r, 'calls_per_episode')} | {cell(r, 'failure_rate')} | "
                 f"{cell(r, 'well_formed')} | {cell(r, 'kl')} | {cell(r, 'reply_tokens', '{:.1f}')} | "
-                f"{r['distinct_answers']} | {wall} |"
+                f"{r['distinct_answers']} | {wall} | {cell(r, 'step_s', '{:.1f}')} |"
             )
     if "sft curve" in results:
         lines += ["", "SFT warm start (8 traces per step, learning rate 2e-5), each checkpoint evaluated:", ""]
@@ -284,7 +368,11 @@ def report(results: dict, path: str) -> None:
             )
     for key in ("sft then grpo", "sft then rloo"):
         if key in results and results[key].get("curve"):
-            lines += ["", f"{key}: held-out accuracy during training (update, accuracy): {results[key]['curve']}"]
+            points = ", ".join(f"update {u}: {a:.2f}" for u, a in results[key]["curve"])
+            lines += ["", f"{key}, the script's own evaluation during the run (16 of the held-out problems): {points}"]
+    lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
+    lines += ["Each row is one run (seed 1). The commands (`benchmarks/agents.py` runs them and evaluates each model):", ""]
+    lines += [f"- {key}: `{command}`" for key, command in results.get("commands", {}).items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -297,7 +385,7 @@ def report(results: dict, path: str) -> None:
     for key in ("sft then grpo", "sft then rloo"):
         if key in results and results[key].get("curve"):
             axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)
-    axes[1].set(xlabel="update", ylabel="held-out accuracy", ylim=(0, 1), title="RL with the live calculator")
+    axes[1].set(xlabel="update", ylabel="held-out accuracy (16 problems)", ylim=(0, 1), title="RL with the live calculator")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)

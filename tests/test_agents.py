@@ -2,13 +2,16 @@
 the safe calculator, failing tools, the episode loop's limits and masks, and whole runs on a tiny random Llama whose
 turns are scripted (a random model never writes a tool call; the log-probs and the training are the model's own)."""
 
+import importlib
+import itertools
 import json
 import os
 import time
 
 import pytest
 import torch
-from conftest import run_failing, run_script
+from accelerate.state import AcceleratorState, GradientState
+from conftest import read_scalars, run_failing, run_script
 
 from agents import (
     TOOL_TEMPLATE,
@@ -226,14 +229,10 @@ def agent_args(script, chat_llama, tmp_path, *extra):
 def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, chat_llama, tmp_path, monkeypatch):
     """The whole loop with the calculator: the loss mask of every mini-batch is exactly the policy's turns (a tool
     token in the loss fails), reward functions receive the episodes as messages, and the tool metrics are logged."""
-    import importlib
-
-    from accelerate.state import AcceleratorState, GradientState
-
     module = importlib.import_module(script)
     tokenizer = load_tokenizer(chat_llama, padding_side="left")
     use_tool_template(tokenizer, None)
-    answers, count = ["6", "7"], iter(range(10**6))  # alternate answers: the rewards of a group differ
+    answers, count = ["6", "7"], itertools.count()  # alternate answers: the rewards of a group differ
 
     def generate(self, prompts, prompt_mask, max_new_tokens=None):
         """The scripted policy's turns for Sampler.rollout: a calculator call, then after its result an answer."""
@@ -280,8 +279,6 @@ def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, chat_llama, 
     received = [json.loads(line) for line in open(tmp_path / "received.jsonl")]
     episode = received[-1]["completions"][0]
     assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"] and episode[1]["content"] == "6"
-    from conftest import read_scalars
-
     run_dir = os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0])
     assert read_scalars(run_dir, "tools/call_frequency") == [1.0, 1.0]
     assert read_scalars(run_dir, "tools/failure_frequency") == [0.0, 0.0]
@@ -308,8 +305,6 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
     args = agent_args("rloo.py", chat_llama, tmp_path, *environment, "--max-completion-length", "8")
     output = run_script(args, ROOT)
     assert "episodes: tools count" in output
-    from conftest import read_scalars
-
     run_dir = os.path.join(tmp_path, "runs", os.listdir(tmp_path / "runs")[0])
     assert read_scalars(run_dir, "rewards/Counter/mean") == [1.0, 1.0]  # reset saw each row's answer
     assert read_scalars(run_dir, "episodes/turns") == [1.0, 1.0] and read_scalars(run_dir, "eval/reward") == [1.0, 1.0]

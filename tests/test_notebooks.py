@@ -16,6 +16,7 @@ from PIL import Image
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # Small budgets: each notebook's own defaults take a few minutes; these keep the suite short
 BUDGETS = {
+    "agents": {"SFT_STEPS": 1, "UPDATES": 1, "EPISODE_TOKENS": 24, "FLAGS": ["--eval-samples", "4"]},
     "sft": {
         "MAX_STEPS": 4,
         "EVAL_STEPS": 4,
