@@ -325,3 +325,23 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
 def test_bad_tools_are_one_line_errors_before_any_model_loads(extra, message, chat_llama, tmp_path):
     error = run_failing(agent_args("grpo.py", chat_llama, tmp_path, *extra), ROOT)
     assert error.startswith("UsageError") and message in error, error
+
+
+def test_sft_trains_on_the_call_and_the_answer_of_a_tool_trace(tokenizer):
+    """sft.py --assistant-only-loss on builtin:calculator-traces: the assistant pieces are the call turn and the final
+    answer, each ending with its end-of-turn token; the tool's result and the prompt (with the schemas) are not trained."""
+    from presets.data import dataset
+    from sft import conversation_pieces, row_tools
+
+    row = dataset("builtin:calculator-traces")[0]
+    pieces = conversation_pieces(tokenizer, row["messages"], None, row_tools(row))
+    trained = [text for text, flag in pieces if flag]
+    expression = row["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"]
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call><|im_end|>'
+    assert trained == [call, row["messages"][3]["content"] + "<|im_end|>"]
+    untrained = "".join(text for text, flag in pieces if not flag)
+    assert "<tools>" in untrained and f"<tool_response>\n{row['messages'][2]['content']}" in untrained
+    assert (
+        "".join(text for text, _ in pieces)
+        == tokenizer.apply_chat_template(row["messages"], tools=row_tools(row), tokenize=False).rstrip()
+    )
