@@ -16,8 +16,8 @@ one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's
 episode, turns, the model's tokens, distinct answers, and the KL to the base model (the mean over episodes of the summed
 log-ratio of the model's own tokens, on the evaluated model's samples).
 
-    python benchmarks/agents.py                  # everything
-    python benchmarks/agents.py --stages base sft
+    python benchmarks/agent_runs.py                  # everything
+    python benchmarks/agent_runs.py --stages base sft
 """
 
 import json
@@ -338,7 +338,7 @@ def report(results: dict, path: str) -> None:
     lines = [
         "# Agents on the real model",
         "",
-        f"builtin:smollm2-135m-instruct, {results.get('machine', '')}; `python benchmarks/agents.py`. Held-out: "
+        f"builtin:smollm2-135m-instruct, {results.get('machine', '')}; `python benchmarks/agent_runs.py`. Held-out: "
         "reasoning-gym `products` (3-digit x 3-digit) drawn with seed 2, none of them among the RL (seed 1) or SFT "
         "(seed 1000) problems; one episode per problem sampled at temperature 1.",
         "",
@@ -371,7 +371,10 @@ def report(results: dict, path: str) -> None:
             points = ", ".join(f"update {u}: {a:.2f}" for u, a in results[key]["curve"])
             lines += ["", f"{key}, the script's own evaluation during the run (16 of the held-out problems): {points}"]
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
-    lines += ["Each row is one run (seed 1). The commands (`benchmarks/agents.py` runs them and evaluates each model):", ""]
+    lines += [
+        "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
+        "",
+    ]
     lines += [f"- {key}: `{command}`" for key, command in results.get("commands", {}).items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
