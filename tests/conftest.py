@@ -15,13 +15,6 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
-# The longest tests start first, so that under `pytest -n 2` no worker is left running one alone at the end
-SLOW_FIRST = ("test_notebooks.py::test_notebook_runs", "test_default_run_learns", "test_pipeline.py", "learns")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not any(name in item.nodeid for name in SLOW_FIRST))  # stable: the rest keep their order
-
 
 def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exception | None]:
     """Run `python script.py ...` in this process (runpy, as __main__); return its output and its error, if any.
