@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
-from common.core import UsageError, check_args, masked_mean, pad_right, weight_decay_groups
+from common.core import UsageError, check_args, masked_mean, pad_right, plain, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
@@ -39,12 +39,13 @@ from common.loading import (
     quantization_kwargs,
     train_eval_split,
 )
-from common.models import check_lora_targets, create_reference_model, peft_model_of, reference_context
+from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
 from common.run import (
     atomic_directory,
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -456,7 +457,7 @@ if __name__ == "__main__":
         )
     ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
     if ref_model is not None:
-        ref_model = ref_model.to(device)
+        ref_model = place_frozen(accelerator, ref_model)
     model = model.to(device)
 
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -570,7 +571,7 @@ if __name__ == "__main__":
         total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")
         results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
         logger.log(results, step)
-        if args.generate_during_eval and accelerator.is_main_process:
+        if args.generate_during_eval and (accelerator.is_main_process or sharded):  # sharded: every rank decodes
             raw = eval_dataset[args.prompt_column][:4]
             prompts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] if chat else p + " " for p in raw]
             policy = accelerator.unwrap_model(model)
@@ -588,7 +589,12 @@ if __name__ == "__main__":
             for name, (sampler, context) in samplers.items():
                 with context:
                     out = sampler.generate(
-                        **inputs, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id
+                        **inputs,
+                        max_new_tokens=24,
+                        do_sample=True,
+                        top_k=50,
+                        pad_token_id=tokenizer.pad_token_id,
+                        synced_gpus=sharded,
                     )
                 new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1] :]  # no start / prompt
                 texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
@@ -614,7 +620,7 @@ if __name__ == "__main__":
                 optimizer.zero_grad()
         # one collective and one device sync for all the metrics
         metrics["train/grad_norm"] = torch.as_tensor(
-            grad_norm if grad_norm is not None else 0.0, device=accelerator.device
+            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
         ).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = dict(zip(metrics, values))
@@ -643,10 +649,11 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     if peft_model_of(unwrapped) is not None:
         unwrapped = unwrapped.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "dpo", last_eval)
     elapsed = time.time() - start_time

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right
+from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right, plain
 from common.loading import (
     check_columns,
     context_length,
@@ -528,7 +528,7 @@ if __name__ == "__main__":
         if (step + 1) % args.steps_for_target_q_sync == 0:
             accelerator.unwrap_model(model).sync_target_q_heads(args.alpha)
         metrics["losses/grad_norm"] = torch.as_tensor(
-            grad_norm if grad_norm is not None else 0.0, device=accelerator.device
+            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
         ).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())), "mean").tolist()  # one collective, one sync
         metrics = dict(zip(metrics, values))

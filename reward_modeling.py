@@ -28,7 +28,7 @@ from transformers import AutoModelForSequenceClassification, get_scheduler
 from transformers.utils import logging as transformers_logging
 
 from common.chat import use_chat
-from common.core import UsageError, check_args, weight_decay_groups
+from common.core import UsageError, check_args, plain, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
@@ -401,7 +401,9 @@ if __name__ == "__main__":
                 scheduler.step()
                 optimizer.zero_grad()
         # one collective and one device sync for all the metrics
-        metrics["grad_norm"] = torch.as_tensor(grad_norm if grad_norm is not None else 0.0, device=accelerator.device).float()
+        metrics["grad_norm"] = torch.as_tensor(
+            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
+        ).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
         check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from agents import use_tool_template
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
-from common.core import UsageError, check_args, pad_right, weight_decay_groups
+from common.core import UsageError, check_args, pad_right, plain, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
@@ -44,6 +44,7 @@ from common.run import (
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -456,8 +457,10 @@ if __name__ == "__main__":
         for micro in range(args.gradient_accumulation_steps):
             batch = batch_of(train_examples, step * args.gradient_accumulation_steps + micro)
             step_tokens += batch["attention_mask"].sum()
+            tokens = (batch["labels"][:, 1:] != -100).sum()  # the loss is the mean over the global batch's tokens:
+            share = tokens * accelerator.num_processes / accelerator.reduce(tokens, "sum")  # a rank weighs its share
             with accelerator.accumulate(model):
-                loss = lm_loss(batch)
+                loss = lm_loss(batch) * share
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -469,7 +472,7 @@ if __name__ == "__main__":
             [
                 loss.detach().float(),
                 step_tokens.float(),
-                torch.as_tensor(grad_norm if grad_norm is not None else 0.0).float().to(loss.device),
+                torch.as_tensor(plain(grad_norm) if grad_norm is not None else 0.0).float().to(loss.device),
             ]
         )
         train_loss, tokens, grad_norm = accelerator.reduce(stacked, "mean").tolist()
@@ -501,14 +504,15 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     if peft_model_of(unwrapped) is not None:
         unwrapped = unwrapped.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             perplexity = math.exp(min(last_eval_loss, 50))
             write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": perplexity})
-    if accelerator.is_main_process and args.num_sample_generations > 0:
+    if (accelerator.is_main_process or sharded) and args.num_sample_generations > 0:  # sharded: every rank decodes
         rows = eval_dataset.select(range(min(args.num_sample_generations, len(eval_dataset))))
         if conversations:  # the conversation up to its last assistant turn, ready for the assistant's answer
             prompts = [
@@ -530,7 +534,9 @@ if __name__ == "__main__":
         batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
         unwrapped.eval()
         with torch.no_grad():
-            out = unwrapped.generate(**batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id)
+            out = unwrapped.generate(
+                **batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded
+            )
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         shown = [text_of(p) if isinstance(p, list) else p for p in prompts]
         logger.samples("samples", {"prompt": shown, "completion": completions}, total_steps)

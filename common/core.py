@@ -22,6 +22,11 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
+def plain(tensor):
+    """FSDP2's gradient norm is a replicated DTensor: its local tensor is the whole value, and collectives need one."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class UsageError(ValueError):
     """An anticipated mistake in the input (a flag, a file, a dataset column, a reward function): reported as one line
     `error: ...` without a traceback by the handler that `common.cli` installs."""

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -163,6 +164,15 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     for param in ref_model.parameters():
         param.requires_grad_(False)
     return ref_model.eval()
+
+
+def place_frozen(accelerator, model: nn.Module) -> nn.Module:
+    """A frozen model (reference, reward model, teacher) on the run's device; under FSDP2 sharded as the policy is, so no
+    rank holds a whole copy and its forwards gather weights in step with the other ranks (TRL prepares it likewise).
+    It stays out of accelerate's registry: checkpoints do not store it, it is rebuilt from its source on resume."""
+    if getattr(accelerator, "is_fsdp2", False):
+        return fsdp2_prepare_model(accelerator, model).eval()
+    return model.to(accelerator.device)
 
 
 def classifier_pad(tokenizer, model) -> None:

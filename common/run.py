@@ -20,14 +20,15 @@ import types
 
 import torch
 import tyro
-from accelerate import Accelerator
+from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 from accelerate.checkpointing import load as load_states
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from peft import set_peft_model_state_dict
 from rich.console import Console
 from rich.table import Table
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError, error_line, warn_once
@@ -250,9 +251,25 @@ def non_finite_tensors(folder: str) -> list[str]:
 RUN = {"id": None, "args": {}, "script": os.path.basename(sys.argv[0])}
 
 
+def check_launch(accelerator: Accelerator) -> None:
+    """Processes that a launcher started but accelerate runs alone (no GPU, no ACCELERATE_USE_CPU=1) are an error: each
+    would train on its own and overwrite the others' files. An FSDP config on CPU runs FSDP2 over gloo: accelerate
+    shards only on accelerators and would fall back to DDP, so the state is switched to FSDP here (configs/fsdp_cpu.yaml)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise UsageError(
+            f"{launched} processes were launched but each would train alone (no GPU here): on a CPU-only machine set "
+            "ACCELERATE_USE_CPU=1 for 2-process training over gloo (docs/scaling.md)."
+        )
+    if accelerator.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     """Seed every RNG with `args.seed + rank`, name the run and make its logger (main process only). `args` needs the
     CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity."""
+    check_launch(accelerator)
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
     if accelerator.device.type == "cpu":
         keep_freed_memory()
@@ -397,11 +414,19 @@ def save_checkpoint(
     accelerate's sharded state). With `total_limit`, only the newest `total_limit` checkpoints of this run stay beside
     it (TRL's save_total_limit); other runs' are kept."""
     accelerator.wait_for_everyone()
+    once = model is not None and stored_once(accelerator)
+    weights = full_weights(accelerator, model) if model is not None else None  # a collective when sharded
+    shards = None
+    if not stored_once(accelerator):  # every rank writes its part of a sharded state, beside the checkpoint
+        shards = [os.path.join(os.path.dirname(os.path.abspath(path)), f".tmp-state-{RUN['id']}")]
+        shards = broadcast_object_list(shards)[0]  # the main process's name (each rank's run id has its own time)
+        accelerator.save_state(shards)
     if accelerator.is_main_process:
         with atomic_directory(path) as tmp:
-            for part in (model, tokenizer):
-                if part is not None:
-                    part.save_pretrained(tmp)
+            if model is not None:
+                model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
             skipped = []
 
             def skip_model(models, weights, _):  # accelerate's hook: its copy of `model`'s weights is not written
@@ -411,13 +436,15 @@ def save_checkpoint(
                         skipped.append(i)
                         return
 
-            once = model is not None and stored_once(accelerator)
-            hook = accelerator.register_save_state_pre_hook(skip_model) if once else None
-            try:
-                accelerator.save_state(os.path.join(tmp, "accelerate_state"))
-            finally:
-                if hook is not None:
-                    hook.remove()
+            if shards:
+                os.rename(shards, os.path.join(tmp, "accelerate_state"))
+            else:
+                hook = accelerator.register_save_state_pre_hook(skip_model) if once else None
+                try:
+                    accelerator.save_state(os.path.join(tmp, "accelerate_state"))
+                finally:
+                    if hook is not None:
+                        hook.remove()
             state = state | ({"model_in_folder": skipped[0]} if skipped else {})
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(state | {"run": RUN["id"], "script": RUN["script"], "args": RUN["args"]}, f, default=str)
@@ -434,6 +461,16 @@ def save_checkpoint(
         for _, folder in sorted(ours)[: -total_limit if total_limit else 0]:
             shutil.rmtree(os.path.join(parent, folder), ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def full_weights(accelerator: Accelerator, model) -> dict | None:
+    """`model`'s whole state dict for its save_pretrained when it is sharded (FSDP, DeepSpeed ZeRO-3): every rank must
+    call this, and the main process gets the gathered weights. None otherwise: save_pretrained reads its own."""
+    if stored_once(accelerator):
+        return None
+    if accelerator.is_fsdp2:  # accelerate's get_state_dict also asks for broadcast_from_rank0: DTensors come back on CPU
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return accelerator.get_state_dict(model)
 
 
 def stored_once(accelerator: Accelerator) -> bool:
