@@ -35,12 +35,13 @@ from agents import Agent, Episodes, episode_text
 from common.chat import text_of
 from common.core import UsageError, check_args, exact_div, masked_mean, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import create_reference_model, peft_model_of, reference_context
+from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.run import (
     atomic_directory,
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -340,6 +341,11 @@ def main(args: Args) -> None:
     train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
     if agent and not chat:
         raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
+    if agent and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UsageError(  # a sharded forward is a collective: every rank would have to take as many turns
+            "--tools / --environment under FSDP / DeepSpeed: episodes take different numbers of turns on each rank; "
+            "use DDP (configs/multi_gpu.yaml)."
+        )
     eval_rows = eval_rows[: args.eval_samples]
     batches_per_epoch = len(train_rows) // (args.batch_size * world)
     if batches_per_epoch == 0:
@@ -523,7 +529,8 @@ def main(args: Args) -> None:
         f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
         f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
         f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
-        f"model saved to {args.output_dir}" + (f" (weights identical on {world} ranks)" if world > 1 else "")
+        f"model saved to {args.output_dir}"
+        + (f" ({'sharded over' if sampler.sharded else 'weights identical on'} {world} ranks)" if world > 1 else "")
     )
     first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
     if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
@@ -583,7 +590,7 @@ def load_models(args: Args, accelerator: Accelerator, num_updates: int):
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     ref_model = create_reference_model(model) if args.beta > 0 else None
     if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+        ref_model = place_frozen(accelerator, ref_model)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
     per_process = args.batch_size * args.num_generations
     steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
@@ -636,6 +643,7 @@ class Sampler:
         self.agent, self.render_ids = agent, render_ids
         self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
         self.fast = None
+        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if (
             args.fast_generation
             and accelerator.device.type == "cuda"
@@ -687,6 +695,7 @@ class Sampler:
                     max_new_tokens=length,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
                 )
                 completions = out[:, prompts.shape[1] :]
         is_eos = completions == tokenizer.eos_token_id
@@ -785,14 +794,16 @@ def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, flo
 def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:
     """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
     atomically; first a check that DDP kept every rank's weights the same."""
-    checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
-    if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
-        raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
+    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
+    if weights is None:  # replicated: every rank holds the same weights
+        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
+        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
+            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
     policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp)
+            policy.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "grpo", metrics)
 

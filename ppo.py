@@ -69,6 +69,7 @@ from common.models import (
     create_reference_model,
     load_reward_model,
     peft_model_of,
+    place_frozen,
     reference_context,
 )
 from common.run import (
@@ -76,6 +77,7 @@ from common.run import (
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -489,7 +491,7 @@ def main(args: Args) -> None:
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
-    ref_model = ref_model.to(device) if ref_model is not None else None
+    ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
     scorer.ready(unwrapped)
     kl_ctl = (
         AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
@@ -682,8 +684,7 @@ def main(args: Args) -> None:
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
     last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        save_model(args, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
+    save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
     window = max(1, len(reward_history) // 10)
     final_kl = float(np.mean(kl_history[-window:]))
     accelerator.print(
@@ -866,6 +867,7 @@ class Rollout:
         processors = [logit_mask] if logit_mask is not None else []
         self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, processors)
         self.fast = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
+        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if (
             args.fast_generation
             and accelerator.device.type == "cuda"
@@ -908,6 +910,7 @@ class Rollout:
                         max_new_tokens=max_new_tokens,
                         pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=tokenizer.eos_token_id,
+                        synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
                         **self.sampling,
                     )
                     out = out[:, 1:] if self.decoder_start is not None else out[:, queries.shape[1] :]
@@ -938,7 +941,7 @@ class Scorer:
     def ready(self, policy) -> None:
         """On the accelerator's device, with the prepared policy: a bad reward (wrong length, NaN) fails here."""
         device = self.accelerator.device
-        self.reward_model = self.reward_model.to(device) if self.reward_model is not None else None
+        self.reward_model = place_frozen(self.accelerator, self.reward_model) if self.reward_model is not None else None
         if self.adapter is not None:
             self.adapter.score = self.adapter.score.to(device)
         self.policy = policy
@@ -1068,22 +1071,25 @@ def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_rewar
     batch_reward = accelerator.reduce(raw_scores.mean(), "mean").item()
     if batch_reward <= best_reward:
         return best_reward
-    if accelerator.is_main_process:
-        metrics = {"best/reward_mean": batch_reward, "best/update": update}
-        save_model(args, policy, tokenizer, f"{args.output_dir}_best", metrics, final=False, run_name=run_name)
+    metrics = {"best/reward_mean": batch_reward, "best/update": update}
+    save_model(args, accelerator, policy, tokenizer, f"{args.output_dir}_best", metrics, final=False, run_name=run_name)
     return batch_reward
 
 
-def save_model(args: Args, policy, tokenizer, path: str, metrics: dict, final: bool, run_name: str) -> None:
+def save_model(args: Args, accelerator, policy, tokenizer, path: str, metrics: dict, final: bool, run_name: str) -> None:
     """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically by the
-    main process; uploaded with --push-to-hub (the final model, or each new best with --save-best)."""
+    main process (every rank calls it: a sharded policy is gathered first); uploaded with --push-to-hub (the final
+    model, or each new best with --save-best)."""
+    weights = full_weights(accelerator, policy)
+    if not accelerator.is_main_process:
+        return
     if peft_model_of(policy) is not None:  # LoRA merged into the base: loads with plain from_pretrained
         # the final save merges in place; a best checkpoint merges a copy, so training goes on
         merged = (policy.pretrained_model if final else copy.deepcopy(policy.pretrained_model)).merge_and_unload()
         v_head, policy = policy.v_head, type(policy)(merged)
         policy.v_head = v_head
     with atomic_directory(path) as tmp:
-        policy.save_pretrained(tmp)
+        policy.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         write_model_card(tmp, args, "ppo", metrics)
     if args.push_to_hub and final != args.save_best:

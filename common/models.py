@@ -78,13 +78,22 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         return outputs.logits, self.v_head(self._last_hidden_state(outputs))
 
     def generate(self, *args, **kwargs):
-        return self.pretrained_model.generate(*args, **kwargs)
+        if hasattr(self, "unshard"):  # FSDP2 wraps this module: its own weights are gathered for decoding
+            self.unshard()
+        try:
+            return self.pretrained_model.generate(*args, **kwargs)
+        finally:
+            if hasattr(self, "reshard"):
+                self.reshard()
 
-    def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        self.pretrained_model.save_pretrained(save_directory, **kwargs)
-        save_file(
-            {k: v.contiguous() for k, v in self.v_head.state_dict().items()}, os.path.join(save_directory, VALUE_HEAD_FILE)
-        )
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        """`state_dict`: this module's whole state (gathered when sharded), split between the LM and the head."""
+        parts = {"pretrained_model.": None, "v_head.": self.v_head.state_dict()}
+        for prefix in parts if state_dict is not None else ():
+            parts[prefix] = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.pretrained_model.save_pretrained(save_directory, state_dict=parts["pretrained_model."], **kwargs)
+        head = {k: v.contiguous() for k, v in parts["v_head."].items()}
+        save_file(head, os.path.join(save_directory, VALUE_HEAD_FILE))
 
 
 class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):

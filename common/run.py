@@ -251,7 +251,7 @@ def non_finite_tensors(folder: str) -> list[str]:
 RUN = {"id": None, "args": {}, "script": os.path.basename(sys.argv[0])}
 
 
-def check_launch(accelerator: Accelerator) -> None:
+def check_launch(accelerator: Accelerator, args=None) -> None:
     """Processes that a launcher started but accelerate runs alone (no GPU, no ACCELERATE_USE_CPU=1) are an error: each
     would train on its own and overwrite the others' files. An FSDP config on CPU runs FSDP2 over gloo: accelerate
     shards only on accelerators and would fall back to DDP, so the state is switched to FSDP here (configs/fsdp_cpu.yaml)."""
@@ -264,12 +264,17 @@ def check_launch(accelerator: Accelerator) -> None:
     if accelerator.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    for flag in ("use_peft", "num_shared_layers"):  # a LoRA merge, weights shared with the reference: whole weights
+        if getattr(args, flag, None) and not stored_once(accelerator):
+            raise UsageError(
+                f"--{flag.replace('_', '-')} under FSDP / DeepSpeed is not supported: use DDP (configs/multi_gpu.yaml)."
+            )
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     """Seed every RNG with `args.seed + rank`, name the run and make its logger (main process only). `args` needs the
     CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity."""
-    check_launch(accelerator)
+    check_launch(accelerator, args)
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
     if accelerator.device.type == "cpu":
         keep_freed_memory()

@@ -103,14 +103,23 @@ def check_resume(command: list[str], save_flags: list[str], checkpoint: str, sum
     return out, path
 
 
-def ddp_launch() -> list[str]:
-    """`accelerate launch` of 2 processes on a free port (tests may run in parallel workers)."""
+def free_port() -> str:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port)]
+        return str(s.getsockname()[1])
+
+
+def ddp_launch() -> list[str]:
+    """`accelerate launch` of 2 processes on a free port (tests may run in parallel workers)."""
+    return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port()]
+
+
+def fsdp_launch() -> list[str]:
+    """`accelerate launch` of 2 FSDP2 processes with configs/fsdp_cpu.yaml (full sharding over gloo), as CI runs it."""
+    config = os.path.join(ROOT, "configs", "fsdp_cpu.yaml")
+    return ["-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port", free_port()]
 
 
 # Tests of the machinery run on the random tiny preset (fast); the pretrained defaults have tests of their own

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 import torch
-from conftest import DDP_ENV, RANDOM_MODEL, ROOT, check_model_card, ddp_launch, read_scalars, run_failing, run_script
+from conftest import RANDOM_MODEL, ROOT, check_model_card, read_scalars, run_failing, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -497,12 +497,6 @@ def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):
     assert all(torch.equal(value, source.state_dict()[k]) for k, value in best.items())
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "ppo").state_dict()
     assert not all(torch.equal(value, final[k]) for k, value in best.items())
-
-
-def test_two_process_ddp(tmp_path):
-    out = run_script([*ddp_launch(), PPO, *TINY, "--total-episodes", "32"], tmp_path, **DDP_ENV)
-    assert "ppo: 2 updates, 32 episodes" in out  # 2 updates of 2 ranks x 8 queries
-    assert out.count("policy builtin:tiny-gpt2") == 1  # printed by the main process only
 
 
 def test_default_run_learns_inside_its_kl_budget(tmp_path):

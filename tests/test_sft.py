@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import DDP_ENV, ROOT, check_model_card, check_resume, ddp_launch, read_scalars, run_failing, run_script
+from conftest import ROOT, check_model_card, check_resume, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common.loading import load_pretrained, load_tokenizer
@@ -221,33 +221,6 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
     out = run_script([SFT, "--model-name", str(model_dir), *flags, "--response-template", "<|assistant|>"], tmp_path)
     assert "sft: 2 steps" in out and "dropped" not in out and "How are you" in out.split("samples")[-1]  # sample prompts
     assert "has no chat template" in run_failing([SFT, *flags, "--overwrite"], tmp_path)  # the built-in tokenizer has none
-
-
-def test_sft_two_process_ddp_keeps_the_learning_rate_schedule(tmp_path):
-    """The warmup lasts as many optimizer steps with 2 processes as with 1 (it was half as long): the peak of a linear
-    schedule with --warmup-ratio 0.5 over 8 steps is at step 4 either way, and both schedules are the same."""
-    flags = [
-        "--max-steps",
-        "8",
-        "--batch-size",
-        "4",
-        "--max-seq-length",
-        "32",
-        "--warmup-ratio",
-        "0.5",
-        "--lr-scheduler-type",
-        "linear",
-        "--eval-steps",
-        "100",
-        "--num-sample-generations",
-        "0",
-    ]
-    out = run_script([*ddp_launch(), SFT, *flags, "--log-dir", str(tmp_path / "two")], tmp_path, timeout=300, **DDP_ENV)
-    assert "sft: 8 steps" in out and "of 8 examples" in out  # 2 ranks x 4
-    run_script([SFT, *flags, "--log-dir", str(tmp_path / "one"), "--overwrite"], tmp_path)
-    one, two = (read_scalars(str(tmp_path / name), "train/learning_rate") for name in ("one", "two"))
-    assert len(one) == len(two) == 8 and one == pytest.approx(two)
-    assert max(range(8), key=lambda i: one[i]) == 3  # logged after step 4's update: the peak
 
 
 def test_checkpoints_are_pruned_per_run_and_a_resume_says_what_changed(tmp_path):

@@ -1,0 +1,127 @@
+"""Scale through accelerate: the same global batch trains the same model under 1 process, DDP x2 and FSDP2 x2.
+
+Every run here is real: 2 processes over gloo on CPU, FSDP2 with full sharding (configs/fsdp_cpu.yaml, what CI runs).
+
+Tolerance. DDP and FSDP sum the ranks' gradients in another order than one process does, so float32 results differ by
+rounding: per-step losses agree to 1e-5 relative. Weights agree to a quarter of the learning rate: Adam divides each
+gradient by its own running scale, so a weight whose gradient is at the level of rounding noise can move by a fraction
+of the learning rate in another direction (measured: at most 0.1 x lr over 4 sft steps, 1e-3 x lr for dpo). A loss
+averaged per rank instead of over the global batch misses both bounds by orders of magnitude (sft: 1e-2 relative).
+"""
+
+import os
+
+import pytest
+import torch
+from conftest import DDP_ENV, ROOT, ddp_launch, fsdp_launch, read_scalars, run_in_process, run_script
+from safetensors.torch import load_file
+
+SFT, DPO, PPO, GRPO = (os.path.join(ROOT, f"{name}.py") for name in ("sft", "dpo", "ppo", "grpo"))
+LAUNCHERS = {"ddp": ddp_launch, "fsdp": fsdp_launch}
+
+
+@pytest.fixture(scope="module")
+def no_dropout(tmp_path_factory) -> str:
+    """builtin:tiny-gpt2 in a local folder with its dropout off: dropout draws per rank, so no launcher could match."""
+    from transformers import AutoModelForCausalLM
+
+    from common.loading import load_pretrained, load_tokenizer
+
+    folder = str(tmp_path_factory.mktemp("no-dropout"))
+    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
+    for key in ("attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout"):
+        setattr(model.config, key, 0.0)
+    model.save_pretrained(folder)
+    load_tokenizer("builtin:tiny-gpt2").save_pretrained(folder)
+    return folder
+
+
+def launch(name: str, command: list[str], cwd) -> str:
+    """`command` under 1 process (in-process), or `accelerate launch` of 2 processes with DDP or FSDP2."""
+    out_flags = ["--output-dir", name, "--log-dir", f"{name}_runs"]
+    if name == "one":
+        return run_script([*command, *out_flags], cwd)
+    return run_script([*LAUNCHERS[name](), *command, *out_flags], cwd, timeout=300, **DDP_ENV)
+
+
+def weights(cwd, name: str, file: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(cwd, name, file))
+
+
+def assert_equal_runs(cwd, names: list[str], tag: str, lr: float, files=("model.safetensors",)) -> None:
+    """Per-step `tag` within 1e-5 relative, the saved weights within lr / 4 (the module docstring says why)."""
+    first = names[0]
+    for name in names[1:]:
+        ours, theirs = (read_scalars(os.path.join(cwd, f"{n}_runs"), tag) for n in (first, name))
+        assert len(ours) == len(theirs) > 1 and ours == pytest.approx(theirs, rel=1e-5), (name, tag, ours, theirs)
+        for file in files:
+            a, b = weights(cwd, first, file), weights(cwd, name, file)
+            assert a.keys() == b.keys()
+            gap = max((a[k] - b[k]).abs().max().item() for k in a)
+            assert gap <= lr / 4, (name, file, gap)
+
+
+def test_sft_is_the_same_under_one_process_ddp_and_fsdp_and_resumes_under_fsdp(tmp_path, no_dropout):
+    """Global batch 8: 1 x 8 == DDP 2 x 4 == FSDP2 2 x 4 (the loss is the mean over the global batch's tokens, pooled
+    over the ranks), with the same warmup schedule; an FSDP2 checkpoint (every rank's part of the sharded state)
+    resumes to the uninterrupted run's weights bit for bit, and the saved model loads in plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    flags = [SFT, "--model-name", no_dropout, "--max-steps", "4", "--max-seq-length", "32", "--eval-steps", "100"]
+    flags += ["--warmup-ratio", "0.5", "--lr-scheduler-type", "linear", "--num-sample-generations", "2"]
+    launch("one", [*flags, "--batch-size", "8"], tmp_path)
+    out = launch("ddp", [*flags, "--batch-size", "4"], tmp_path)
+    assert out.count("sft: 4 steps") == 1 and "of 8 examples" in out  # printed once; 2 ranks x 4
+    out = launch("fsdp", [*flags, "--batch-size", "4", "--save-steps", "2"], tmp_path)
+    assert out.count("sft: 4 steps") == 1 and "of 8 examples" in out
+    assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-3)
+    one, two = (read_scalars(str(tmp_path / f"{n}_runs"), "train/learning_rate") for n in ("one", "ddp"))
+    assert one == pytest.approx(two) and max(range(4), key=lambda i: one[i]) == 1  # the warmup's peak, after step 2
+    # resume the FSDP run from its step-2 checkpoint: the same final weights, bit for bit
+    checkpoint = tmp_path / "fsdp_checkpoints" / "step_2"
+    assert [f for f in os.listdir(checkpoint / "accelerate_state") if "fsdp" in f]  # accelerate's sharded model state
+    out = run_script([*fsdp_launch(), *flags, "--batch-size", "4", "--resume-from", str(checkpoint), "--output-dir",
+                      "resumed", "--log-dir", "resumed_runs"], tmp_path, timeout=300, **DDP_ENV)  # fmt: skip
+    assert "resumed from" in out
+    straight, resumed = weights(tmp_path, "fsdp"), weights(tmp_path, "resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")  # plain transformers, no accelerate
+    assert all(torch.equal(v, straight[k]) for k, v in model.state_dict().items() if k in straight)
+
+
+def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pairs_file):
+    """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step."""
+    flags = [DPO, "--model-name", no_dropout, "--dataset-name", pairs_file, "--max-steps", "3", "--eval-steps", "100"]
+    launch("one", [*flags, "--batch-size", "8"], tmp_path)
+    for name in ("ddp", "fsdp"):
+        assert launch(name, [*flags, "--batch-size", "4"], tmp_path).count("dpo: 3 steps") == 1
+    assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-4)
+
+
+def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
+    """Sampling draws from per-rank seeds, so 2 processes see other completions than 1 (docs/scaling.md): DDP x2 and
+    FSDP2 x2 sample the same ones, and must then train the same model. grpo pools the reward statistics over the ranks
+    (--scale-rewards batch) and checks that DDP's ranks end with identical weights; ppo shards its policy with the
+    value head, the reference and the reward model."""
+    grpo = [GRPO, "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
+    grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
+    grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
+    (tmp_path / "grpo").mkdir()
+    grpo_out = {name: launch(name, grpo, tmp_path / "grpo") for name in ("ddp", "fsdp")}
+    assert "weights identical on 2 ranks" in grpo_out["ddp"] and "sharded over 2 ranks" in grpo_out["fsdp"]
+    for tag in ("reward", "entropy", "grad_norm"):
+        assert_equal_runs(tmp_path / "grpo", ["ddp", "fsdp"], tag, lr=1e-4)
+    ppo = [PPO, "--model-name", "builtin:tiny-gpt2", "--batch-size", "4", "--mini-batch-size", "2"]
+    ppo += ["--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--total-episodes", "32"]
+    (tmp_path / "ppo").mkdir()
+    for name in ("ddp", "fsdp"):
+        out = launch(name, ppo, tmp_path / "ppo")
+        assert "ppo: 4 updates, 32 episodes" in out and out.count("policy builtin:tiny-gpt2") == 1
+    files = ("model.safetensors", "value_head.safetensors")
+    assert_equal_runs(tmp_path / "ppo", ["ddp", "fsdp"], "ppo/loss/total", lr=7e-5, files=files)
+
+
+def test_a_launch_whose_processes_would_train_alone_is_an_error(tmp_path):
+    """Two processes that accelerate would run as two lone runs (no GPU, no ACCELERATE_USE_CPU=1) stop with one line."""
+    _, error = run_in_process([SFT, "--model-name", "builtin:tiny-gpt2", "--max-steps", "1"], tmp_path, WORLD_SIZE="2")
+    assert "2 processes were launched but each would train alone" in str(error) and "ACCELERATE_USE_CPU=1" in str(error)
