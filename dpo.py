@@ -467,9 +467,10 @@ if __name__ == "__main__":
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
         if chunked:
             head = accelerator.unwrap_model(policy).get_output_embeddings()
-            per_token, mask, hidden = lm_token_logprobs(
-                policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
-            )
+            with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
+                per_token, mask, hidden = lm_token_logprobs(
+                    policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
+                )
             logps = masked_mean(per_token, mask, axis=-1) if args.loss_type == "ipo" else per_token.sum(-1)
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)

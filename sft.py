@@ -426,7 +426,8 @@ if __name__ == "__main__":
         """Mean next-token NLL over the labelled tokens (the model's own loss)."""
         if head is None:
             return model(**batch).loss
-        logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
+            logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
         return -logprobs.sum() / mask.sum()
 
     @torch.no_grad()

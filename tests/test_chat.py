@@ -160,7 +160,10 @@ def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama
 
     args = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, inverse_cdf_sampling=True, fast_generation=False)
     accelerator = SimpleNamespace(
-        device=torch.device("cpu"), print=print, autocast=lambda: torch.autocast("cpu", enabled=False)
+        device=torch.device("cpu"),
+        print=print,
+        autocast=lambda: torch.autocast("cpu", enabled=False),
+        distributed_type="NO",
     )
     sampler = Sampler(SimpleNamespace(**vars(args), max_completion_length=4), tokenizer, Policy(), accelerator)
     completions, mask, ended = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long))
