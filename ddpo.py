@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedType, gather_object, set_seed
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from diffusers.utils import convert_state_dict_to_diffusers
 from diffusers.utils.torch_utils import randn_tensor
@@ -334,6 +334,8 @@ if __name__ == "__main__":
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     run_name, logger = start_run(args, accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:  # LoRA's few MB gain nothing from sharding
+        raise UsageError("ddpo.py under FSDP is not supported: the UNet's LoRA save needs whole weights; use DDP.")
 
     # ---- pipeline ----
     pipeline = load_pipeline(args.pretrained_model, seed=0)
@@ -415,7 +417,7 @@ if __name__ == "__main__":
         prompt_embeds = embed(prompts)
         scheduler.set_timesteps(args.sample_num_steps, device=device)
         side = resolution // pipeline.vae_scale_factor
-        shape = (len(prompts), unet.config.in_channels, side, side)
+        shape = (len(prompts), accelerator.unwrap_model(unet).config.in_channels, side, side)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=inference_dtype) * scheduler.init_noise_sigma
         all_latents, log_probs = [latents], []
         with accelerator.autocast():

@@ -41,6 +41,7 @@ from common.run import (
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -305,10 +306,11 @@ def main(args: Args) -> None:
     # ---- final evaluation, save and summary ----
     last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
     policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
+    weights = full_weights(accelerator, unwrapped)  # gathered on the main process when sharded (every rank calls it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp)
+            policy.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "gkd", last_eval)
     window = max(1, len(history) // 10)

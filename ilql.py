@@ -43,6 +43,7 @@ from common.run import (
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -207,9 +208,12 @@ class CausalLMWithILQLHeads(nn.Module):
             model.load_state_dict(load_file(heads_file), strict=False)
         return model
 
-    def save_pretrained(self, directory: str) -> None:
-        self.lm.save_pretrained(directory)
-        heads = {k: v.contiguous() for k, v in self.state_dict().items() if not k.startswith("lm.")}
+    def save_pretrained(self, directory: str, state_dict: dict | None = None) -> None:
+        """`state_dict`: this module's whole state (gathered when sharded); None: its own."""
+        state = self.state_dict() if state_dict is None else state_dict
+        lm = None if state_dict is None else {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        self.lm.save_pretrained(directory, state_dict=lm)
+        heads = {k: v.contiguous() for k, v in state.items() if not k.startswith("lm.")}
         save_file(heads, os.path.join(directory, HEADS_FILE))
 
     def forward(self, input_ids, attention_mask, states_ixs, actions_ixs, actions):
@@ -432,6 +436,9 @@ if __name__ == "__main__":
     def generate(prompts: list[str], beta: float) -> list[str]:
         """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
         heads = accelerator.unwrap_model(model)
+        sharded = hasattr(heads, "unshard")  # FSDP2: the root's own weights gathered, every rank decodes every step
+        if sharded:
+            heads.unshard()
         ids = [i[-args.max_length :] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
         inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
@@ -461,8 +468,10 @@ if __name__ == "__main__":
             finished |= tokens == tokenizer.eos_token_id
             real = ~finished | (tokens == tokenizer.eos_token_id)  # the EOS itself is attended to, padding after it not
             input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, real[:, None].long()], 1)
-            if finished.all():
+            if finished.all() and not sharded:
                 break
+        if sharded:
+            heads.reshard()
         return tokenizer.batch_decode(torch.stack(generated, 1), skip_special_tokens=True)
 
     @torch.no_grad()
@@ -548,10 +557,11 @@ if __name__ == "__main__":
     unwrapped = accelerator.unwrap_model(model)
     if peft_model_of(unwrapped.lm) is not None:
         unwrapped.lm = unwrapped.lm.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "ilql", last_eval)
     beta_key = f"eval/reward_beta_{args.gen_beta:g}"

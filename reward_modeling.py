@@ -46,6 +46,7 @@ from common.run import (
     check_finite,
     cli,
     end_run,
+    full_weights,
     load_checkpoint,
     save_checkpoint,
     start_run,
@@ -452,6 +453,7 @@ if __name__ == "__main__":
         accelerator.print(f"reward normalised: mean {mean:.3f}, std {std:.3f} -> 0, 1")
 
     # ---- save (plain from_pretrained format; with LoRA also the adapter, for ppo.py --reward-adapter) ----
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_directory(args.output_dir) as tmp:
@@ -464,7 +466,7 @@ if __name__ == "__main__":
                 unwrapped = unwrapped.merge_and_unload()
             if args.normalize_reward:
                 fold_reward_normalization(unwrapped, gain, bias)
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, "reward_modeling", last_eval)
     accelerator.print(

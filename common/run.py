@@ -264,11 +264,13 @@ def check_launch(accelerator: Accelerator, args=None) -> None:
     if accelerator.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
-    for flag in ("use_peft", "num_shared_layers"):  # a LoRA merge, weights shared with the reference: whole weights
-        if getattr(args, flag, None) and not stored_once(accelerator):
-            raise UsageError(
-                f"--{flag.replace('_', '-')} under FSDP / DeepSpeed is not supported: use DDP (configs/multi_gpu.yaml)."
-            )
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise UsageError(  # accelerate starts DeepSpeed only on accelerators
+            "a DeepSpeed config on a machine without GPUs would run as DDP: use configs/fsdp_cpu.yaml or --multi_gpu."
+        )
+    for flag in ("use_peft", "num_shared_layers", "normalize_reward"):  # a LoRA merge, shared or folded weights
+        if getattr(args, flag, None) and accelerator.distributed_type == DistributedType.FSDP:
+            raise UsageError(f"--{flag.replace('_', '-')} under FSDP is not supported: use DDP (configs/multi_gpu.yaml).")
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
