@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import render, text_of
 from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import peft_model_of
+from common.models import peft_model_of, place_frozen
 from common.run import (
     atomic_directory,
     check_finite,
@@ -373,7 +373,7 @@ def load_models(args: Args, accelerator: Accelerator):
         f"student {args.model_name}: {trainable:,} trainable parameters; teacher {args.teacher_name}: "
         f"{sum(p.numel() for p in teacher.parameters()):,} parameters, frozen"
     )
-    return student, teacher.to(accelerator.device), optimizer, scheduler
+    return student, place_frozen(accelerator, teacher), optimizer, scheduler  # sharded like the student under FSDP2
 
 
 def tokenize_answer(tokenizer, row: dict, chat: bool) -> list[int]:
@@ -412,6 +412,7 @@ def sample(model, tokenizer, prompts, prompt_mask, args: Args, accelerator: Acce
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            synced_gpus=accelerator.distributed_type == DistributedType.FSDP,  # each sharded step is a collective
             **sampling_kwargs(args.temperature, 0, 1.0),
         )
     return out[:, prompts.shape[1] :]
