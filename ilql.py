@@ -509,6 +509,8 @@ if __name__ == "__main__":
     for step in progress:
         for micro in range(args.gradient_accumulation_steps):
             batch = batch_of(step * args.gradient_accumulation_steps + micro)
+            actions_here = batch["dones"][:, :-1].sum()  # every term is a mean over the global batch's actions:
+            share = actions_here * accelerator.num_processes / accelerator.reduce(actions_here, "sum").clamp(min=1)
             with accelerator.accumulate(model):
                 actions = batch["input_ids"].gather(1, batch["actions_ixs"] + 1)  # the token each action emits
                 logits, qs, target_qs, vs = model(
@@ -528,7 +530,8 @@ if __name__ == "__main__":
                     args.awac_scale,
                     args.awac_beta,
                 )
-                accelerator.backward(loss)
+                metrics = {k: v * share for k, v in metrics.items()}  # so the ranks' mean below is the pooled mean
+                accelerator.backward(loss * share)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()

@@ -16,7 +16,7 @@ import torch
 from conftest import DDP_ENV, ROOT, ddp_launch, fsdp_launch, read_scalars, run_in_process, run_script
 from safetensors.torch import load_file
 
-SFT, DPO, PPO, GRPO = (os.path.join(ROOT, f"{name}.py") for name in ("sft", "dpo", "ppo", "grpo"))
+SFT, DPO, PPO, GRPO, ILQL = (os.path.join(ROOT, f"{name}.py") for name in ("sft", "dpo", "ppo", "grpo", "ilql"))
 LAUNCHERS = {"ddp": ddp_launch, "fsdp": fsdp_launch}
 
 
@@ -90,12 +90,29 @@ def test_sft_is_the_same_under_one_process_ddp_and_fsdp_and_resumes_under_fsdp(t
 
 
 def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pairs_file):
-    """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step."""
+    """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step. One pair
+    of 40 is held out: rank 1's eval shard is empty and scores a pair at weight 0, so both ranks reach the same
+    collectives (gloo aborted on a size mismatch before)."""
     flags = [DPO, "--model-name", no_dropout, "--dataset-name", pairs_file, "--max-steps", "3", "--eval-steps", "100"]
+    flags += ["--eval-fraction", "0.025"]
     launch("one", [*flags, "--batch-size", "8"], tmp_path)
     for name in ("ddp", "fsdp"):
-        assert launch(name, [*flags, "--batch-size", "4"], tmp_path).count("dpo: 3 steps") == 1
+        out = launch(name, [*flags, "--batch-size", "4"], tmp_path)
+        assert out.count("dpo: 3 steps") == 1 and "39 training / 1 eval pairs" in out
     assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-4)
+
+
+def test_ilql_is_the_same_under_one_process_and_ddp(tmp_path, no_dropout):
+    """Every ilql term is a mean over the global batch's actions, pooled over the ranks (per-rank means differed from one
+    process by 3.5e-2 relative), the heads included. One held-out prompt for two ranks: rank 1 answers it at weight 0,
+    so both reach every collective (it used to wait forever in the gather)."""
+    flags = [ILQL, "--model-name", no_dropout, "--max-steps", "3", "--max-length", "24", "--max-new-tokens", "4"]
+    flags += ["--eval-samples", "1"]
+    launch("one", [*flags, "--batch-size", "8"], tmp_path)
+    out = launch("ddp", [*flags, "--batch-size", "4"], tmp_path)
+    assert "1 eval prompts per process" in out and out.count("ilql: 3 steps") == 1
+    for tag in ("losses/loss", "losses/loss_q", "losses/loss_awac", "values/advantage"):
+        assert_equal_runs(tmp_path, ["one", "ddp"], tag, lr=1e-3, files=("model.safetensors", "ilql_heads.safetensors"))
 
 
 def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
