@@ -49,7 +49,8 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
         os.environ.update(old_env)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-        gc.collect()
+        gc.collect()  # the run's models and data, freed before the next run
+        gc.freeze()  # what survives (modules, caches: ~500k objects) is never scanned again: 0.5 s per collection
     return output.getvalue(), error
 
 

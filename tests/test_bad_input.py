@@ -8,7 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import RANDOM_MODEL, ROOT, run_failing, run_script
+from conftest import RANDOM_MODEL, ROOT, run_failing, run_in_process, run_script
+
+from common.core import UsageError
 
 SCRIPTS = {name: os.path.join(ROOT, f"{name}.py") for name in ("ppo", "dpo", "sft", "reward_modeling", "ilql", "ddpo", "gkd")}
 
@@ -120,15 +122,9 @@ def test_cheap_checks_come_before_building_a_preset(tmp_path):
     cache) is built: the fresh cache stays without it."""
     for script in ("dpo", "reward_modeling", "sft", "ilql"):
         model = ["--model-name", "builtin:tiny-chat"]
-        result = subprocess.run(
-            [sys.executable, SCRIPTS[script], *model, "--dataset-name", "missing.jsonl"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=ROOT, XDG_CACHE_HOME=str(tmp_path / "cache")),
-            timeout=120,
-        )
-        assert result.returncode == 2 and "no such file" in result.stderr, result.stderr[-2000:]
+        command = [SCRIPTS[script], *model, "--dataset-name", "missing.jsonl"]
+        _, error = run_in_process(command, tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))  # exit 2: tests below
+        assert isinstance(error, UsageError) and "no such file" in str(error), error
         assert not (tmp_path / "cache" / "rlhf-builtin" / "tiny-chat-v1").exists(), script
 
 

@@ -16,7 +16,14 @@ from PIL import Image
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 # Small budgets: each notebook's own defaults take a few minutes; these keep the suite short
 BUDGETS = {
-    "agents": {"SFT_STEPS": 1, "UPDATES": 1, "EPISODE_TOKENS": 24, "FLAGS": ["--eval-samples", "4"]},
+    "agents": {  # one SFT step of 2 traces, one grpo update of 2 problems x 2 episodes: SmolLM2 with tool schemas
+        "SFT_STEPS": 1,
+        "UPDATES": 1,
+        "EPISODE_TOKENS": 24,
+        "SFT_FLAGS": ["--batch-size", "2", "--eval-fraction", "0.005"],
+        "FLAGS": ["--eval-samples", "2", "--batch-size", "2", "--num-generations", "2", "--mini-batch-size", "4"]
+        + ["--gradient-accumulation-steps", "1", "--total-prompts", "2"],
+    },
     "sft": {
         "MAX_STEPS": 4,
         "EVAL_STEPS": 4,
@@ -27,10 +34,10 @@ BUDGETS = {
     "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
-    "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "8"]},
+    "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "4", "--batch-size", "4", "--mini-batch-size", "4"]},
     "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"]},
     # one thread: its runs are subprocesses beside the other pytest worker (2 threads each would oversubscribe 2 cores)
-    "real_model": {"UPDATES": 2, "FLAGS": ["--eval-samples", "1", "--eval-problems", "8", "--threads", "1"]},
+    "real_model": {"UPDATES": 1, "FLAGS": ["--eval-samples", "1", "--eval-problems", "4", "--threads", "1"]},
     "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
 }
 
