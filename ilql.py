@@ -408,6 +408,10 @@ if __name__ == "__main__":
     if args.use_peft:
         model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     model.to(device)
+    if accelerator.num_processes > 1:  # the new heads as rank 0 drew them (per-rank seeds; FSDP2 shards each rank's own)
+        for head in (model.v_head, model.q_heads, model.target_q_heads):
+            for parameter in head.parameters():
+                torch.distributed.broadcast(parameter.data, src=0)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True

@@ -120,7 +120,7 @@ def losses(log_dir: str) -> list[float]:
     accumulator = EventAccumulator(runs[0])
     accumulator.Reload()
     tags = accumulator.Tags()["scalars"]
-    tag = next((t for t in sorted(tags) if "loss" in t and not t.startswith("eval")), None)
+    tag = next((t for t in sorted(tags) if "loss" in t and "grad_norm" not in t and not t.startswith("eval")), None)
     tag = tag or next((t for t in tags if "grad_norm" in t), None)
     return [e.value for e in accumulator.Scalars(tag)] if tag else []
 

@@ -102,17 +102,20 @@ def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pa
     assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-4)
 
 
-def test_ilql_is_the_same_under_one_process_and_ddp(tmp_path, no_dropout):
+def test_ilql_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout):
     """Every ilql term is a mean over the global batch's actions, pooled over the ranks (per-rank means differed from one
-    process by 3.5e-2 relative), the heads included. One held-out prompt for two ranks: rank 1 answers it at weight 0,
-    so both reach every collective (it used to wait forever in the gather)."""
+    process by up to 5e-2 relative); its new heads start as rank 0 drew them on every rank (FSDP2 sharded each rank's
+    own draw: 7e-3 from the first step). One held-out prompt for two ranks: rank 1 answers it at weight 0, so both
+    reach every collective (it used to wait forever in the gather)."""
     flags = [ILQL, "--model-name", no_dropout, "--max-steps", "3", "--max-length", "24", "--max-new-tokens", "4"]
     flags += ["--eval-samples", "1"]
     launch("one", [*flags, "--batch-size", "8"], tmp_path)
-    out = launch("ddp", [*flags, "--batch-size", "4"], tmp_path)
-    assert "1 eval prompts per process" in out and out.count("ilql: 3 steps") == 1
+    for name in ("ddp", "fsdp"):
+        out = launch(name, [*flags, "--batch-size", "4"], tmp_path)
+        assert "1 eval prompts per process" in out and out.count("ilql: 3 steps") == 1
+    files = ("model.safetensors", "ilql_heads.safetensors")
     for tag in ("losses/loss", "losses/loss_q", "losses/loss_awac", "values/advantage"):
-        assert_equal_runs(tmp_path, ["one", "ddp"], tag, lr=1e-3, files=("model.safetensors", "ilql_heads.safetensors"))
+        assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], tag, lr=1e-3, files=files)
 
 
 def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
