@@ -65,6 +65,9 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment (each rank adds its index)"""
+    data_seed: int | None = None
+    """seed of the problems and of the held-out split (TRL's `data_seed`); default: --seed. Fixed while --seed varies,
+    seeds change only the training order, the initialisation and the sampling"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     track: bool = False

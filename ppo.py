@@ -93,6 +93,9 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment (each rank adds its index)"""
+    data_seed: int | None = None
+    """seed of the problems and of the held-out split (TRL's `data_seed`); default: --seed. Fixed while --seed varies,
+    seeds change only the training order, the initialisation and the sampling"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     track: bool = False
@@ -759,7 +762,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
             dataset = answers_as_text(dataset, args.answer_column)
             dataset = dataset.rename_column(args.answer_column, "answer") if args.answer_column != "answer" else dataset
         chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column], args.system_prompt)
-        train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
+        data_seed = args.seed if args.data_seed is None else args.data_seed
+        train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, data_seed)
         train_rows, eval_rows = train_dataset.to_list(), eval_dataset.to_list()[: args.eval_samples]
         for row in train_rows + eval_rows:
             row["prompt"] = row[args.query_column]
