@@ -274,8 +274,9 @@ def check_launch(accelerator: Accelerator, args=None) -> None:
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
-    """Seed every RNG with `args.seed + rank`, name the run and make its logger (main process only). `args` needs the
-    CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name, wandb_entity."""
+    """Check the launch (`check_launch`), seed every RNG with `args.seed + rank`, name the run and make its logger (main
+    process only). `args` needs the CleanRL fields exp_name, seed, torch_deterministic, track, wandb_project_name,
+    wandb_entity."""
     check_launch(accelerator, args)
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
     if accelerator.device.type == "cpu":
