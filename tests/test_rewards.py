@@ -81,3 +81,22 @@ def test_held_out_problems_are_distinct_questions_never_seen_in_training():
     assert not chat and len(held_out) == 64 == len({r["prompt"] for r in held_out})
     assert not questions & {r["prompt"] for r in held_out} and len(questions) == 136 and len(train) > 1000
     assert all(r["prompt_ids"] == tokenizer(r["prompt"])["input_ids"] for r in held_out)
+
+
+def test_the_data_seed_fixes_the_problems_while_the_seed_varies():
+    """--data-seed (default --seed) draws the problems and the held-out split: with it fixed, another --seed trains and
+    evaluates on the same problems (benchmarks/real_model.py --seeds relies on it); without it, the problems change."""
+    from common.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    config = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+
+    def problems(**seeds):
+        args = SimpleNamespace(dataset_name="reasoning-gym:chain_sum", task_config=config, train_size=200, eval_size=16)
+        args.__dict__.update(chat_template=True, task_instruction="", system_prompt=None, **seeds)
+        train, held_out, _ = load_task(args, tokenizer, "prompt", 64)
+        return [r["prompt"] for r in train], [r["prompt"] for r in held_out]
+
+    assert problems(seed=2, data_seed=1) == problems(seed=1) == problems(seed=1, data_seed=None)
+    train, held_out = problems(seed=2)
+    assert held_out != problems(seed=1)[1] and train != problems(seed=1)[0]
