@@ -7,6 +7,12 @@ model is evaluated the same way on the held-out problems: greedy accuracy; sampl
 --eval-samples replies per problem); the KL to the initial model (nats per completion, the sum over its tokens of
 log pi - log pi_0 on the sampled replies); the completion length; the number of distinct answers per problem.
 
+With --seeds 1 2 3 every method runs once per seed: the seed changes the training order, the sampling, the self-sampled
+data of rft / dpo / rm_ppo and TRL's seed; the problems (training and held-out, --data-seed 1) and the final
+evaluation's draws stay fixed. The table gives mean ± standard deviation [min, max] over the seeds, the plot the mean
+curve with a min-max band. A method already in the results of a seed is kept, so an interrupted sweep resumes (--rerun
+replaces it).
+
 - grpo, rloo: the verifier's reward, 8 prompts x 4 completions per update;
 - ppo: ppo.py with the same verifier (--reward-funcs verifier), a value head, the adaptive KL penalty;
 - rft: rejection-sampling fine-tuning: sft.py on the base model's own correct replies to the training questions;
@@ -17,7 +23,13 @@ log pi - log pi_0 on the sampled replies); the completion length; the number of 
 
     python benchmarks/real_model.py                                  # everything; writes the table and the plot
     python benchmarks/real_model.py --methods grpo rloo --threads 2   # some methods
-    python benchmarks/real_model.py --report-only                     # the table and plot from the runs on disk
+    python benchmarks/real_model.py --seeds 1 2 3                      # three seeds per method (resumes)
+    python benchmarks/real_model.py --report-only                     # the table and plot from the results on disk
+    python benchmarks/real_model.py --check                           # the regression guard (about 8 minutes)
+
+--check is the guard to run before changing grpo.py's loss or sampling: grpo.py's row for seed 1, cut to
+--check-updates updates; it fails when the held-out accuracy at the end (grpo.py's own evaluation) leaves the band of
+the recorded seeds' curves at that point, widened by --check-margin.
 """
 
 import glob
@@ -26,6 +38,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -48,7 +61,7 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
-TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--seed", "1"]  # the scripts' default task config and split
+TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
 METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo")
 
 
@@ -72,8 +85,18 @@ class Args:
     """sampled replies per held-out problem in the final evaluation"""
     eval_problems: int = 64
     """held-out problems evaluated (during and after training); fewer make a quick check"""
+    seeds: list[int] = field(default_factory=lambda: [1])
+    """training seeds: every method runs once per seed (the problems and the evaluation stay those of seed 1)"""
+    rerun: bool = False
+    """run the methods again for seeds whose results are already in `folder` (else they are kept: a sweep resumes)"""
     report_only: bool = False
-    """draw the table and the plot from the runs already in `folder`"""
+    """draw the table and the plot from the results already in `folder`"""
+    check: bool = False
+    """the regression guard: grpo.py's row for the first seed, cut to `check_updates` updates; fails outside the band"""
+    check_updates: int = 10
+    """updates of the --check run (the band is the recorded curves' at that point)"""
+    check_margin: float = 0.1
+    """how far outside the recorded seeds' min-max the --check accuracy may land (64 problems: one sd is about 0.06)"""
     write: str = "benchmarks/RESULTS-real-model.md"
     """the results file (the plot goes beside it as a PNG)"""
 
@@ -84,15 +107,15 @@ RL = ["--model-name", MODEL, *TASK, "--max-completion-length", "32", "--log-freq
 GROUPS = ["--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "4"]
 
 
-def commands(args: Args, folder: str) -> dict[str, list[list[str]]]:
-    """Each method's commands (python script.py ...), in the order they run."""
+def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
+    """Each method's commands (python script.py ...) for one seed, in the order they run."""
 
     def out(name: str) -> list[str]:  # this benchmark's own folders: a rerun replaces them
         return ["--output-dir", os.path.join(folder, name), "--log-dir", os.path.join(folder, "runs", name), "--overwrite"]
 
     every = max(1, args.updates // 4)
-    rl = [*RL, "--eval-samples", str(args.eval_problems)]
-    ppo = ["--model-name", MODEL, *TASK, "--min-new-tokens", "32", "--max-new-tokens", "32"]
+    rl = [*RL, "--seed", str(seed), "--eval-samples", str(args.eval_problems)]
+    ppo = ["--model-name", MODEL, *TASK, "--seed", str(seed), "--min-new-tokens", "32", "--max-new-tokens", "32"]
     ppo += ["--eval-samples", str(args.eval_problems)]
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
@@ -110,16 +133,18 @@ def commands(args: Args, folder: str) -> dict[str, list[list[str]]]:
         "rft": [
             ["sft.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "rft.jsonl"), "--prompt-column"]
             + ["prompt", "--completion-column", "completion", "--learning-rate", "1e-5", "--num-epochs", "2"]
-            + ["--batch-size", "8", "--eval-fraction", "0.05", "--max-seq-length", "128", *out("rft")]
+            + ["--batch-size", "8", "--eval-fraction", "0.05", "--max-seq-length", "128", "--seed", str(seed)]
+            + [*out("rft")]
         ],
         "dpo": [
             ["dpo.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl"), "--beta", "0.1"]
             + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
-            + [*out("dpo")]
+            + ["--seed", str(seed), *out("dpo")]
         ],
         "rm_ppo": [
             ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
-            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128", *out("rm")],
+            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
+            + ["--seed", str(seed), *out("rm")],
             ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), *out("rm_ppo")],
         ],
     }
@@ -160,9 +185,9 @@ def generate(model, tokenizer, prompts: list, n: int = 1, greedy: bool = False, 
     return texts, ids
 
 
-def self_samples(args: Args, folder: str) -> dict:
+def self_samples(args: Args, folder: str, seed: int) -> dict:
     """rft.jsonl (the correct replies) and pairs.jsonl (a correct reply over a wrong one, up to 4 pairs per question)
-    from `self_samples` replies of the base model to every training question."""
+    from `self_samples` replies of the base model to every training question, drawn with the seed."""
     data = os.path.join(folder, "self_samples")
     if os.path.isfile(os.path.join(data, "stats.json")):
         return json.load(open(os.path.join(data, "stats.json")))
@@ -172,7 +197,7 @@ def self_samples(args: Args, folder: str) -> dict:
     train, _ = task()
     questions = list({json.dumps(r["prompt"]): r for r in train}.values())
     start = time.time()
-    texts, _ = generate(model, tokenizer, [q["prompt"] for q in questions], n=args.self_samples, seed=1)
+    texts, _ = generate(model, tokenizer, [q["prompt"] for q in questions], n=args.self_samples, seed=seed)
     grades = verifier(
         None,
         texts,
@@ -254,7 +279,7 @@ def evaluate(folder_or_name: str, samples: int, problems: int = 64) -> dict:
 # ---- TRL's GRPOTrainer on the same model, data, reward and settings ----
 
 
-def trl_run(args: Args, folder: str, name: str) -> tuple[float, float]:
+def trl_run(args: Args, folder: str, name: str, seed: int) -> tuple[float, float]:
     """`trl_steps` steps of TRL 1.x's GRPOTrainer or RLOOTrainer (`name`: trl_grpo, trl_rloo) with our runs' settings (8
     prompts x 4 completions, 32 new tokens, lr 1e-5, beta 0, temperature 1, the verifier's reward, the same chat
     prompts; TRL's defaults otherwise, gradient checkpointing off as ours has none, float32 as ours), saved for the
@@ -301,7 +326,7 @@ def trl_run(args: Args, folder: str, name: str) -> tuple[float, float]:
         report_to=[],
         logging_steps=1,
         save_strategy="no",
-        seed=1,
+        seed=seed,
     )
     model = load_pretrained(MODEL, AutoModelForCausalLM)
     trainer = getattr(trl, f"{kind}Trainer")(
@@ -378,6 +403,79 @@ def step_time(folder: str, method: str) -> tuple[float, int, float]:
     return median(steps), len(steps), median(rollouts)
 
 
+def with_curve(r: dict, folder: str, method: str) -> dict:
+    """One seed's result with what its run's TensorBoard log says (when the run is on disk): step times, the number of
+    updates, the completions sampled and the held-out accuracy curve against completions."""
+    drawn = r.get("self_samples", {}).get("samples", 0)  # the replies drawn to build the offline data
+    if method in CURVES and os.path.isdir(os.path.join(folder, "runs", CURVES[method][0])):
+        run, tag, per_update = CURVES[method][:3]
+        r["step_s"], r["updates"], r["rollout_s"] = step_time(folder, method)
+        r["completions"] = drawn + per_update * r["updates"]
+        curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
+        r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
+    return r
+
+
+METRICS = ("greedy", "sampled", "kl", "length", "distinct", "wall_s", "step_s", "rollout_s", "completions")
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """Mean, standard deviation (over seeds, n - 1), min and max of each metric; the curves averaged point by point
+    (over the points every seed has) with their min and max."""
+    out = {}
+    for key in METRICS:
+        values = [r[key] for r in per_seed if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+        if values:
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            out[key] = dict(mean=statistics.fmean(values), sd=sd, min=min(values), max=max(values), n=len(values))
+    curves = [dict(r["curve"]) for r in per_seed if r.get("curve")]
+    if curves and len(curves) == len(per_seed):
+        xs = sorted(set.intersection(*(set(c) for c in curves)))
+        out["curve"] = [(x, *(f([c[x] for c in curves]) for f in (statistics.fmean, min, max))) for x in xs]
+    return out
+
+
+def cell(stat: dict | None, digits: int = 2) -> str:
+    """mean ± sd [min, max] over the seeds (the value alone for one seed)."""
+    if not stat:
+        return "-"
+    if stat["n"] == 1:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f} [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]"
+
+
+def comparison(stats: dict, problems: int, samples: int) -> str:
+    """Ours against TRL's: the difference of the means, and whether it is larger than the spread (the seeds' min-max
+    ranges do not overlap) and, for accuracies, than the evaluation's own noise (two binomial standard errors of the
+    difference over `problems` x replies)."""
+    lines = []
+    for ours, theirs in (("grpo", "trl_grpo"), ("rloo", "trl_rloo")):
+        if ours not in stats or theirs not in stats:
+            continue
+        for key, name in (("greedy", "greedy accuracy"), ("sampled", "sampled accuracy"), ("kl", "KL")):
+            a, b = stats[ours][key], stats[theirs][key]
+            difference = a["mean"] - b["mean"]
+            if min(a["n"], b["n"]) < 2:
+                verdict = "one seed: no spread to compare with"
+            elif a["min"] <= b["max"] and b["min"] <= a["max"]:
+                verdict = "within the spread (the seeds' ranges overlap)"
+            else:
+                verdict = "larger than the spread (the seeds' ranges do not overlap)"
+                if key != "kl":  # each mean accuracy is itself a binomial estimate over the held-out replies
+                    n = [problems * (1 if key == "greedy" else samples) * x["n"] for x in (a, b)]
+                    noise = 2 * math.sqrt(sum(x["mean"] * (1 - x["mean"]) / m for x, m in zip((a, b), n)))
+                    verdict = (
+                        f"within the evaluation's noise (two standard errors: {noise:.2f})"
+                        if abs(difference) <= noise
+                        else f"larger than the spread and the evaluation's noise (two standard errors: {noise:.2f})"
+                    )
+            lines.append(
+                f"- {LABELS[ours].split(' (')[0]} against TRL, {name}: {a['mean']:.2f} against {b['mean']:.2f} "
+                f"({a['n']} and {b['n']} seeds), difference {difference:+.2f}: {verdict}"
+            )
+    return "\n".join(lines)
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else the architecture."""
     try:
@@ -394,82 +492,132 @@ def machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
+FAMILIES = {  # one panel each
+    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
+    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo"),
+    "offline, from the base model's samples": ("rft", "dpo"),
+}
+
+
 def report(args: Args, results: dict, folder: str) -> None:
-    """The table (markdown, at args.write) and the plot of held-out accuracy against sampled completions beside it."""
+    """The table (markdown, at args.write), the plot of held-out accuracy against sampled completions beside it (mean
+    and min-max band over the seeds), and the JSON of every seed's figures and their aggregate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(11, 5))
+    seeds = sorted(results.get("seeds", {}), key=int)
+    for seed in seeds:
+        for method, r in results["seeds"][seed].items():
+            with_curve(r, os.path.join(folder, f"seed_{seed}"), method)
+    stats = {
+        method: aggregate([results["seeds"][s][method] for s in seeds if method in results["seeds"][s]])
+        for method in METHODS
+        if any(method in results["seeds"][s] for s in seeds)
+    }
+    results["aggregate"] = stats
     base = results["base"]
-    rows = []
-    for method in ("base", *METHODS):
-        if method not in results:
-            continue
-        r = results[method]
-        drawn = r.get("self_samples", {}).get("samples", 0)  # the replies drawn to build the offline data
-        if method in CURVES:
-            run, tag, per_update = CURVES[method][:3]
-            if os.path.isdir(os.path.join(folder, "runs", run)):  # else the numbers kept in the results
-                r["step_s"], r["updates"], r["rollout_s"] = step_time(folder, method)
-                r["completions"] = drawn + per_update * r["updates"]
-                curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
-                r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
-            seconds, updates, completions = r["step_s"], r["updates"], r["completions"]
-            if r.get("curve"):
-                axis.plot(*zip(*r["curve"]), marker=".", color=f"C{METHODS.index(method)}", label=LABELS[method])
-            else:
-                axis.scatter([completions], [r["sampled"]], color=f"C{METHODS.index(method)}", label=LABELS[method], zorder=3)
-        else:
-            seconds, updates, completions = r.get("step_s", float("nan")), args.trl_steps, r.get("completions", 0)
-            if method.startswith("trl_"):
-                marker = "x" if method == "trl_grpo" else "+"
-                axis.scatter([completions], [r["sampled"]], marker=marker, s=60, color="k", label=LABELS[method], zorder=3)
-        wall = r.get("wall_s")
-        rows.append(
-            f"| {LABELS[method]} | {completions} | {base['greedy']:.2f} -> {r['greedy']:.2f} | "
-            f"{base['sampled']:.2f} -> {r['sampled']:.2f} | {r['kl']:.2f} | {r['length']:.1f} | {r['distinct']:.2f} | "
-            + (f"{wall / 60:.1f} min | " if wall else "- | ")
-            + (f"{seconds:.{1 if seconds >= 1 else 2}f} ({updates}) | " if not math.isnan(seconds) else "- | ")
-            + (f"{r['rollout_s'] / seconds:.0%} |" if not math.isnan(r.get("rollout_s", math.nan)) else "- |")
-        )
-    axis.axhline(base["sampled"], color="grey", linestyle=":", label="before training (sampled)")
-    axis.set(xlabel="sampled completions used", ylabel="held-out accuracy (sampled, temperature 1)", ylim=(0, 1))
-    axis.set_title("SmolLM2-135M-Instruct, one-digit chain_sum, 64 held-out problems")
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot: no point hidden
+    figure, axes = plt.subplots(1, len(FAMILIES), figsize=(16, 4.8), sharey=True)
+    for axis, (title, family) in zip(axes, FAMILIES.items()):
+        for method in family:
+            if method not in stats:
+                continue
+            st, color = stats[method], f"C{METHODS.index(method)}"
+            label = f"{LABELS[method]} ({st['sampled']['n']} seeds)"
+            if st.get("curve"):
+                xs, mean, low, high = zip(*st["curve"])
+                axis.plot(xs, mean, marker=".", color=color, label=label)
+                axis.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
+            else:  # the final evaluation: mean and min-max
+                x, y = st["completions"]["mean"], st["sampled"]
+                marker = {"trl_grpo": "x", "trl_rloo": "+"}.get(method, "o")
+                error = [[y["mean"] - y["min"]], [y["max"] - y["mean"]]]
+                axis.errorbar([x], [y["mean"]], yerr=error, fmt=marker, ms=8, capsize=4, color=color, label=label)
+        axis.axhline(base["sampled"], color="grey", linestyle=":", label="before training")
+        axis.set(xlabel="sampled completions used", title=title, ylim=(0, 1))
+        axis.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("held-out accuracy (sampled, temperature 1)")
+    figure.suptitle(
+        "SmolLM2-135M-Instruct, one-digit chain_sum, 64 held-out problems: mean over seeds, band min-max "
+        "(curves: the scripts' own evaluation, one reply per problem; points: the final evaluation)",
+        fontsize=9,
+    )
     figure.tight_layout()
     plot = os.path.splitext(os.path.join(ROOT, args.write))[0] + ".png"
     figure.savefig(plot, dpi=110)
+
+    rows = [
+        f"| {LABELS['base']} | - | 0 | {base['greedy']:.2f} | {base['sampled']:.2f} | 0 | {base['length']:.1f} | "
+        f"{base['distinct']:.2f} |"
+    ]
+    for method, st in stats.items():
+        rows.append(
+            f"| {LABELS[method]} | {st['sampled']['n']} | {st['completions']['mean']:.0f} | {cell(st['greedy'])} | "
+            f"{cell(st['sampled'])} | {cell(st['kl'])} | {cell(st.get('length'), 1)} | {cell(st.get('distinct'))} |"
+        )
     header = (
-        "| method | completions sampled | greedy accuracy | sampled accuracy | KL to the start | reply tokens | "
-        f"distinct answers (of {args.eval_samples}) | wall time | s/update (updates) | rollout share |\n|-|-|-|-|-|-|-|-|-|-|"
+        "| method | seeds | completions sampled | greedy accuracy | sampled accuracy | KL to the start | reply tokens | "
+        f"distinct answers (of {args.eval_samples}) |\n|-|-|-|-|-|-|-|-|"
+    )
+
+    def timing(r: dict) -> str:  # wall time, median s/update, rollout share of one run
+        wall, step, rollout = (r.get(k, math.nan) for k in ("wall_s", "step_s", "rollout_s"))
+        return (
+            (f"{wall / 60:.1f} min | " if not math.isnan(wall) else "- | ")
+            + (f"{step:.{1 if step >= 1 else 2}f} | " if not math.isnan(step) else "- | ")
+            + (f"{rollout / step:.0%}" if not (math.isnan(rollout) or math.isnan(step)) else "-")
+        )
+
+    per_seed = "\n".join(
+        f"| {method} | {seed} | {r['greedy']:.2f} | {r['sampled']:.2f} | {r['kl']:.2f} | {r['length']:.1f} | "
+        f"{r['distinct']:.2f} | {timing(r)} | {r.get('threads', '-')} | {r.get('origin', '-')} |"
+        for method in stats
+        for seed in seeds
+        for r in [results["seeds"][seed].get(method)]
+        if r
     )
     commands_md = "\n".join(
-        f"- {LABELS[m]}:\n" + "\n".join(f"  `{c.replace(ROOT + os.sep, '')}`" for c in results[m].get("commands", []))
+        f"- {LABELS[m]}:\n"
+        + "\n".join(f"  `{c.replace(ROOT + os.sep, '')}`" for c in results["seeds"][seeds[0]][m].get("commands", []))
         for m in METHODS
-        if m in results
+        if m in results["seeds"][seeds[0]]
     )
+    drawn = [r["self_samples"]["samples"] for r in results["seeds"][seeds[0]].values() if r.get("self_samples")]
+    samples = drawn[0] if drawn else "-"
     where = f"{results.get('date', time.strftime('%Y-%m-%d'))}: {results.get('machine', machine())}, torch "
     where += results.get("torch", torch.__version__)  # where the runs ran (a report may be drawn elsewhere)
-    text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task
+    text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task, over seeds
 
-`python benchmarks/real_model.py` (this file and {os.path.basename(plot)}), {where}, each run `python script.py` with
-OMP_NUM_THREADS={args.threads}.
+`python benchmarks/real_model.py --seeds {" ".join(seeds)}` (this file and {os.path.basename(plot)}), {where}, each run
+`python script.py` with the OMP_NUM_THREADS of its row below.
 Held-out accuracy on 64 one-digit two-term chain_sum problems that no training row contains: greedy, and sampled at
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the
-{args.eval_samples} replies of a problem. Completions sampled: every reply the method drew to learn from (for rft, dpo
-and rm_ppo the base model's {results.get("rft", results.get("dpo", {})).get("self_samples", {}).get("samples", "-")}
-replies to the training questions, plus PPO's episodes). s/update: the median over the run; rollout share: the median
-time of an update's generation over the median update time.
+{args.eval_samples} replies of a problem. Each cell: mean ± standard deviation [min, max] over the seeds. The seed
+changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo: {samples} replies of the base
+model to the training questions per seed) and the draws of the scripts' own evaluations during training (the curves);
+the problems and the final evaluation's draws are the same for every seed.
+Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
+the run, the rollout share the median time of an update's generation over the median update time; they compare only
+runs of one sweep with the same thread count.
 
 {header}
 {chr(10).join(rows)}
 
 ![accuracy against sampled completions]({os.path.basename(plot)})
 
-## Commands
+## Ours against TRL
+
+{comparison(stats, args.eval_problems, args.eval_samples) or "(no TRL rows)"}
+
+## Every seed
+
+| method | seed | greedy | sampled | KL | reply tokens | distinct | wall time | s/update | rollout share | threads | run |
+|-|-|-|-|-|-|-|-|-|-|-|-|
+{per_seed}
+
+## Commands (seed {seeds[0]}; the other seeds change only --seed)
 
 {commands_md}
 """
@@ -480,33 +628,70 @@ time of an update's generation over the median update time.
     print(text)
 
 
+def check(args: Args, folder: str) -> None:
+    """grpo.py's row for the first seed, cut to `check_updates` updates; exits 1 when its held-out accuracy at the end
+    leaves the recorded seeds' band at that point (the results JSON beside `args.write`), widened by `check_margin`."""
+    recorded = json.load(open(os.path.splitext(os.path.join(ROOT, args.write))[0] + ".json"))
+    curves = {s: dict(map(tuple, r["grpo"]["curve"])) for s, r in recorded.get("seeds", {}).items() if "grpo" in r}
+    x = 32 * args.check_updates
+    band = [c[x] for c in curves.values() if x in c]
+    if not band:
+        sys.exit(f"error: no recorded grpo curve has a point at {x} completions: run the sweep, or pick --check-updates")
+    seed = args.seeds[0]
+    os.makedirs(folder, exist_ok=True)
+    plan = commands(Args(**{**vars(args), "updates": args.check_updates}), folder, seed)["grpo"]
+    wall = sum(run(command, args.threads) for command in plan)
+    curve = dict(scalars(os.path.join(folder, "runs", "grpo"), "eval/reward"))
+    value = curve[args.check_updates]
+    low, high = min(band) - args.check_margin, max(band) + args.check_margin
+    verdict = "inside" if low <= value <= high else "OUTSIDE"
+    print(
+        f"check: grpo.py seed {seed}, {args.check_updates} updates ({wall / 60:.1f} min): held-out accuracy {value:.3f}, "
+        f"{verdict} the band [{low:.3f}, {high:.3f}] (recorded seeds {', '.join(f'{v:.3f}' for v in band)}, "
+        f"margin {args.check_margin})"
+    )
+    if verdict != "inside":
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     args = cli(Args)
+    torch.set_num_threads(args.threads)  # the evaluations and TRL's runs too
     folder = os.path.join(ROOT, args.folder)
-    os.makedirs(os.path.join(folder, "runs"), exist_ok=True)
+    if args.check:
+        check(args, os.path.join(folder, "check"))
+        sys.exit(0)
     results_file = os.path.join(folder, "results.json")
     results = json.load(open(results_file)) if os.path.isfile(results_file) else {}
+    results.setdefault("seeds", {})
     if not args.report_only:
         results |= dict(machine=machine(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         if "base" not in results:
+            os.makedirs(folder, exist_ok=True)
             results["base"] = dict(evaluate(MODEL, args.eval_samples, args.eval_problems), completions=0)
-        plan = commands(args, folder)
-        for method in args.methods:
-            stats = self_samples(args, folder) if method in ("rft", "dpo", "rm_ppo") else {}
-            if method.startswith("trl_"):
+        for seed in args.seeds:
+            done, seed_folder = results["seeds"].setdefault(str(seed), {}), os.path.join(folder, f"seed_{seed}")
+            os.makedirs(os.path.join(seed_folder, "runs"), exist_ok=True)
+            plan = commands(args, seed_folder, seed)
+            for method in args.methods:
+                if method in done and not args.rerun:
+                    print(f"seed {seed}, {method}: in {results_file} already (--rerun runs it again)", flush=True)
+                    continue
+                stats = self_samples(args, seed_folder, seed) if method in ("rft", "dpo", "rm_ppo") else {}
                 start = time.time()
-                step, rollout = trl_run(args, folder, method)
+                if method.startswith("trl_"):
+                    step, rollout = trl_run(args, seed_folder, method, seed)
+                    extra = dict(step_s=step, rollout_s=rollout, completions=32 * args.trl_steps)
+                    command = f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
+                    extra["commands"] = [f"{command} --seeds {seed}"]
+                else:
+                    for command in plan[method]:
+                        run(command, args.threads)
+                    extra = dict(commands=["python " + shlex.join(c) for c in plan[method]], self_samples=stats)
                 wall = time.time() - start
-                results[method] = evaluate(os.path.join(folder, method), args.eval_samples, args.eval_problems)
-                results[method] |= dict(step_s=step, rollout_s=rollout, completions=32 * args.trl_steps, wall_s=wall)
-                results[method]["commands"] = [
-                    f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
-                ]
-                json.dump(results, open(results_file, "w"), indent=1)
-                continue
-            wall = sum(run(command, args.threads) for command in plan[method])
-            results[method] = dict(evaluate(os.path.join(folder, method), args.eval_samples, args.eval_problems), wall_s=wall)
-            results[method]["commands"] = ["python " + shlex.join(c) for c in plan[method]]
-            results[method]["self_samples"] = stats
-            json.dump(results, open(results_file, "w"), indent=1)
+                done[method] = evaluate(os.path.join(seed_folder, method), args.eval_samples, args.eval_problems)
+                done[method] |= extra | dict(wall_s=wall, threads=args.threads)
+                done[method]["origin"] = f"the {time.strftime('%Y-%m-%d')} sweep"
+                with_curve(done[method], seed_folder, method)
+                json.dump(results, open(results_file, "w"), indent=1)  # after every run: an interrupted sweep resumes
     report(args, results, folder)
