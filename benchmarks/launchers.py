@@ -126,6 +126,8 @@ def losses(log_dir: str) -> list[float]:
 
 
 def no_dropout_model(work: str) -> str:
+    """builtin:tiny-gpt2 in a local folder with its dropout off: dropout draws per rank, so no launcher could match (the
+    equality tests in tests/test_launchers.py use it too)."""
     from transformers import AutoModelForCausalLM
 
     from common.loading import load_pretrained, load_tokenizer

@@ -10,6 +10,7 @@ averaged per rank instead of over the global batch misses both bounds by orders 
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -22,18 +23,11 @@ LAUNCHERS = {"ddp": ddp_launch, "fsdp": fsdp_launch}
 
 @pytest.fixture(scope="module")
 def no_dropout(tmp_path_factory) -> str:
-    """builtin:tiny-gpt2 in a local folder with its dropout off: dropout draws per rank, so no launcher could match."""
-    from transformers import AutoModelForCausalLM
+    """benchmarks/launchers.py's tiny GPT-2 without dropout, in a local folder."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from launchers import no_dropout_model
 
-    from common.loading import load_pretrained, load_tokenizer
-
-    folder = str(tmp_path_factory.mktemp("no-dropout"))
-    model = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
-    for key in ("attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout"):
-        setattr(model.config, key, 0.0)
-    model.save_pretrained(folder)
-    load_tokenizer("builtin:tiny-gpt2").save_pretrained(folder)
-    return folder
+    return no_dropout_model(str(tmp_path_factory.mktemp("no-dropout")))
 
 
 def launch(name: str, command: list[str], cwd) -> str:
