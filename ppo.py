@@ -147,6 +147,9 @@ class Args:
     "file.py:function"), summed with --reward-weights; the dataset's columns reach them by name"""
     reward_weights: list[float] | None = None
     """one weight per --reward-funcs function (None: all 1)"""
+    gold_reward_funcs: list[str] = field(default_factory=list)
+    """reward functions that are watched, never trained on (e.g. verifier beside a learned --reward-model): their means
+    (env/gold/*, eval/gold/*) and their correlation with the reward, to see a reward model over-optimised"""
     answer_column: str = "answer"
     """the reference answer column (reasoning-gym: the task's answer) for --reward-funcs"""
     task_config: str = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
@@ -644,6 +647,7 @@ def main(args: Args) -> None:
                 }
             )
             metrics = reduce_mean(accelerator, metrics)
+        metrics |= scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
         norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
         if norms:
             metrics["ppo/grad_norm"] = sum(norms) / len(norms)
@@ -694,7 +698,9 @@ def main(args: Args) -> None:
         f"ppo: {args.num_updates - start_update} updates, {(args.num_updates - start_update) * per_update} episodes in "
         f"{time.time() - start_time:.0f}s; train reward {np.mean(reward_history[:window]):.3f} -> "
         f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
-        f"{last_eval['eval/reward_mean']:.3f} (initial std {first_eval['eval/reward_std']:.3f}); KL {final_kl:.2f}; "
+        f"{last_eval['eval/reward_mean']:.3f} (initial std {first_eval['eval/reward_std']:.3f}); "
+        + "".join(f"{k[5:]} {first_eval[k]:.3f} -> {v:.3f}; " for k, v in last_eval.items() if k.startswith("eval/gold/"))
+        + f"KL {final_kl:.2f}; "
         f"model saved to {args.output_dir}"
         + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else "")
     )
@@ -941,6 +947,7 @@ class Scorer:
         elif args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
             self.adapter = RewardAdapter(model, args.reward_adapter, base_model_name=args.model_name)
             self.tokenizer = load_tokenizer(args.model_name, padding_side="right")
+        self.gold = load_rewards(args.gold_reward_funcs, rows, accelerator.device, chat) if args.gold_reward_funcs else []
 
     def ready(self, policy) -> None:
         """On the accelerator's device, with the prepared policy: a bad reward (wrong length, NaN) fails here."""
@@ -977,6 +984,24 @@ class Scorer:
         return check_scores(
             torch.cat(scores), len(texts), f"reward model {self.args.reward_model or self.args.reward_adapter}"
         )
+
+    @torch.no_grad()
+    def watch(self, rows: list[dict], responses_text: list[str], response_ids, ended: list[bool], scores, prefix: str):
+        """The --gold-reward-funcs on the responses that earned `scores`, over every process's: each function's mean
+        and the Pearson correlation of the scores with the first function's ({prefix}/gold/*; NaN if either is constant).
+        A learned reward being over-optimised shows as its score rising while the gold mean and the correlation fall."""
+        if not self.gold:
+            return {}
+        device = self.accelerator.device
+        gold = self.accelerator.gather(score_completions(self.gold, rows, responses_text, response_ids, ended, device))
+        scores = self.accelerator.gather(scores.to(device)).float()
+        metrics = {
+            f"{prefix}/gold/{name.rsplit(':', 1)[-1]}": gold[:, j].nanmean().item() for j, (name, _) in enumerate(self.gold)
+        }
+        scored = ~gold[:, 0].isnan()
+        pair = torch.stack([scores[scored], gold[scored, 0].float()])
+        metrics[f"{prefix}/gold/correlation"] = torch.corrcoef(pair)[0, 1].item() if scored.sum() > 1 else float("nan")
+        return metrics
 
 
 class RewardAdapter:
@@ -1053,6 +1078,7 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
         "eval/top_token_share": top_token_share(gather_object(responses[response_mask.bool()].tolist())),
         "eval/distinct_2": distinct_bigrams(gather_object(responses_text)),
     }
+    metrics |= scorer.watch(eval_rows, responses_text, response_ids, ended.tolist(), scores, "eval")
     logger.log(metrics, update)
     columns = {"query": queries_text, "response": responses_text, "score": scores.tolist()}
     logger.samples("eval samples", columns, update, console=update in (0, args.num_updates))  # between: TensorBoard only

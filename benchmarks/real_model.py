@@ -145,7 +145,7 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
             + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
             + ["--seed", str(seed), *out("rm")],
-            ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), *out("rm_ppo")],
+            ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"] + out("rm_ppo"),
         ],
     }
 
@@ -373,7 +373,7 @@ CURVES = {
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
-    "rm_ppo": ("rm_ppo", None, 16, PPO_PHASES, "time/rollout"),
+    "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
 }
 
 
@@ -413,7 +413,33 @@ def with_curve(r: dict, folder: str, method: str) -> dict:
         r["completions"] = drawn + per_update * r["updates"]
         curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
         r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
+    if method == "rm_ppo" and os.path.isdir(os.path.join(folder, "runs", "rm_ppo")):  # the learned reward, diagnosed
+        r["learned_reward"] = learned_reward(folder, drawn)
     return r
+
+
+def learned_reward(folder: str, drawn: int) -> dict:
+    """What rm_ppo's logs say of its reward model: its accuracy on the pairs it held out (of the same questions), and
+    along PPO, on the held-out problems' samples, its mean score (the proxy), the verifier's accuracy (the gold) and
+    their correlation; per update, the same on the training samples."""
+    rm, ppo = os.path.join(folder, "runs", "rm"), os.path.join(folder, "runs", "rm_ppo")
+
+    def curve(run: str, tag: str) -> list:
+        return [(drawn + 16 * step, value) for step, value in scalars(run, tag)]
+
+    accuracy = scalars(rm, "eval/accuracy")
+    return dict(
+        rm_accuracy=accuracy[-1][1] if accuracy else None,
+        proxy=curve(ppo, "eval/reward_mean"),
+        proxy_std=curve(ppo, "eval/reward_std"),
+        gold=curve(ppo, "eval/gold/verifier"),
+        correlation=curve(ppo, "eval/gold/correlation"),
+        train_proxy=curve(ppo, "env/reward_mean"),
+        train_gold=curve(ppo, "env/gold/verifier"),
+        train_correlation=curve(ppo, "env/gold/correlation"),
+        kl=curve(ppo, "objective/kl"),
+        kl_coef=curve(ppo, "objective/kl_coef"),
+    )
 
 
 METRICS = ("greedy", "sampled", "kl", "length", "distinct", "wall_s", "step_s", "rollout_s", "completions")
@@ -628,6 +654,17 @@ runs of one sweep with the same thread count.
     print(text)
 
 
+def save(results_file: str, results: dict, seed: int, method: str) -> None:
+    """Write one run's result into the results file as it is on disk now (sweeps of other methods may run beside this
+    one, in the same folder), atomically."""
+    on_disk = json.load(open(results_file)) if os.path.isfile(results_file) else {}
+    on_disk |= {k: v for k, v in results.items() if k != "seeds"}
+    on_disk.setdefault("seeds", {}).setdefault(str(seed), {})[method] = results["seeds"][str(seed)][method]
+    with open(results_file + ".tmp", "w") as f:
+        json.dump(on_disk, f, indent=1)
+    os.replace(results_file + ".tmp", results_file)
+
+
 def check(args: Args, folder: str) -> None:
     """grpo.py's row for the first seed, cut to `check_updates` updates; exits 1 when its held-out accuracy at the end
     leaves the recorded seeds' band at that point (the results JSON beside `args.write`), widened by `check_margin`."""
@@ -693,5 +730,6 @@ if __name__ == "__main__":
                 done[method] |= extra | dict(wall_s=wall, threads=args.threads)
                 done[method]["origin"] = f"the {time.strftime('%Y-%m-%d')} sweep"
                 with_curve(done[method], seed_folder, method)
-                json.dump(results, open(results_file, "w"), indent=1)  # after every run: an interrupted sweep resumes
+                save(results_file, results, seed, method)  # after every run: an interrupted sweep resumes
+        results = json.load(open(results_file))  # with what sweeps beside this one wrote
     report(args, results, folder)

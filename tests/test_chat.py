@@ -141,8 +141,11 @@ def test_rl_scripts_on_chat_prompts(chat_llama, chat_data):
         assert f"{name}: 2 updates" in out and "rendered by the chat template" in out
     ppo = ["--total-episodes", "8", "--mini-batch-size", "4", "--min-new-tokens", "4", "--max-new-tokens", "4"]
     ppo += ["--query-column", "prompt", "--reward-funcs", "seven.py:seven", "--log-dir", "ppo_runs"]
-    out = run_script([script("ppo"), *flags, *ppo], chat_data)
+    out = run_script([script("ppo"), *flags, *ppo, "--gold-reward-funcs", "verifier"], chat_data)
     assert "ppo: 2 updates" in out and len(read_scalars(str(chat_data / "ppo_runs"), "env/reward_mean")) == 2
+    # the watched (never trained on) verifier: per update, at both evaluations, and in the summary line
+    assert len(read_scalars(str(chat_data / "ppo_runs"), "env/gold/verifier")) == 2 and "gold/verifier" in out
+    assert len(read_scalars(str(chat_data / "ppo_runs"), "eval/gold/correlation")) == 2
 
 
 def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama):

@@ -2,6 +2,7 @@ import math
 import os
 import re
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common.core import LogitMask, logprobs_from_logits
 from common.models import AutoModelForCausalLMWithValueHead
-from ppo import RewardAdapter, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
+from ppo import RewardAdapter, Scorer, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
 PPO = os.path.join(ROOT, "ppo.py")
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -369,6 +370,26 @@ def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     assert "randomly initialised preset" in run_failing(
         [PPO, *TINY, "--overwrite", "--reward-model", "builtin:tiny-gpt2"], tmp_path
     )
+
+
+def test_gold_rewards_are_watched_beside_the_trained_reward():
+    """--gold-reward-funcs: each function's mean over the scored responses and the Pearson correlation of the trained-on
+    score with the first one, over the responses it scored (None drops a response from the correlation only)."""
+    grades = [1.0, 0.0, None, 1.0, 0.0]
+
+    def gold(completions, **kwargs):
+        return grades
+
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)  # one process: gather is the identity
+    scorer = SimpleNamespace(gold=[("file.py:gold", gold)], accelerator=accelerator)
+    rows = [{"prompt": "q"}] * 5
+    scores = torch.tensor([2.0, 1.0, 9.0, 0.5, 1.5])
+    metrics = Scorer.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval")
+    x, y = [2.0, 1.0, 0.5, 1.5], [1.0, 0.0, 1.0, 0.0]
+    assert metrics["eval/gold/gold"] == pytest.approx(0.5)
+    assert metrics["eval/gold/correlation"] == pytest.approx(statistics.correlation(x, y), abs=1e-6)
+    scorer.gold = []
+    assert Scorer.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
 
 
 def test_health_check_warns_on_reward_hacking():
