@@ -17,7 +17,10 @@ replaces it).
 - ppo: ppo.py with the same verifier (--reward-funcs verifier), a value head, the adaptive KL penalty;
 - rft: rejection-sampling fine-tuning: sft.py on the base model's own correct replies to the training questions;
 - dpo: dpo.py on pairs of the base model's own replies, the verifier's choice (a correct one over a wrong one);
-- rm_ppo: reward_modeling.py on those pairs, then ppo.py against that learned reward;
+- rm_ppo: reward_modeling.py on those pairs, then ppo.py against that learned reward, the verifier watched beside it
+  (--gold-reward-funcs: never trained on);
+- rm_ppo_kl: the same reward model, ppo.py with the KL held near 2 nats (--target 2 --horizon 32), where the verifier's
+  PPO lands;
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
   reward and settings, for --trl-steps steps, evaluated as ours.
 
@@ -62,13 +65,14 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo")
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "trl_grpo", "trl_rloo")
+SELF_SAMPLED = ("rft", "dpo", "rm_ppo", "rm_ppo_kl")  # the methods that learn from the base model's own replies
 
 
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo trl_grpo trl_rloo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl trl_grpo trl_rloo)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -76,7 +80,7 @@ class Args:
     updates: int = 20
     """grpo / rloo updates of 8 prompts x 4 completions (16-30 s each on 2 CPU cores, by the CPU)"""
     ppo_updates: int = 20
-    """ppo / rm_ppo updates of 16 episodes"""
+    """ppo / rm_ppo / rm_ppo_kl updates of 16 episodes"""
     self_samples: int = 8
     """replies sampled per training question for rft, dpo and the reward model"""
     trl_steps: int = 20
@@ -120,6 +124,13 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
+    reward_model = [
+        ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
+        + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
+        + ["--seed", str(seed), *out("rm")]
+    ]
+    learned = [*ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"]
+    trained = os.path.isfile(os.path.join(folder, "rm", "config.json"))  # rm_ppo_kl uses rm_ppo's reward model
     return {
         "grpo": [
             ["grpo.py", *rl, *GROUPS, "--total-prompts", str(8 * args.updates), "--learning-rate", "1e-5"]
@@ -141,11 +152,10 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
             + ["--seed", str(seed), *out("dpo")]
         ],
-        "rm_ppo": [
-            ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
-            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
-            + ["--seed", str(seed), *out("rm")],
-            ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"] + out("rm_ppo"),
+        "rm_ppo": [*reward_model, ["ppo.py", *learned, *out("rm_ppo")]],
+        "rm_ppo_kl": [
+            *([] if trained else reward_model),
+            ["ppo.py", *learned, "--target", "2", "--horizon", "32", *out("rm_ppo_kl")],
         ],
     }
 
@@ -362,6 +372,7 @@ LABELS = {
     "rft": "rejection-sampling SFT (sft.py on its own correct replies)",
     "dpo": "DPO (dpo.py on verifier-ranked pairs of its own replies)",
     "rm_ppo": "reward model on those pairs, then PPO against it",
+    "rm_ppo_kl": "the same, PPO's KL held near 2 nats",
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
 }
@@ -374,6 +385,7 @@ CURVES = {
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
     "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
+    "rm_ppo_kl": ("rm_ppo_kl", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
 }
 
 
@@ -413,16 +425,16 @@ def with_curve(r: dict, folder: str, method: str) -> dict:
         r["completions"] = drawn + per_update * r["updates"]
         curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
         r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
-    if method == "rm_ppo" and os.path.isdir(os.path.join(folder, "runs", "rm_ppo")):  # the learned reward, diagnosed
-        r["learned_reward"] = learned_reward(folder, drawn)
+    if method.startswith("rm_ppo") and os.path.isdir(os.path.join(folder, "runs", method)):  # the learned reward
+        r["learned_reward"] = learned_reward(folder, method, drawn)
     return r
 
 
-def learned_reward(folder: str, drawn: int) -> dict:
-    """What rm_ppo's logs say of its reward model: its accuracy on the pairs it held out (of the same questions), and
-    along PPO, on the held-out problems' samples, its mean score (the proxy), the verifier's accuracy (the gold) and
-    their correlation; per update, the same on the training samples."""
-    rm, ppo = os.path.join(folder, "runs", "rm"), os.path.join(folder, "runs", "rm_ppo")
+def learned_reward(folder: str, method: str, drawn: int) -> dict:
+    """What a PPO run against the learned reward (`method`) says of its reward model: its accuracy on the pairs it held
+    out (of the same questions), and along PPO, on the held-out problems' samples, its mean score (the proxy), the
+    verifier's accuracy (the gold) and their correlation; per update, the same on the training samples."""
+    rm, ppo = os.path.join(folder, "runs", "rm"), os.path.join(folder, "runs", method)
 
     def curve(run: str, tag: str) -> list:
         return [(drawn + 16 * step, value) for step, value in scalars(run, tag)]
@@ -520,9 +532,63 @@ def machine() -> str:
 
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
-    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo"),
+    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
+
+
+def learned_reward_report(args: Args, results: dict, seeds: list[str]) -> str:
+    """The learned reward under PPO, per seed: the reward model's accuracy on its held-out pairs, and along the run,
+    on the held-out problems, the proxy (the reward model's mean score, in units of its initial standard deviation
+    from its start), the gold (the verifier's accuracy) and their correlation; a plot of the three beside the table."""
+    import matplotlib.pyplot as plt
+
+    runs = [
+        (m, s, results["seeds"][s][m]) for m in METHODS for s in seeds if "learned_reward" in results["seeds"][s].get(m, {})
+    ]
+    if not runs:
+        return ""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    lines = []
+    for i, (method, seed, r) in enumerate(runs):
+        d = r["learned_reward"]
+        p0, s0 = d["proxy"][0][1], d["proxy_std"][0][1]
+        label = f"{method}, seed {seed}"
+        left.plot([x for x, _ in d["proxy"]], [(p - p0) / s0 for _, p in d["proxy"]], "--", color=f"C{i}")
+        left.plot(*zip(*d["gold"]), "-", marker=".", color=f"C{i}", label=label)
+        right.plot(*zip(*d["correlation"]), "-", marker=".", color=f"C{i}", label=label)
+        kl = d["kl"][-1][1] if d["kl"] else math.nan
+        lines.append(
+            f"| {method} | {seed} | {d['rm_accuracy'] or math.nan:.2f} | {s0:.2f} | "
+            f"{(d['proxy'][-1][1] - p0) / s0:+.2f} | {d['gold'][0][1]:.2f} -> {d['gold'][-1][1]:.2f} | "
+            f"{d['correlation'][0][1]:.2f} -> {d['correlation'][-1][1]:.2f} | {kl:.2f} | {d['kl_coef'][-1][1]:.3f} |"
+        )
+    left.set(
+        xlabel="sampled completions used",
+        ylabel="gold: verifier accuracy (solid); proxy: RM score rise in initial sd (dashed)",
+    )
+    right.set(xlabel="sampled completions used", ylabel="correlation of RM score and verifier (held-out samples)")
+    left.axhline(0, color="grey", linewidth=0.5)
+    right.axhline(0, color="grey", linewidth=0.5)
+    left.legend(fontsize=7)
+    figure.tight_layout()
+    plot = os.path.splitext(os.path.join(ROOT, args.write))[0] + "-learned-reward.png"
+    figure.savefig(plot, dpi=110)
+    return f"""## The learned reward, watched by the verifier
+
+ppo.py against the reward model, with `--gold-reward-funcs verifier`: the verifier scores every sample and is never
+trained on. RM accuracy: on the pairs reward_modeling.py held out (questions it also trained on); score sd: of the
+reward model's scores on the base model's held-out samples; the proxy's rise in those sds from the first to the last
+evaluation; gold: the verifier's accuracy on the same samples (one per problem); correlation: Pearson, score against
+verifier, over those samples; the last update's KL and KL coefficient.
+
+| method | seed | RM accuracy | score sd | proxy rise | gold | correlation | KL | KL coefficient |
+|-|-|-|-|-|-|-|-|-|
+{chr(10).join(lines)}
+
+![proxy and gold along PPO]({os.path.basename(plot)})
+
+"""
 
 
 def report(args: Args, results: dict, folder: str) -> None:
@@ -573,6 +639,7 @@ def report(args: Args, results: dict, folder: str) -> None:
     plot = os.path.splitext(os.path.join(ROOT, args.write))[0] + ".png"
     figure.savefig(plot, dpi=110)
 
+    learned = learned_reward_report(args, results, seeds)
     rows = [
         f"| {LABELS['base']} | - | 0 | {base['greedy']:.2f} | {base['sampled']:.2f} | 0 | {base['length']:.1f} | "
         f"{base['distinct']:.2f} |"
@@ -621,7 +688,7 @@ Held-out accuracy on 64 one-digit two-term chain_sum problems that no training r
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the
 {args.eval_samples} replies of a problem. Each cell: mean ± standard deviation [min, max] over the seeds. The seed
-changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo: {samples} replies of the base
+changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo, rm_ppo_kl: {samples} replies of the base
 model to the training questions per seed) and the draws of the scripts' own evaluations during training (the curves);
 the problems and the final evaluation's draws are the same for every seed.
 Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
@@ -637,7 +704,7 @@ runs of one sweep with the same thread count.
 
 {comparison(stats, args.eval_problems, args.eval_samples) or "(no TRL rows)"}
 
-## Every seed
+{learned}## Every seed
 
 | method | seed | greedy | sampled | KL | reply tokens | distinct | wall time | s/update | rollout share | threads | run |
 |-|-|-|-|-|-|-|-|-|-|-|-|
@@ -709,12 +776,11 @@ if __name__ == "__main__":
         for seed in args.seeds:
             done, seed_folder = results["seeds"].setdefault(str(seed), {}), os.path.join(folder, f"seed_{seed}")
             os.makedirs(os.path.join(seed_folder, "runs"), exist_ok=True)
-            plan = commands(args, seed_folder, seed)
             for method in args.methods:
                 if method in done and not args.rerun:
                     print(f"seed {seed}, {method}: in {results_file} already (--rerun runs it again)", flush=True)
                     continue
-                stats = self_samples(args, seed_folder, seed) if method in ("rft", "dpo", "rm_ppo") else {}
+                stats = self_samples(args, seed_folder, seed) if method in SELF_SAMPLED else {}
                 start = time.time()
                 if method.startswith("trl_"):
                     step, rollout = trl_run(args, seed_folder, method, seed)
@@ -722,6 +788,7 @@ if __name__ == "__main__":
                     command = f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
                     extra["commands"] = [f"{command} --seeds {seed}"]
                 else:
+                    plan = commands(args, seed_folder, seed)  # after the methods before it (rm_ppo_kl: rm_ppo's RM)
                     for command in plan[method]:
                         run(command, args.threads)
                     extra = dict(commands=["python " + shlex.join(c) for c in plan[method]], self_samples=stats)

@@ -1,6 +1,7 @@
 """Loading by name: models, tokenizers, datasets and Stable Diffusion pipelines from a hub id, a local path or an
-offline built-in (`builtin:` names, resolved by `builtin` below: the one door to presets/), each anticipated failure a
-one-line error; and the checks every script runs on the data it loaded (columns, value kinds, the held-out split).
+offline built-in (`builtin:` names, resolved by `builtin` below: the door to presets/ for models, datasets and pipelines;
+agents.py names its built-in tool and environment itself), each anticipated failure a one-line error; and the checks
+every script runs on the data it loaded (columns, value kinds, the held-out split).
 """
 
 import functools
