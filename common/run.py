@@ -436,17 +436,17 @@ def save_checkpoint(
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             skipped = []
-
-            def skip_model(models, weights, _):  # accelerate's hook: its copy of `model`'s weights is not written
-                for i, prepared in enumerate(models):
-                    if accelerator.unwrap_model(prepared) is model:
-                        weights.pop(i)
-                        skipped.append(i)
-                        return
-
             if shards:
                 os.rename(shards, os.path.join(tmp, "accelerate_state"))
             else:
+
+                def skip_model(models, weights, _):  # accelerate's hook: its copy of `model`'s weights is not written
+                    for i, prepared in enumerate(models):
+                        if accelerator.unwrap_model(prepared) is model:
+                            weights.pop(i)
+                            skipped.append(i)
+                            return
+
                 hook = accelerator.register_save_state_pre_hook(skip_model) if once else None
                 try:
                     accelerator.save_state(os.path.join(tmp, "accelerate_state"))
