@@ -47,6 +47,7 @@ from common.run import (
     end_run,
     full_weights,
     load_checkpoint,
+    rank_batches,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -561,12 +562,9 @@ if __name__ == "__main__":
         """Metrics over the whole eval split, averaged over batches and ranks."""
         model.eval()
         sums, count = {}, 0
-        shard = eval_pairs[accelerator.process_index :: accelerator.num_processes]
-        weight = 1.0 if shard else 0.0  # fewer pairs than ranks: an empty shard scores one pair at weight 0, so that
-        shard = shard or eval_pairs[:1]  # every rank reaches the same collectives
-        for i in range(0, len(shard), args.batch_size):
-            _, metrics = pair_metrics(collate(shard[i : i + args.batch_size]), "eval")
-            n = len(shard[i : i + args.batch_size]) * weight
+        for chunk, weight in rank_batches(eval_pairs, args.batch_size, accelerator):  # as many on every rank
+            _, metrics = pair_metrics(collate(chunk), "eval")
+            n = len(chunk) * weight
             sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
             count += n
         total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")

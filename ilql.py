@@ -45,6 +45,7 @@ from common.run import (
     end_run,
     full_weights,
     load_checkpoint,
+    rank_batches,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -373,9 +374,9 @@ if __name__ == "__main__":
         eval_prompts = list(dict.fromkeys(eval_dataset[args.prompt_column]))[: args.eval_samples]
     else:  # (text, reward) data: the start of held-out texts as prompts
         eval_prompts = [" ".join(t.split()[:3]) for t in eval_dataset[args.response_column]][: args.eval_samples]
-    share = eval_prompts[accelerator.process_index :: accelerator.num_processes]
-    # fewer prompts than ranks: a rank without any answers one prompt at weight 0, so every rank reaches every collective
-    eval_prompts, eval_weight = share or eval_prompts[:1], 1.0 if share else 0.0
+    eval_batches = rank_batches(eval_prompts, 64, accelerator)  # this rank's share, as many batches on every rank
+    eval_prompts = [p for chunk, _ in eval_batches for p in chunk]
+    eval_weights = torch.tensor([w for chunk, w in eval_batches for _ in chunk], device=accelerator.device)
     per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(samples) // per_step
     epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
@@ -486,16 +487,13 @@ if __name__ == "__main__":
         with torch.random.fork_rng():
             torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
             for beta in dict.fromkeys([0.0, args.gen_beta]):
-                responses = [r for i in range(0, len(eval_prompts), 64) for r in generate(eval_prompts[i : i + 64], beta)]
+                responses = [r for chunk, _ in eval_batches for r in generate(chunk, beta)]
                 rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
                 extra = metric_fn(eval_prompts, responses)
                 metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in extra.items()}
                 # means over every rank's samples: sums and counts, one collective
                 sums = accelerator.reduce(
-                    torch.stack(
-                        [v.float().sum() * eval_weight for v in metrics.values()]
-                        + [torch.tensor(len(responses) * eval_weight, device=device)]
-                    ),
+                    torch.stack([(v.float() * eval_weights).sum() for v in metrics.values()] + [eval_weights.sum()]),
                     "sum",
                 )
                 results |= {f"eval/{k}_beta_{beta:g}": (v / sums[-1]).item() for k, v in zip(metrics, sums[:-1])}

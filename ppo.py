@@ -40,7 +40,6 @@ from common.core import (
     UsageError,
     check_args,
     check_scores,
-    clip_by_value,
     entropy_from_logits,
     exact_div,
     kl_estimate,
@@ -378,7 +377,7 @@ def ppo_loss(
     All inputs [B, T]. Returns (pg_loss, vf_coef * vf_loss, stats); both losses are zeroed when the mean ratio
     exceeds `ratio_threshold` (the mini-batch is skipped, stats["ppo/skipped"] = 1).
     """
-    vpredclipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
+    vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
     vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     ratio = torch.exp(logprobs - old_logprobs)

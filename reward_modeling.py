@@ -48,6 +48,7 @@ from common.run import (
     end_run,
     full_weights,
     load_checkpoint,
+    rank_batches,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -284,12 +285,6 @@ if __name__ == "__main__":
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
         return collate([pairs[j] for j in order[start : start + args.batch_size].tolist()])
 
-    def shard_of(pairs: list[dict]) -> tuple[list[dict], float]:
-        """This rank's share of `pairs` and its weight: fewer pairs than ranks leaves a shard empty, which then scores
-        one pair at weight 0, so that every rank reaches the same collectives."""
-        shard = pairs[accelerator.process_index :: accelerator.num_processes]
-        return (shard, 1.0) if shard else (pairs[:1], 0.0)
-
     # ---- model and optimiser ----
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its LOAD REPORT calls a new score head MISSING: new on purpose, said below
@@ -371,9 +366,8 @@ if __name__ == "__main__":
         """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
         model.eval()
         sums, count = {}, torch.zeros((), device=device)
-        shard, weight = shard_of(eval_pairs)
-        for i in range(0, len(shard), args.batch_size):
-            batch = collate(shard[i : i + args.batch_size])
+        for chunk, weight in rank_batches(eval_pairs, args.batch_size, accelerator):  # as many on every rank
+            batch = collate(chunk)
             _, metrics = pair_metrics(batch)
             n = torch.tensor(len(batch["margin"]) * weight, device=device)
             for k, v in metrics.items():
@@ -435,20 +429,14 @@ if __name__ == "__main__":
     gain, bias = 1.0, 0.0
     if args.normalize_reward:
         unwrapped.eval()
-        shard, weight = shard_of(train_pairs)
+        batches = rank_batches(train_pairs, args.batch_size, accelerator)  # as many on every rank
         with torch.no_grad():
-            rewards = torch.cat(
-                [
-                    batch_rewards(unwrapped, collate(shard[i : i + args.batch_size]))
-                    for i in range(0, len(shard), args.batch_size)
-                ]
-            )
+            scored = [(batch_rewards(unwrapped, collate(chunk)), weight) for chunk, weight in batches]
+        rewards, weights = torch.cat([r for r, _ in scored]), torch.cat([torch.full_like(r, w) for r, w in scored])
         # the mean and the (unbiased) std of every training reward, summed over ranks in two passes
-        n, total = accelerator.reduce(
-            torch.stack([torch.tensor(float(len(rewards)), device=device), rewards.sum()]) * weight, "sum"
-        ).tolist()
+        n, total = accelerator.reduce(torch.stack([weights.sum(), (rewards * weights).sum()]), "sum").tolist()
         mean = total / n
-        std = math.sqrt(accelerator.reduce((rewards - mean).square().sum() * weight, "sum").item() / (n - 1))
+        std = math.sqrt(accelerator.reduce(((rewards - mean).square() * weights).sum(), "sum").item() / (n - 1))
         gain, bias = 1.0 / std, -mean / std
         accelerator.print(f"reward normalised: mean {mean:.3f}, std {std:.3f} -> 0, 1")
 

@@ -46,6 +46,7 @@ from common.run import (
     end_run,
     full_weights,
     load_checkpoint,
+    rank_batches,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -435,11 +436,8 @@ if __name__ == "__main__":
         """Token-weighted eval loss over all ranks, and perplexity."""
         model.eval()
         total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-        shard = eval_examples[accelerator.process_index :: accelerator.num_processes]
-        weight = 1.0 if shard else 0.0  # fewer examples than ranks: an empty shard scores one example at weight 0, so
-        shard = shard or eval_examples[:1]  # that every rank reaches the same collectives
-        for i in range(0, len(shard), args.batch_size):
-            batch = collate(shard[i : i + args.batch_size])
+        for chunk, weight in rank_batches(eval_examples, args.batch_size, accelerator):  # as many on every rank
+            batch = collate(chunk)
             n_tokens = (batch["labels"][:, 1:] != -100).sum() * weight
             total_loss += lm_loss(batch) * n_tokens
             total_tokens += n_tokens

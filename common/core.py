@@ -140,11 +140,6 @@ class RunningMoments:
         self.count = tot_count
 
 
-def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
-    """Element-wise clamp of x between two tensors (torch.clamp takes tensors only in newer versions)."""
-    return torch.max(torch.min(x, tensor_max), tensor_min)
-
-
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "kl") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs. kind: "kl" (k1: logp - ref),
     "abs" (|logp - ref|), "mse" (0.5 * (logp - ref)^2), "k3" (exp(ref - logp) - 1 - (ref - logp), unbiased and

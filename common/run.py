@@ -484,8 +484,14 @@ def full_weights(accelerator: Accelerator, model) -> dict | None:
 def stored_once(accelerator: Accelerator) -> bool:
     """Whether a checkpoint keeps its model's weights only in the from_pretrained files: not where accelerate saves
     sharded states (FSDP, DeepSpeed, Megatron), whose restore needs its own files."""
-    sharded = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
-    return accelerator.distributed_type not in sharded
+    return accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def rank_batches(items: list, size: int, accelerator: Accelerator) -> list[tuple[list, float]]:
+    """This rank's share of `items` in batches of `size`, with weights: the largest share's count of batches on every rank,
+    a missing one as items[:1] at weight 0 (under FSDP or ZeRO-3 every forward is a collective that all ranks reach)."""
+    share, largest = items[accelerator.process_index :: accelerator.num_processes], -(-len(items) // accelerator.num_processes)
+    return [(share[i : i + size], 1.0) if share[i : i + size] else (items[:1], 0.0) for i in range(0, max(largest, 1), size)]
 
 
 def load_weights(model: torch.nn.Module, folder: str) -> None:

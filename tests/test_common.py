@@ -16,7 +16,6 @@ from common.core import (
     RunningMoments,
     UsageError,
     check_scores,
-    clip_by_value,
     entropy_from_logits,
     exact_div,
     kl_estimate,
@@ -296,11 +295,6 @@ def test_logprobs_and_entropy_against_explicit_formula():
     assert logprobs_from_logits(logits, labels)[0].tolist() == pytest.approx([3 - math.log(z), -math.log(3)])
     p = [math.exp(k) / z for k in (1, 2, 3)]
     assert entropy_from_logits(logits)[0].tolist() == pytest.approx([-sum(q * math.log(q) for q in p), math.log(3)])
-
-
-def test_clip_by_value_takes_tensor_bounds():
-    x = torch.tensor([0.0, 5.0, -5.0])
-    assert clip_by_value(x, torch.tensor([-1.0, 1.0, -2.0]), torch.tensor([1.0, 2.0, 0.0])).tolist() == [0.0, 2.0, -2.0]
 
 
 def test_kl_estimators():
@@ -786,3 +780,24 @@ def test_a_checkpoint_stores_the_trained_weights_once_and_restores_them(tmp_path
     assert load_checkpoint(accelerator, str(tmp_path / "step_1"))["step"] == 1
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert optimizer.state_dict()["state"]  # the optimizer's moments came back from accelerate's state
+
+
+def test_rank_batches_give_every_rank_as_many_batches_and_every_item_once():
+    """Under FSDP every forward is a collective: each rank runs the largest share's count of batches (stand-ins at
+    weight 0), and the weighted items are the items, each exactly once."""
+    from common.run import rank_batches
+
+    for n in range(1, 12):
+        for world in (1, 2, 3):
+            for size in (1, 2, 4):
+                items = list(range(n))
+                per_rank = [
+                    rank_batches(items, size, SimpleNamespace(process_index=r, num_processes=world)) for r in range(world)
+                ]
+                assert len({len(b) for b in per_rank}) == 1, (n, world, size)
+                assert all(0 < len(chunk) <= size for b in per_rank for chunk, _ in b)
+                kept = sorted(x for b in per_rank for chunk, w in b if w == 1.0 for x in chunk)
+                assert kept == items and all(w in (0.0, 1.0) for b in per_rank for _, w in b)
+    # 9 items, 2 ranks, batches of 4: rank 0 holds 5 (two batches), rank 1 holds 4 and a stand-in
+    batches = rank_batches(list(range(9)), 4, SimpleNamespace(process_index=1, num_processes=2))
+    assert batches == [([1, 3, 5, 7], 1.0), ([0], 0.0)]

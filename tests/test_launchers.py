@@ -84,15 +84,15 @@ def test_sft_is_the_same_under_one_process_ddp_and_fsdp_and_resumes_under_fsdp(t
 
 
 def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pairs_file):
-    """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step. One pair
-    of 40 is held out: rank 1's eval shard is empty and scores a pair at weight 0, so both ranks reach the same
-    collectives (gloo aborted on a size mismatch before)."""
+    """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step. 9 pairs of
+    40 are held out: rank 0's 5 take two batches of 4, rank 1's 4 one, so rank 1 scores a stand-in batch at weight 0
+    and both ranks reach the same collectives (under FSDP each forward is one: gloo aborted on a size mismatch)."""
     flags = [DPO, "--model-name", no_dropout, "--dataset-name", pairs_file, "--max-steps", "3", "--eval-steps", "100"]
-    flags += ["--eval-fraction", "0.025"]
+    flags += ["--eval-fraction", "0.23"]
     launch("one", [*flags, "--batch-size", "8"], tmp_path)
     for name in ("ddp", "fsdp"):
         out = launch(name, [*flags, "--batch-size", "4"], tmp_path)
-        assert out.count("dpo: 3 steps") == 1 and "39 training / 1 eval pairs" in out
+        assert out.count("dpo: 3 steps") == 1 and "31 training / 9 eval pairs" in out
     assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-4)
 
 
