@@ -43,6 +43,7 @@ from common.run import (
     end_run,
     full_weights,
     load_checkpoint,
+    rank_batches,
     save_checkpoint,
     start_run,
     write_model_card,
@@ -730,40 +731,37 @@ def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, 
 def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger, update: int) -> dict[str, float]:
     """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
     (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
-    accelerator, device, world = sampler.accelerator, sampler.accelerator.device, sampler.accelerator.num_processes
+    accelerator, device = sampler.accelerator, sampler.accelerator.device
     torch.manual_seed(args.seed + accelerator.process_index)
     sampler.policy.eval()
-    share = eval_rows[accelerator.process_index :: world]
-    rows, weight = share or eval_rows[:1], 1.0 if share else 0.0  # a rank without prompts scores one at weight 0
-    totals = torch.zeros(3, device=device)
+    totals, tools = torch.zeros(3, device=device), 0
     table = {"prompt": [], "completion": [], "answer": [], "score": []}
-    episodes = []
-    for i in range(0, len(rows), 64):
-        chunk = rows[i : i + 64]
+    for chunk, weight in rank_batches(eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
         rollout = sampler.rollout(chunk)
         scores, texts = score(chunk, rollout)
         scores = scores[:, 0]
         count = torch.tensor(len(chunk), device=device)
         totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
-        episodes.append(rollout)
-        table = {
-            "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
-            "completion": table["completion"] + texts,
-            "answer": table["answer"] + [r["answer"] for r in chunk],
-            "score": table["score"] + scores.tolist(),
-        }
+        if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks
+            tools = tools + weight * episode_totals(rollout)
+        if weight:  # (not a rank's stand-in)
+            table = {
+                "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
+                "completion": table["completion"] + texts,
+                "answer": table["answer"] + [r["answer"] for r in chunk],
+                "score": table["score"] + scores.tolist(),
+            }
     totals = accelerator.reduce(totals, "sum")
     # the share of the most frequent answer among every process's completions (a collapse shows here)
-    completions = gather_object(table["completion"] if weight else [])
-    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in rows))[0]
+    completions = gather_object(table["completion"])
+    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in eval_rows))[0]
     metrics = {
         "eval/reward": (totals[0] / totals[2]).item(),
         "eval/completion_length": (totals[1] / totals[2]).item(),
         "eval/top_answer_share": float(top_share),
     }
-    if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks (weight 0: a rank's filler)
-        totals = accelerator.reduce(weight * sum(episode_totals(r) for r in episodes), "sum")
-        metrics |= {f"eval/{k}": v for k, v in episode_stats(totals).items()}
+    if sampler.agent is not None:
+        metrics |= {f"eval/{k}": v for k, v in episode_stats(accelerator.reduce(tools, "sum")).items()}
     logger.log(metrics, update)
     logger.samples("eval samples", table, update)
     return metrics
