@@ -19,8 +19,6 @@ replaces it).
 - dpo: dpo.py on pairs of the base model's own replies, the verifier's choice (a correct one over a wrong one);
 - rm_ppo: reward_modeling.py on those pairs, then ppo.py against that learned reward, the verifier watched beside it
   (--gold-reward-funcs: never trained on);
-- rm_ppo_kl: the same reward model, ppo.py with the KL held near 2 nats (--target 2 --horizon 32), where the verifier's
-  PPO lands;
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
   reward and settings, for --trl-steps steps, evaluated as ours.
 
@@ -65,14 +63,14 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "trl_grpo", "trl_rloo")
-SELF_SAMPLED = ("rft", "dpo", "rm_ppo", "rm_ppo_kl")  # the methods that learn from the base model's own replies
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo")
+SELF_SAMPLED = ("rft", "dpo", "rm_ppo")  # the methods that learn from the base model's own replies
 
 
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl trl_grpo trl_rloo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo trl_grpo trl_rloo)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -80,7 +78,7 @@ class Args:
     updates: int = 20
     """grpo / rloo updates of 8 prompts x 4 completions (16-30 s each on 2 CPU cores, by the CPU)"""
     ppo_updates: int = 20
-    """ppo / rm_ppo / rm_ppo_kl updates of 16 episodes"""
+    """ppo / rm_ppo updates of 16 episodes"""
     self_samples: int = 8
     """replies sampled per training question for rft, dpo and the reward model"""
     trl_steps: int = 20
@@ -124,13 +122,6 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
-    reward_model = [
-        ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
-        + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
-        + ["--seed", str(seed), *out("rm")]
-    ]
-    learned = [*ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"]
-    trained = os.path.isfile(os.path.join(folder, "rm", "config.json"))  # rm_ppo_kl uses rm_ppo's reward model
     return {
         "grpo": [
             ["grpo.py", *rl, *GROUPS, "--total-prompts", str(8 * args.updates), "--learning-rate", "1e-5"]
@@ -152,10 +143,11 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
             + ["--seed", str(seed), *out("dpo")]
         ],
-        "rm_ppo": [*reward_model, ["ppo.py", *learned, *out("rm_ppo")]],
-        "rm_ppo_kl": [
-            *([] if trained else reward_model),
-            ["ppo.py", *learned, "--target", "2", "--horizon", "32", *out("rm_ppo_kl")],
+        "rm_ppo": [
+            ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
+            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
+            + ["--seed", str(seed), *out("rm")],
+            ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"] + out("rm_ppo"),
         ],
     }
 
@@ -372,7 +364,6 @@ LABELS = {
     "rft": "rejection-sampling SFT (sft.py on its own correct replies)",
     "dpo": "DPO (dpo.py on verifier-ranked pairs of its own replies)",
     "rm_ppo": "reward model on those pairs, then PPO against it",
-    "rm_ppo_kl": "the same, PPO's KL held near 2 nats",
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
 }
@@ -385,7 +376,6 @@ CURVES = {
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
     "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
-    "rm_ppo_kl": ("rm_ppo_kl", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
 }
 
 
@@ -532,7 +522,7 @@ def machine() -> str:
 
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
-    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl"),
+    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
 
@@ -688,7 +678,7 @@ Held-out accuracy on 64 one-digit two-term chain_sum problems that no training r
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the
 {args.eval_samples} replies of a problem. Each cell: mean ± standard deviation [min, max] over the seeds. The seed
-changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo, rm_ppo_kl: {samples} replies of the base
+changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo: {samples} replies of the base
 model to the training questions per seed) and the draws of the scripts' own evaluations during training (the curves);
 the problems and the final evaluation's draws are the same for every seed.
 Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
@@ -788,7 +778,7 @@ if __name__ == "__main__":
                     command = f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
                     extra["commands"] = [f"{command} --seeds {seed}"]
                 else:
-                    plan = commands(args, seed_folder, seed)  # after the methods before it (rm_ppo_kl: rm_ppo's RM)
+                    plan = commands(args, seed_folder, seed)
                     for command in plan[method]:
                         run(command, args.threads)
                     extra = dict(commands=["python " + shlex.join(c) for c in plan[method]], self_samples=stats)
