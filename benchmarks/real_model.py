@@ -553,11 +553,10 @@ def learned_reward_report(args: Args, results: dict, seeds: list[str]) -> str:
             f"{(d['proxy'][-1][1] - p0) / s0:+.2f} | {d['gold'][0][1]:.2f} -> {d['gold'][-1][1]:.2f} | "
             f"{d['correlation'][0][1]:.2f} -> {d['correlation'][-1][1]:.2f} | {kl:.2f} | {d['kl_coef'][-1][1]:.3f} |"
         )
-    left.set(
-        xlabel="sampled completions used",
-        ylabel="gold: verifier accuracy (solid); proxy: RM score rise in initial sd (dashed)",
-    )
-    right.set(xlabel="sampled completions used", ylabel="correlation of RM score and verifier (held-out samples)")
+    left.set(xlabel="sampled completions used", ylabel="verifier accuracy (solid)\nRM score rise, initial sds (dashed)")
+    right.set(xlabel="sampled completions used", ylabel="correlation: RM score, verifier", ylim=(-1, 1))
+    left.set_title("the gold (verifier) beside the proxy (reward model), held-out samples", fontsize=9)
+    right.set_title("does the reward model still rank the samples as the verifier does?", fontsize=9)
     left.axhline(0, color="grey", linewidth=0.5)
     right.axhline(0, color="grey", linewidth=0.5)
     left.legend(fontsize=7)

@@ -61,7 +61,12 @@ def extract_images() -> None:
                 png = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
                 with open(os.path.join(ROOT, "docs", "img", f"{script}.png"), "wb") as f:
                     f.write(base64.b64decode(png[-1]))
-    for name in ("RESULTS-real-model.png", "RESULTS-real-model-H100.png", "RESULTS-agents.png"):
+    for name in (
+        "RESULTS-real-model.png",
+        "RESULTS-real-model-learned-reward.png",
+        "RESULTS-real-model-H100.png",
+        "RESULTS-agents.png",
+    ):
         shutil.copyfile(os.path.join(ROOT, "benchmarks", name), os.path.join(ROOT, "docs", "img", name))
 
 
