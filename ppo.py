@@ -478,6 +478,9 @@ def main(args: Args) -> None:
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
+    for specs in (args.reward_funcs, args.gold_reward_funcs):
+        if specs:  # tried on two real rows before any model loads: a bad plug-in is a one-line error here
+            load_rewards(specs, train_rows, "cpu", chat)
     per_update = args.batch_size * args.world_size
     batches_per_epoch = len(train_rows) // per_update
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
@@ -763,7 +766,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
     else:
         dataset = load_data(args.dataset_name, args.dataset_split)
         check_columns(dataset, [args.query_column], "--query-column")
-        if args.reward_funcs and args.answer_column in dataset.column_names:  # grpo.py's name for the reference answer
+        verifiable = args.reward_funcs or args.gold_reward_funcs
+        if verifiable and args.answer_column in dataset.column_names:  # grpo.py's name for the reference answer
             dataset = answers_as_text(dataset, args.answer_column)
             dataset = dataset.rename_column(args.answer_column, "answer") if args.answer_column != "answer" else dataset
         chat = use_chat(tokenizer, args.chat_template, dataset[0][args.query_column], args.system_prompt)

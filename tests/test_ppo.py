@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RANDOM_MODEL, ROOT, check_model_card, read_scalars, run_failing, run_script
+from conftest import RANDOM_MODEL, ROOT, check_model_card, read_scalars, run_failing, run_in_process, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.core import LogitMask, logprobs_from_logits
+from common.core import LogitMask, UsageError, logprobs_from_logits
 from common.models import AutoModelForCausalLMWithValueHead
 from ppo import RewardAdapter, Scorer, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
 
@@ -390,6 +390,12 @@ def test_gold_rewards_are_watched_beside_the_trained_reward():
     assert metrics["eval/gold/correlation"] == pytest.approx(statistics.correlation(x, y), abs=1e-6)
     scorer.gold = []
     assert Scorer.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
+
+
+def test_a_bad_gold_reward_is_a_one_line_error_before_any_model_loads(tmp_path):
+    out, error = run_in_process([PPO, *TINY, "--gold-reward-funcs", "nowhere.py:gold"], tmp_path)
+    assert isinstance(error, UsageError) and "nowhere.py" in str(error), error
+    assert "policy builtin:" not in out  # load_models prints this line once the policy is loaded
 
 
 def test_health_check_warns_on_reward_hacking():
