@@ -765,6 +765,7 @@ if __name__ == "__main__":
         for seed in args.seeds:
             done, seed_folder = results["seeds"].setdefault(str(seed), {}), os.path.join(folder, f"seed_{seed}")
             os.makedirs(os.path.join(seed_folder, "runs"), exist_ok=True)
+            plan = commands(args, seed_folder, seed)
             for method in args.methods:
                 if method in done and not args.rerun:
                     print(f"seed {seed}, {method}: in {results_file} already (--rerun runs it again)", flush=True)
@@ -777,7 +778,6 @@ if __name__ == "__main__":
                     command = f"python benchmarks/real_model.py --methods {method} --trl-steps {args.trl_steps}"
                     extra["commands"] = [f"{command} --seeds {seed}"]
                 else:
-                    plan = commands(args, seed_folder, seed)
                     for command in plan[method]:
                         run(command, args.threads)
                     extra = dict(commands=["python " + shlex.join(c) for c in plan[method]], self_samples=stats)
