@@ -707,6 +707,7 @@ def main(args: Args) -> None:
         + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else "")
     )
     # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
+    golds = [k for k in last_eval if k.startswith("eval/gold/") and k != "eval/gold/correlation"]
     health, warning = health_check(
         final_kl,
         args.target,
@@ -715,6 +716,7 @@ def main(args: Args) -> None:
         last_eval["eval/distinct_2"],
         first_eval["eval/distinct_2"],
         first_eval["eval/top_token_share"],
+        (golds[0][10:], first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     end_run(accelerator, logger)  # every rank leaves together
@@ -1165,12 +1167,14 @@ def health_check(
     distinct_2: float,
     start_distinct_2: float,
     start_top_share: float,
+    gold: tuple[str, float, float] | None = None,
 ) -> tuple[str, str | None]:
     """A summary of whether the run stayed near its reference, and a warning when it did not: a KL past 3x its target,
     responses collapsed into one token (over 30% of response tokens), responses filling up with one token (its share
     tripled, to over 20%: e.g. whitespace padding a reward model happens to like), or responses that repeat each other
     (distinct-2 below 0.7 of its value at the start: a third of the replies sharing a few phrases the reward model
-    likes) mean reward hacking, not learning."""
+    likes) mean reward hacking, not learning. Repetition is only a note where a watched gold reward (`gold`: its name,
+    first and last evaluation) rose: short correct answers ("6 + 2 = 8") share their bigrams by nature."""
     line = (
         f"health: KL to the reference {final_kl:.2f} nats at the end (target {target:g}); responses: "
         f"{distinct_words:.2f} distinct words per word, distinct-2 {distinct_2:.2f} ({start_distinct_2:.2f} at the "
@@ -1187,6 +1191,11 @@ def health_check(
         return line, (
             f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
             f"the start); {advice}"
+        )
+    if distinct_2 < 0.7 * start_distinct_2 and gold and gold[2] > gold[1]:
+        return line, (
+            f"note: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at the start) "
+            f"while the gold reward {gold[0]} rose ({gold[1]:.3f} -> {gold[2]:.3f}): the answers' form, not a hack"
         )
     if distinct_2 < 0.7 * start_distinct_2:
         return line, (

@@ -412,6 +412,11 @@ def test_health_check_warns_on_reward_hacking():
     assert "left its reference" in health_check(190.0, 6.0, 0.1, 0.9, 0.9, 0.9, 0.08)[1]
     assert "collapsed" in health_check(4.0, 6.0, 0.45, 0.2, 0.9, 0.9, 0.08)[1]
     assert "repeat each other" in health_check(4.0, 6.0, 0.1, 0.9, 0.64, 0.97, 0.08)[1]  # a third share a few phrases
+    # terse answers ("6 + 2 = 8") repeat bigrams: with a watched gold reward that rose it is a note; one that fell warns
+    note = health_check(4.2, 6.0, 0.21, 0.92, 0.28, 0.83, 0.1, gold=("verifier", 0.174, 0.461))[1]
+    assert note.startswith("note: the responses repeat each other") and "verifier rose (0.174 -> 0.461)" in note
+    assert health_check(4.2, 6.0, 0.21, 0.92, 0.28, 0.83, 0.1, gold=("verifier", 0.4, 0.3))[1].startswith("warning:")
+    assert "left its reference" in health_check(19.0, 6.0, 0.1, 0.9, 0.28, 0.83, 0.08, gold=("verifier", 0.1, 0.5))[1]
     # a space filling a quarter of the replies (7.6% at the start: the reward-model path's whitespace padding) warns;
     # a share that doubled, or one over 20% from a start already near it, does not
     assert "fill up with one token (26%" in health_check(6.6, 6.0, 0.26, 0.9, 0.9, 0.97, 0.076)[1]
