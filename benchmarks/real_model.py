@@ -8,7 +8,7 @@ model is evaluated the same way on the held-out problems: greedy accuracy; sampl
 log pi - log pi_0 on the sampled replies); the completion length; the number of distinct answers per problem.
 
 With --seeds 1 2 3 every method runs once per seed: the seed changes the training order, the sampling, the self-sampled
-data of rft / dpo / rm_ppo and TRL's seed; the problems (training and held-out, --data-seed 1) and the final
+data of rft / dpo / the reward models and TRL's seed; the problems (training and held-out, --data-seed 1) and the final
 evaluation's draws stay fixed. The table gives mean ± standard deviation [min, max] over the seeds, the plot the mean
 curve with a min-max band. A method already in the results of a seed is kept, so an interrupted sweep resumes (--rerun
 replaces it).
@@ -17,8 +17,11 @@ replaces it).
 - ppo: ppo.py with the same verifier (--reward-funcs verifier), a value head, the adaptive KL penalty;
 - rft: rejection-sampling fine-tuning: sft.py on the base model's own correct replies to the training questions;
 - dpo: dpo.py on pairs of the base model's own replies, the verifier's choice (a correct one over a wrong one);
-- rm_ppo: reward_modeling.py on those pairs, then ppo.py against that learned reward, the verifier watched beside it
-  (--gold-reward-funcs: never trained on);
+- rm_ppo: reward_modeling.py on pairs of the base model's replies (16 per question, up to 8 pairs per question, one
+  epoch), then ppo.py against that learned reward, the verifier watched beside it (--gold-reward-funcs: never trained
+  on);
+- rm_ppo_small: the same on dpo's pairs (8 replies, up to 4 pairs per question, two epochs): the first try, whose
+  reward model varied too much between seeds (see "The learned reward" in the results);
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
   reward and settings, for --trl-steps steps, evaluated as ours.
 
@@ -63,14 +66,15 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo")
-SELF_SAMPLED = ("rft", "dpo", "rm_ppo")  # the methods that learn from the base model's own replies
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_small", "trl_grpo", "trl_rloo")
+# the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
+SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_small": "self_samples"}
 
 
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo trl_grpo trl_rloo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_small trl_grpo trl_rloo)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -80,7 +84,9 @@ class Args:
     ppo_updates: int = 20
     """ppo / rm_ppo updates of 16 episodes"""
     self_samples: int = 8
-    """replies sampled per training question for rft, dpo and the reward model"""
+    """replies sampled per training question for rft, dpo and rm_ppo_small's reward model (up to half as many pairs)"""
+    rm_samples: int = 16
+    """replies sampled per training question for rm_ppo's reward model (up to half as many pairs per question)"""
     trl_steps: int = 20
     """TRL GRPOTrainer / RLOOTrainer steps (of 8 prompts x 4 completions, as ours)"""
     eval_samples: int = 2
@@ -122,6 +128,16 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
+
+    def rm_ppo(pairs: str, epochs: int, suffix: str) -> list[list[str]]:  # the reward model, then PPO against it
+        rm = os.path.join(folder, "rm" + suffix)
+        return [
+            ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(folder, pairs, "pairs.jsonl")]
+            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", str(epochs), "--max-length", "128"]
+            + ["--seed", str(seed), *out("rm" + suffix)],
+            ["ppo.py", *ppo, "--reward-model", rm, "--gold-reward-funcs", "verifier"] + out("rm_ppo" + suffix),
+        ]
+
     return {
         "grpo": [
             ["grpo.py", *rl, *GROUPS, "--total-prompts", str(8 * args.updates), "--learning-rate", "1e-5"]
@@ -143,12 +159,8 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
             + ["--seed", str(seed), *out("dpo")]
         ],
-        "rm_ppo": [
-            ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl")]
-            + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", "2", "--max-length", "128"]
-            + ["--seed", str(seed), *out("rm")],
-            ["ppo.py", *ppo, "--reward-model", os.path.join(folder, "rm"), "--gold-reward-funcs", "verifier"] + out("rm_ppo"),
-        ],
+        "rm_ppo": rm_ppo(SELF_SAMPLED["rm_ppo"], 1, ""),
+        "rm_ppo_small": rm_ppo(SELF_SAMPLED["rm_ppo_small"], 2, "_small"),
     }
 
 
@@ -187,10 +199,10 @@ def generate(model, tokenizer, prompts: list, n: int = 1, greedy: bool = False, 
     return texts, ids
 
 
-def self_samples(args: Args, folder: str, seed: int) -> dict:
-    """rft.jsonl (the correct replies) and pairs.jsonl (a correct reply over a wrong one, up to 4 pairs per question)
-    from `self_samples` replies of the base model to every training question, drawn with the seed."""
-    data = os.path.join(folder, "self_samples")
+def self_samples(folder: str, name: str, n: int, seed: int) -> dict:
+    """In `folder`/`name`: rft.jsonl (the correct replies) and pairs.jsonl (a correct reply over a wrong one, up to n / 2
+    pairs per question) from n replies of the base model to every training question, drawn with the seed."""
+    data = os.path.join(folder, name)
     if os.path.isfile(os.path.join(data, "stats.json")):
         return json.load(open(os.path.join(data, "stats.json")))
     os.makedirs(data, exist_ok=True)
@@ -199,21 +211,21 @@ def self_samples(args: Args, folder: str, seed: int) -> dict:
     train, _ = task()
     questions = list({json.dumps(r["prompt"]): r for r in train}.values())
     start = time.time()
-    texts, _ = generate(model, tokenizer, [q["prompt"] for q in questions], n=args.self_samples, seed=seed)
+    texts, _ = generate(model, tokenizer, [q["prompt"] for q in questions], n=n, seed=seed)
     grades = verifier(
         None,
         texts,
-        [q["answer"] for q in questions for _ in range(args.self_samples)],
-        rg_entry=[q["rg_entry"] for q in questions for _ in range(args.self_samples)],
+        [q["answer"] for q in questions for _ in range(n)],
+        rg_entry=[q["rg_entry"] for q in questions for _ in range(n)],
     )
     rft, pairs = [], []
     for i, q in enumerate(questions):
-        replies = list(zip(texts[i * args.self_samples : (i + 1) * args.self_samples], grades[i * args.self_samples :]))
+        replies = list(zip(texts[i * n : (i + 1) * n], grades[i * n :]))
         right, wrong = [t for t, g in replies if g == 1], [t for t, g in replies if g < 1]
         rft += [dict(prompt=q["prompt"], completion=[{"role": "assistant", "content": t}]) for t in right]
         chosen = [{"role": "assistant", "content": t} for t in right]
         rejected = [{"role": "assistant", "content": t} for t in wrong]
-        pairs += [dict(prompt=q["prompt"], chosen=[c], rejected=[r]) for c, r in list(zip(chosen * 4, rejected))[:4]]
+        pairs += [dict(prompt=q["prompt"], chosen=[c], rejected=[r]) for c, r in list(zip(chosen * n, rejected))[: n // 2]]
     for name, rows in (("rft", rft), ("pairs", pairs)):
         with open(os.path.join(data, f"{name}.jsonl"), "w") as f:
             f.write("\n".join(json.dumps(r) for r in rows))
@@ -363,7 +375,8 @@ LABELS = {
     "ppo": "PPO (ppo.py, verifier, value head)",
     "rft": "rejection-sampling SFT (sft.py on its own correct replies)",
     "dpo": "DPO (dpo.py on verifier-ranked pairs of its own replies)",
-    "rm_ppo": "reward model on those pairs, then PPO against it",
+    "rm_ppo": "reward model (16 replies a question), then PPO against it",
+    "rm_ppo_small": "the first try: reward model on dpo's pairs, then PPO",
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
 }
@@ -376,6 +389,7 @@ CURVES = {
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
     "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
+    "rm_ppo_small": ("rm_ppo_small", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
 }
 
 
@@ -424,7 +438,7 @@ def learned_reward(folder: str, method: str, drawn: int) -> dict:
     """What a PPO run against the learned reward (`method`) says of its reward model: its accuracy on the pairs it held
     out (of the same questions), and along PPO, on the held-out problems' samples, its mean score (the proxy), the
     verifier's accuracy (the gold) and their correlation; per update, the same on the training samples."""
-    rm, ppo = os.path.join(folder, "runs", "rm"), os.path.join(folder, "runs", method)
+    rm, ppo = os.path.join(folder, "runs", method.replace("rm_ppo", "rm")), os.path.join(folder, "runs", method)
 
     def curve(run: str, tag: str) -> list:
         return [(drawn + 16 * step, value) for step, value in scalars(run, tag)]
@@ -522,7 +536,7 @@ def machine() -> str:
 
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
-    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo"),
+    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
 
@@ -665,8 +679,11 @@ def report(args: Args, results: dict, folder: str) -> None:
         for m in METHODS
         if m in results["seeds"][seeds[0]]
     )
-    drawn = [r["self_samples"]["samples"] for r in results["seeds"][seeds[0]].values() if r.get("self_samples")]
-    samples = drawn[0] if drawn else "-"
+
+    def drawn(method: str) -> str:  # the replies of the base model a self-sampled method learned from
+        r = results["seeds"][seeds[0]].get(method, {}).get("self_samples", {})
+        return f"{r['samples']} replies to {r['questions']} questions" if r else "-"
+
     where = f"{results.get('date', time.strftime('%Y-%m-%d'))}: {results.get('machine', machine())}, torch "
     where += results.get("torch", torch.__version__)  # where the runs ran (a report may be drawn elsewhere)
     text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task, over seeds
@@ -677,9 +694,9 @@ Held-out accuracy on 64 one-digit two-term chain_sum problems that no training r
 temperature 1 ({args.eval_samples} replies per problem); KL to the start in nats per reply (sum over its tokens of
 log pi - log pi_0 on the trained model's own samples); reply length in tokens; distinct answers among the
 {args.eval_samples} replies of a problem. Each cell: mean ± standard deviation [min, max] over the seeds. The seed
-changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo: {samples} replies of the base
-model to the training questions per seed) and the draws of the scripts' own evaluations during training (the curves);
-the problems and the final evaluation's draws are the same for every seed.
+changes the training order, the sampling and the self-sampled data (rft, dpo, rm_ppo_small: {drawn("dpo")}; rm_ppo:
+{drawn("rm_ppo")}; drawn from the base model per seed) and the draws of the scripts' own evaluations during
+training (the curves); the problems and the final evaluation's draws are the same for every seed.
 Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
 the run, the rollout share the median time of an update's generation over the median update time; they compare only
 runs of one sweep with the same thread count.
@@ -770,7 +787,10 @@ if __name__ == "__main__":
                 if method in done and not args.rerun:
                     print(f"seed {seed}, {method}: in {results_file} already (--rerun runs it again)", flush=True)
                     continue
-                stats = self_samples(args, seed_folder, seed) if method in SELF_SAMPLED else {}
+                stats = {}
+                if method in SELF_SAMPLED:
+                    n = args.rm_samples if SELF_SAMPLED[method] == "rm_samples" else args.self_samples
+                    stats = self_samples(seed_folder, SELF_SAMPLED[method], n, seed)
                 start = time.time()
                 if method.startswith("trl_"):
                     step, rollout = trl_run(args, seed_folder, method, seed)
