@@ -61,16 +61,21 @@ def _report(kind, error, traceback) -> None:
 class _Harmless(logging.Filter):
     """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning from
     `generate`'s own decoding steps (every call here passes a mask), diffusers' CLIP processor asking for torchvision,
-    and transformers' note that a GPT-2 config names no loss (it then uses the causal-LM loss, the one wanted)."""
+    transformers' note that a GPT-2 config names no loss (it then uses the causal-LM loss, the one wanted), and
+    DeepSpeed's guess at the device where it is installed (accelerate imports it; only a DeepSpeed config uses it)."""
 
     HARMLESS = (
         "We strongly recommend passing in an `attention_mask`",
         "requires torchvision (not installed)",
         "`loss_type=None` was set in the config but it is unrecognized",  # GPT-2 configs: the default loss is meant
+        "Setting accelerator to CPU. If you have GPU or other accelerator",
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.HARMLESS)
+
+
+HARMLESS = _Harmless()
 
 
 def cli(args_class):
@@ -79,7 +84,8 @@ def cli(args_class):
     (loading, writing) are off, so that the run's own bars stay readable."""
     sys.excepthook = _report
     for handler in transformers_logging.get_logger("transformers").handlers:
-        handler.addFilter(_Harmless())
+        handler.addFilter(HARMLESS)  # one instance: a filter already there is not added twice
+    logging.getLogger("DeepSpeed").addFilter(HARMLESS)  # before deepspeed makes it: a logger keeps its filters
     transformers_logging.disable_progress_bar()
     _flowing_help(args_class)
     quiet = int(os.environ.get("RANK", "0")) > 0  # under a launcher --help and a usage box print once, from rank 0
@@ -373,13 +379,11 @@ def end_run(accelerator: Accelerator, logger: RunLogger) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str):
-    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path`.
-
-    The new folder is written as `.tmp-NAME-*`, renamed `.new-NAME-*` once complete, and only then is the previous
-    `path` renamed aside (`.old-NAME-*`) and the new one renamed into place. A crash at any point leaves a complete
-    copy: `path` itself, or (between the last two renames) a `.new-` or `.old-` folder that the next save of `path`
-    moves back into place before it starts. Folders get the usual permissions (0755 under the usual umask).
-    """
+    """Yield a temporary folder beside `path`; when the block succeeds it replaces `path`. The new folder is written as
+    `.tmp-NAME-*`, renamed `.new-NAME-*` once complete, and only then is the previous `path` renamed aside (`.old-NAME-*`)
+    and the new one renamed into place. A crash at any point leaves a complete copy: `path` itself, or (between the last
+    two renames) a `.new-` or `.old-` folder that the next save of `path` moves back into place before it starts.
+    Folders get the usual permissions (0755 under the usual umask)."""
     parent, name = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     recover_directory(path)

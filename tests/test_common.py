@@ -722,6 +722,33 @@ def test_cli_checks_resume_from_before_anything_is_loaded(tmp_path, monkeypatch)
     assert cli(Args).resume_from == str(tmp_path / "step_2")
 
 
+def test_cli_filters_deepspeeds_device_guess(tmp_path, monkeypatch):
+    """Where deepspeed is installed, accelerate imports it and on a CPU machine it logs "[WARNING] Setting accelerator to
+    CPU..." from its own "DeepSpeed" logger, in every run: cli filters that one line (it printed before, checked),
+    however late deepspeed makes its logger, and lets every other DeepSpeed message through."""
+    import dataclasses
+    import logging
+    import sys
+
+    from common.run import cli
+
+    @dataclasses.dataclass
+    class Args:
+        output_dir: str = str(tmp_path / "out")
+        """where the model goes"""
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    cli(Args)
+
+    def passes(message: str) -> bool:
+        record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, message, None, None)
+        return bool(logging.getLogger("DeepSpeed").filter(record))
+
+    guess = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    assert not passes(guess) and passes("ZeRO stage 3: the optimizer state does not fit")
+
+
 def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
     """A field docstring wrapped over indented source lines prints as one paragraph in --help (tyro alone starts a
     new line at each of them); a blank line stays a paragraph break."""
