@@ -20,8 +20,8 @@ replaces it).
 - rm_ppo: reward_modeling.py on pairs of the base model's replies (16 per question, up to 8 pairs per question, one
   epoch), then ppo.py against that learned reward, the verifier watched beside it (--gold-reward-funcs: never trained
   on);
-- rm_ppo_small: the same on dpo's pairs (8 replies, up to 4 pairs per question, two epochs): the first try, whose
-  reward model varied too much between seeds (see "The learned reward" in the results);
+- rm_ppo_small: the same on dpo's pairs (8 replies, up to 4 pairs per question, two epochs): the first try, with a
+  third of the pairs (docs/real-model.md, "The learned reward");
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
   reward and settings, for --trl-steps steps, evaluated as ours.
 
