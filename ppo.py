@@ -716,7 +716,7 @@ def main(args: Args) -> None:
         last_eval["eval/distinct_2"],
         first_eval["eval/distinct_2"],
         first_eval["eval/top_token_share"],
-        (golds[0][10:], first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
+        (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     end_run(accelerator, logger)  # every rank leaves together
@@ -1192,12 +1192,12 @@ def health_check(
             f"warning: the responses fill up with one token ({top_share:.0%} of them, {start_top_share:.0%} at "
             f"the start); {advice}"
         )
-    if distinct_2 < 0.7 * start_distinct_2 and gold and gold[2] > gold[1]:
-        return line, (
-            f"note: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at the start) "
-            f"while the gold reward {gold[0]} rose ({gold[1]:.3f} -> {gold[2]:.3f}): the answers' form, not a hack"
-        )
     if distinct_2 < 0.7 * start_distinct_2:
+        if gold and gold[2] > gold[1]:
+            return line, (
+                f"note: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at the "
+                f"start) while the gold reward {gold[0]} rose ({gold[1]:.3f} -> {gold[2]:.3f}): the answers' form"
+            )
         return line, (
             f"warning: the responses repeat each other (distinct-2 {distinct_2:.2f}, {start_distinct_2:.2f} at "
             f"the start); {advice}"
