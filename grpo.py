@@ -332,7 +332,8 @@ def grpo_loss(
 def main(args: Args) -> None:
     """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
     check(args)
-    accelerator = Accelerator()
+    # accumulate(): DDP syncs and DeepSpeed steps only at each optimizer step's last mini-batch
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     device, world = accelerator.device, accelerator.num_processes
     per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
     step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
@@ -449,29 +450,32 @@ def main(args: Args) -> None:
                 # dapo: the completion tokens of this optimizer step over every process, per process
                 num_items = accelerator.reduce(loss_mask[step_indices].sum(), "sum") / world
                 for mb in step_indices.split(args.mini_batch_size):
-                    logprobs, entropy = per_token_logprobs(
-                        model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
-                    )
-                    old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
-                    ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
-                    loss, stats = grpo_loss(
-                        logprobs,
-                        old,
-                        ref,
-                        advantages[mb],
-                        loss_mask[mb],
-                        args.beta,
-                        args.epsilon,
-                        args.epsilon_high or args.epsilon,
-                        args.loss_type,
-                        args.max_completion_length,
-                        args.importance_sampling_level,
-                        num_items,
-                    )
-                    # grpo / bnpo / dr_grpo average each mini-batch: the step's gradient is their mean
-                    accelerator.backward(loss if args.loss_type == "dapo" else loss / args.gradient_accumulation_steps)
-                    entropy_stats = torch.stack([(entropy * model_mask[mb]).sum(), model_mask[mb].sum()])
-                    stats_list.append(stats | {"entropy": entropy_stats})
+                    with accelerator.accumulate(model):
+                        logprobs, entropy = per_token_logprobs(
+                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
+                        )
+                        old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
+                        ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
+                        loss, stats = grpo_loss(
+                            logprobs,
+                            old,
+                            ref,
+                            advantages[mb],
+                            loss_mask[mb],
+                            args.beta,
+                            args.epsilon,
+                            args.epsilon_high or args.epsilon,
+                            args.loss_type,
+                            args.max_completion_length,
+                            args.importance_sampling_level,
+                            num_items,
+                        )
+                        # accelerate divides by the accumulation steps (the step's gradient: the mini-batches' mean, for
+                        # grpo / bnpo / dr_grpo); dapo's loss is already per token of the whole step
+                        steps = args.gradient_accumulation_steps
+                        accelerator.backward(loss * steps if args.loss_type == "dapo" else loss)
+                        entropy_stats = torch.stack([(entropy * model_mask[mb]).sum(), model_mask[mb].sum()])
+                        stats_list.append(stats | {"entropy": entropy_stats})
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()

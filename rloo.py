@@ -269,7 +269,8 @@ def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
 def main(args: Args) -> None:
     """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
     check(args)
-    accelerator = Accelerator()
+    # accumulate(): DDP syncs and DeepSpeed steps only at each optimizer step's last mini-batch
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     device, world = accelerator.device, accelerator.num_processes
     per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
     step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
@@ -381,14 +382,17 @@ def main(args: Args) -> None:
             permutation = torch.randperm(len(rows), device=device)
             for s in range(0, len(rows), step_size):
                 for mb in permutation[s : s + step_size].split(args.mini_batch_size):
-                    logprobs, entropy = per_token_logprobs(
-                        model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
-                    )
-                    logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
-                    old = logps.detach() if old_logps is None else old_logps[mb]
-                    loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
-                    accelerator.backward(loss / args.gradient_accumulation_steps)  # the step's gradient: their mean
-                    stats_list.append(stats | {"entropy": torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])})
+                    with accelerator.accumulate(model):
+                        logprobs, entropy = per_token_logprobs(
+                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
+                        )
+                        logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
+                        old = logps.detach() if old_logps is None else old_logps[mb]
+                        loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
+                        accelerator.backward(loss)  # accelerate divides by the steps: the gradient is their mean
+                        stats_list.append(
+                            stats | {"entropy": torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])}
+                        )
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()

@@ -176,11 +176,15 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
 
 
 def place_frozen(accelerator, model: nn.Module) -> nn.Module:
-    """A frozen model (reference, reward model, teacher) on the run's device; under FSDP2 sharded as the policy is, so no
-    rank holds a whole copy and its forwards gather weights in step with the other ranks (TRL prepares it likewise).
-    It stays out of accelerate's registry: checkpoints do not store it, it is rebuilt from its source on resume."""
+    """A frozen model (reference, reward model, teacher) on the run's device: under FSDP2 sharded as the policy is, under
+    ZeRO-3 partitioned by a DeepSpeed engine of its own (TRL prepares both likewise), so no rank holds a whole copy. Not
+    in accelerate's registry: checkpoints do not store it, it is rebuilt from its source on resume."""
     if getattr(accelerator, "is_fsdp2", False):
         return fsdp2_prepare_model(accelerator, model).eval()
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3:
+        import deepspeed
+
+        return deepspeed.initialize(model=model, config=accelerator.state.deepspeed_plugin.deepspeed_config)[0].module.eval()
     return model.to(accelerator.device)
 
 

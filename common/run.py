@@ -29,6 +29,7 @@ from rich.table import Table
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers.integrations import deepspeed as transformers_deepspeed
 from transformers.utils import logging as transformers_logging
 
 from common.core import UsageError, error_line, warn_once
@@ -59,10 +60,9 @@ def _report(kind, error, traceback) -> None:
 
 
 class _Harmless(logging.Filter):
-    """Third-party warnings that read as errors but say nothing about this run: transformers' attention-mask warning from
-    `generate`'s own decoding steps (every call here passes a mask), diffusers' CLIP processor asking for torchvision,
-    transformers' note that a GPT-2 config names no loss (it then uses the causal-LM loss, the one wanted), and
-    DeepSpeed's guess at the device where it is installed (accelerate imports it; only a DeepSpeed config uses it)."""
+    """Third-party warnings that read as errors but say nothing about this run: `generate`'s attention-mask warning (every
+    call here passes one), diffusers' CLIP processor asking for torchvision, a GPT-2 config naming no loss (the causal-LM
+    loss, the one wanted, is used) and DeepSpeed's guess at the device (accelerate imports it wherever installed)."""
 
     HARMLESS = (
         "We strongly recommend passing in an `attention_mask`",
@@ -260,23 +260,48 @@ RUN = {"id": None, "args": {}, "script": os.path.basename(sys.argv[0])}
 def check_launch(accelerator: Accelerator, args=None) -> None:
     """Processes that a launcher started but accelerate runs alone (no GPU, no ACCELERATE_USE_CPU=1) are an error: each
     would train on its own and overwrite the others' files. An FSDP config on CPU runs FSDP2 over gloo: accelerate
-    shards only on accelerators and would fall back to DDP, so the state is switched to FSDP here (configs/fsdp_cpu.yaml)."""
+    shards only on accelerators and would fall back to DDP, so the state is switched to FSDP here (configs/fsdp_cpu.yaml).
+    Under DeepSpeed the script's flags go into its config (`deepspeed_settings`)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     if launched > 1 and accelerator.num_processes == 1:
+        hint = (
+            "DeepSpeed runs one process on CPU; for 2 use configs/fsdp_cpu.yaml" if deepspeed else "set ACCELERATE_USE_CPU=1"
+        )
         raise UsageError(
-            f"{launched} processes were launched but each would train alone (no GPU here): on a CPU-only machine set "
-            "ACCELERATE_USE_CPU=1 for 2-process training over gloo (docs/scaling.md)."
+            f"{launched} processes were launched but each would train alone (no GPU here): {hint} (docs/scaling.md)."
         )
     if accelerator.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise UsageError(  # accelerate starts DeepSpeed only on accelerators
-            "a DeepSpeed config on a machine without GPUs would run as DDP: use configs/fsdp_cpu.yaml or --multi_gpu."
+    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise UsageError(  # ACCELERATE_USE_CPU=1 makes accelerate run a DeepSpeed config as DDP
+            "a DeepSpeed config with ACCELERATE_USE_CPU=1 would run as DDP: unset it (DeepSpeed runs one process on CPU)."
         )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and args is not None:
+        deepspeed_settings(accelerator.state.deepspeed_plugin, args)
     for flag in ("use_peft", "num_shared_layers", "normalize_reward"):  # a LoRA merge, shared or folded weights
         if getattr(args, flag, None) and accelerator.distributed_type == DistributedType.FSDP:
             raise UsageError(f"--{flag.replace('_', '-')} under FSDP is not supported: use DDP (configs/multi_gpu.yaml).")
+
+
+def deepspeed_settings(plugin, args) -> None:
+    """The script's flags in DeepSpeed's config, whose engine applies them: clipping ("auto" clips at 1.0), accumulation
+    (another value is an error), a micro-batch size (only booked). ZeRO-3: no zero.Init, models load whole (a reference
+    copied from a partitioned policy would be empty) and DeepSpeed partitions each when prepared."""
+    config, steps = plugin.deepspeed_config, getattr(args, "gradient_accumulation_steps", 1)
+    if plugin.zero_stage == 3:
+        transformers_deepspeed.unset_hf_deepspeed_config()
+    if config.get("gradient_accumulation_steps", "auto") not in ("auto", steps):
+        raise UsageError(
+            f"the DeepSpeed config accumulates {config['gradient_accumulation_steps']} steps and the script "
+            f"{steps}: set gradient_accumulation_steps: {steps} in the config (or 'auto')."
+        )
+    config["gradient_accumulation_steps"] = steps
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = getattr(args, "max_grad_norm", getattr(args, "train_max_grad_norm", 0.0)) or 0.0
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = getattr(args, "mini_batch_size", getattr(args, "batch_size", 1))
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
@@ -482,6 +507,12 @@ def full_weights(accelerator: Accelerator, model) -> dict | None:
         return None
     if accelerator.is_fsdp2:  # accelerate's get_state_dict also asks for broadcast_from_rank0: DTensors come back on CPU
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3:  # accelerate's needs a 16-bit gather
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            state = accelerator.unwrap_model(model).state_dict()
+            return {k: v.detach().cpu().clone() for k, v in state.items()} if accelerator.is_main_process else None
     return accelerator.get_state_dict(model)
 
 

