@@ -4,12 +4,13 @@
     python benchmarks/launchers.py --scripts sft dpo --launchers python fsdp2
 
 Launchers: `python script.py`, `accelerate launch` of 1 process, DDP x2 and FSDP2 x2 (configs/fsdp_cpu.yaml), both
-over gloo with one thread per rank, and DeepSpeed ZeRO-2 x2 when deepspeed imports. Each script trains a few steps on
-the tiny presets with the same global batch under every launcher (per-process batch halved for 2 processes). The loss
-gap is the largest relative difference of the per-step loss to the `python` run's: near 1e-6 where the runs must be
-equal; the online scripts (ppo, grpo, rloo, gkd, ddpo) sample from per-rank seeds, so theirs differ with the process
-count by design (tests/test_launchers.py holds DDP x2 and FSDP2 x2 equal to each other). Peak memory is the largest
-resident set of any one process of the run (getrusage of the waited-for children), wall time the whole command's.
+over gloo with one thread per rank (DeepSpeed runs one process on CPU: benchmarks/deepspeed_matrix.py). Each script
+trains a few steps on the tiny presets with the same global batch under every launcher (per-process batch halved for
+2 processes). The loss gap is the largest relative difference of the per-step loss to the `python` run's: near 1e-6
+where the runs must be equal; the online scripts (ppo, grpo, rloo, gkd, ddpo) sample from per-rank seeds, so theirs
+differ with the process count by design (tests/test_launchers.py holds DDP x2 and FSDP2 x2 equal to each other). Peak
+memory is the largest resident set of any one process of the run (getrusage of the waited-for children), wall time
+the whole command's.
 """
 
 import glob
@@ -50,26 +51,14 @@ SCRIPTS = {
               "2"], ["--sample-batch-size", "4", "--train-batch-size", "4"],
              ["--sample-batch-size", "2", "--train-batch-size", "2"]),
 }  # fmt: skip
-DS_CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  gradient_accumulation_steps: 1
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero_stage: 2
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: false
-"""
 
 
 @dataclass
 class Args:
     scripts: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """which scripts to run"""
-    launchers: list[str] = field(default_factory=lambda: ["python", "accelerate", "ddp2", "fsdp2", "deepspeed2"])
-    """which launchers: python, accelerate (1 process), ddp2, fsdp2, deepspeed2 (ZeRO-2; where deepspeed imports)"""
+    launchers: list[str] = field(default_factory=lambda: ["python", "accelerate", "ddp2", "fsdp2"])
+    """which launchers: python, accelerate (1 process), ddp2, fsdp2"""
     out: str = os.path.join(HERE, "RESULTS-launchers.md")
     """the results table"""
     work: str = "outputs/launchers"
@@ -88,11 +77,6 @@ def launcher_prefix(name: str, work: str, port: int) -> list[str] | None:
         return [*launch, "--multi_gpu", "--num_processes", "2"]
     if name == "fsdp2":
         return [*launch, "--config_file", os.path.join(ROOT, "configs", "fsdp_cpu.yaml")]
-    if name == "deepspeed2":
-        path = os.path.join(work, "deepspeed_zero2_cpu.yaml")
-        with open(path, "w") as f:
-            f.write(DS_CONFIG)
-        return [*launch, "--config_file", path]
     raise ValueError(name)
 
 
@@ -182,12 +166,6 @@ def main(args: Args) -> None:
     nodrop = no_dropout_model(work)
     env = dict(os.environ, PYTHONPATH=ROOT, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env |= dict(HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    try:
-        import deepspeed  # noqa: F401
-
-        deepspeed_note = "deepspeed imports"
-    except Exception as error:  # noqa: BLE001 - why DeepSpeed is left out goes in the table
-        deepspeed_note = f"deepspeed does not import ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
     rows, port = [], 29600
     for script in args.scripts:
         flags, one, two = SCRIPTS[script]
@@ -196,9 +174,6 @@ def main(args: Args) -> None:
         for launcher in args.launchers:
             port += 1
             name = f"{script}-{launcher}"
-            if launcher == "deepspeed2" and "does not import" in deepspeed_note:
-                rows.append((script, launcher, "not run", "", "", "", deepspeed_note))
-                continue
             prefix = launcher_prefix(launcher, work, port)
             per_process = two if launcher.endswith("2") else one
             outputs = ["--output-dir", os.path.join(work, name), "--log-dir", os.path.join(work, f"{name}_runs")]
@@ -218,7 +193,7 @@ def main(args: Args) -> None:
     with open(args.out, "w") as f:
         f.write("# Every script under every launcher (CPU)\n\n")
         f.write(f"Command: `python benchmarks/launchers.py`. Date: {time.strftime('%Y-%m-%d')}. Machine: {os.cpu_count()} ")
-        f.write(f"CPU cores, torch {torch.__version__}, one thread per process, gloo; {deepspeed_note}.\n\n")
+        f.write(f"CPU cores, torch {torch.__version__}, one thread per process, gloo.\n\n")
         f.write(__doc__.split("\n\n", 2)[2].strip() + "\n\n")
         f.write("| script | launcher | result | loss gap to python | peak GiB per process | wall s | note |\n")
         f.write("|-|-|-|-|-|-|-|\n")
