@@ -334,8 +334,11 @@ if __name__ == "__main__":
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     run_name, logger = start_run(args, accelerator)
-    if accelerator.distributed_type == DistributedType.FSDP:  # LoRA's few MB gain nothing from sharding
-        raise UsageError("ddpo.py under FSDP is not supported: the UNet's LoRA save needs whole weights; use DDP.")
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # LoRA's few MB: no gain
+        raise UsageError(
+            f"ddpo.py under {accelerator.distributed_type.value} is not supported: the UNet's LoRA save needs whole "
+            "weights; use DDP."
+        )
 
     # ---- pipeline ----
     pipeline = load_pipeline(args.pretrained_model, seed=0)
