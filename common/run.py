@@ -286,9 +286,8 @@ def check_launch(accelerator: Accelerator, args=None) -> None:
 
 
 def deepspeed_settings(plugin, args) -> None:
-    """The script's flags in DeepSpeed's config, whose engine applies them: clipping ("auto" clips at 1.0), accumulation
-    (another value is an error), a micro-batch size (only booked). ZeRO-3: no zero.Init, models load whole (a reference
-    copied from a partitioned policy would be empty) and DeepSpeed partitions each when prepared."""
+    """The script's flags where DeepSpeed's config says "auto": clipping (else 1.0), accumulation (another value: error),
+    a micro-batch size. ZeRO-3: no zero.Init, so models load whole (a copied reference would be empty) to be partitioned."""
     config, steps = plugin.deepspeed_config, getattr(args, "gradient_accumulation_steps", 1)
     if plugin.zero_stage == 3:
         transformers_deepspeed.unset_hf_deepspeed_config()
@@ -302,6 +301,7 @@ def deepspeed_settings(plugin, args) -> None:
         config["gradient_clipping"] = getattr(args, "max_grad_norm", getattr(args, "train_max_grad_norm", 0.0)) or 0.0
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         config["train_micro_batch_size_per_gpu"] = getattr(args, "mini_batch_size", getattr(args, "batch_size", 1))
+    config.pop("train_batch_size", None)  # DeepSpeed derives it (an engine made before prepare would read "auto")
 
 
 def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:

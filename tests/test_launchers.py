@@ -155,20 +155,20 @@ def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
     assert_equal_runs(tmp_path / "ppo", ["ddp", "fsdp"], "ppo/loss/total", lr=7e-5, files=files)
 
 
-def test_grpo_under_zero2_and_ppo_under_zero3_train_as_one_process(tmp_path):
+def test_grpo_and_ppo_under_deepspeed_zero3_train_as_one_process(tmp_path):
     """DeepSpeed's engine steps at every backward that accelerate does not mark as accumulating, clips by its own config
-    and, under ZeRO-3, holds each parameter as an empty placeholder outside a forward. grpo with 2 mini-batches per
-    optimizer step under ZeRO-2 (DeepSpeed steps at the step's last: accumulate), and ppo under ZeRO-3 (no clipping,
-    as --max-grad-norm's default; the value head trained; the reference and the reward model partitioned by engines
-    of their own; the whole model gathered for the save) train what one plain process trains."""
+    and, under ZeRO-3, holds each parameter as an empty placeholder outside a forward. Under ZeRO-3, grpo with 2
+    mini-batches per optimizer step (DeepSpeed steps at the step's last: accumulate) and a reference placed before the
+    policy is prepared, and ppo (no clipping, as --max-grad-norm's default; the value head; the reference and the
+    reward model placed after; the whole model gathered for the save) train what one plain process trains."""
     grpo = [GRPO, "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
     grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
-    grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1"]
+    grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1", "--beta", "0.04"]
     (tmp_path / "grpo").mkdir()
-    for name in ("plain", "zero2"):
+    for name in ("plain", "zero3"):
         launch(name, grpo, tmp_path / "grpo", steps=2)
-    for tag in ("reward", "entropy", "grad_norm"):
-        assert_equal_runs(tmp_path / "grpo", ["plain", "zero2"], tag, lr=1e-4)
+    for tag in ("reward", "entropy", "grad_norm", "kl"):
+        assert_equal_runs(tmp_path / "grpo", ["plain", "zero3"], tag, lr=1e-4)
     ppo = [PPO, "--model-name", "builtin:tiny-gpt2", "--batch-size", "8", "--mini-batch-size", "4"]
     ppo += ["--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--total-episodes", "32"]
     (tmp_path / "ppo").mkdir()
