@@ -28,7 +28,6 @@ sys.path[:0] = [ROOT, HERE]
 
 from launchers import SCRIPTS, losses, no_dropout_model  # noqa: E402
 
-ONLINE = {"ppo", "grpo", "rloo", "gkd"}
 DS = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
@@ -81,7 +80,8 @@ def run(job) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="where deepspeed.md (the table) and logs.tar.gz go")
+    parser.add_argument("--table", help="the table's path instead of OUT/deepspeed.md, under a header naming the run")
     parser.add_argument("--work", default="/tmp/deepspeed_matrix")
     parser.add_argument(
         "--scripts", nargs="*", default=["sft", "reward_modeling", "dpo", "ppo", "grpo", "rloo", "gkd", "ilql"]
@@ -137,12 +137,31 @@ def main() -> None:
 
 def write(args, lines: list[str]) -> None:
     """The table so far, and every log, under --out (written after each part: a run cut short keeps the first)."""
-    with open(f"{args.out}/deepspeed.md", "w") as f:
+    import torch
+
+    with open(args.table or f"{args.out}/deepspeed.md", "w") as f:
+        if args.table:
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
+            f.write(
+                f"# DeepSpeed with one process\n\nCommand: `python benchmarks/deepspeed_matrix.py {' '.join(sys.argv[1:])}`"
+            )
+            f.write(f". Date: {time.strftime('%Y-%m-%d')}. Machine: {device}, torch {torch.__version__}.\n\n")
+            f.write(__doc__.split("\n\n", 2)[2].strip() + "\n\n")
         f.write("\n".join(lines) + "\n")
     with tarfile.open(f"{args.out}/logs.tar.gz", "w:gz") as tar:
         for name in sorted(os.listdir(args.work)):
             if name.endswith((".log", ".txt", ".yaml")):
                 tar.add(f"{args.work}/{name}", arcname=name)
+
+
+def step_times(line: str) -> str:
+    """profile_steps.py's hook intervals as optimizer-step times: DeepSpeed steps each parameter group apart (two
+    hooks per step for the scripts' two AdamW groups), so pairs of intervals are summed."""
+    every = [float(x) for x in line.split(": ")[-1].rstrip(" s").split(", ") if x]
+    if len(every) > 8:  # 8 steps give 7 intervals, or 15 with two hooks per step
+        every = [a + b for a, b in zip(every[0::2], every[1::2])]
+    every = sorted(every)
+    return f"{every[len(every) // 2]:.3f} s ({every[0]:.3f}-{every[-1]:.3f})" if every else ""
 
 
 def big(work: str) -> list[str]:
@@ -159,7 +178,7 @@ def big(work: str) -> list[str]:
     bench.sft_texts(1024).to_json(data)
     sft = ["--model-name", model, "--dataset-name", data, "--packing", "--max-seq-length", "1024", "--batch-size", "8"]
     sft += ["--max-steps", "8", "--num-sample-generations", "0", "--eval-steps", "100"]
-    rows = ["| launch | steps 2-5, 7 (s) | peak GiB | saved model |", "|-|-|-|-|"]
+    rows = ["| launch | step time, median (range) | peak GiB | saved model |", "|-|-|-|-|"]
     for port, (name, cfg) in enumerate(
         [
             ("plain", ["--num_processes", "1", "--mixed_precision", "bf16"]),
@@ -180,8 +199,7 @@ def big(work: str) -> list[str]:
         steps, peak, saved = "", "", ""
         if code == 0 and os.path.exists(profile):
             text = open(profile).read().splitlines()
-            every = next((x for x in text if x.startswith("every step")), "").split(": ")[-1].rstrip(" s").split(", ")
-            steps = ", ".join(every[i] for i in (0, 1, 2, 3, 5) if i < len(every))
+            steps = step_times(next((x for x in text if x.startswith("every step")), ""))
             peak = next((x for x in text if x.startswith("peak memory")), "").split(": ")[-1]
             probe = (
                 "import torch, sys; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained(sys.argv[1]);"
