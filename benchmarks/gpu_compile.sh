@@ -10,7 +10,7 @@ out=${1:?output folder}
 data=${2:?data folder}
 mkdir -p "$out"
 shape=${SHAPE:-qwen2-0.5b}  # SHAPE=tiny SEQ=128: a dry run on CPU
-seq=${SEQ:-1024}
+seq=${SEQ:-1024}  # RUN_TIMEOUT: seconds per run (default 200)
 model=/tmp/$shape
 python3 -c "
 import sys; sys.path[:0] = ['.', 'benchmarks']
