@@ -240,6 +240,15 @@ def random_model(name: str, tokenizer):
     return load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM)
 
 
+def save_random_model(name: str, folder: str) -> None:
+    """`random_model(name)` and GPT-2's tokenizer saved to `folder`, for the GPU scripts (gpu_profile.sh and its kin)."""
+    from common.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    random_model(name, tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def setup(spec: dict, tmp: str) -> dict:
     """The shared model folder and data files (the preference pairs cut to 512: precomputing reference log-probs
     goes over the whole dataset)."""

@@ -12,14 +12,7 @@ mkdir -p "$out"
 shape=${SHAPE:-qwen2-0.5b}  # SHAPE=tiny SEQ=128: a dry run on CPU
 seq=${SEQ:-1024}  # RUN_TIMEOUT: seconds per run (default 200)
 model=/tmp/$shape
-python3 -c "
-import sys; sys.path[:0] = ['.', 'benchmarks']
-import bench
-from common.loading import load_tokenizer
-tokenizer = load_tokenizer('builtin:tiny-gpt2')
-bench.random_model('$shape', tokenizer).save_pretrained('$model')
-tokenizer.save_pretrained('$model')
-" || exit 1
+python3 -c "import sys; sys.path[:0] = ['.', 'benchmarks']; import bench; bench.save_random_model('$shape', '$model')" || exit 1
 export ACCELERATE_MIXED_PRECISION=${MP:-bf16} PYTHONUNBUFFERED=1  # MP=no for the dry run
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 sft="sft.py --model-name $model --dataset-name $data/sft.jsonl --packing --max-seq-length $seq --max-steps 8"

@@ -12,14 +12,7 @@ data=${2:?data folder}
 mkdir -p "$out"
 shape=${SHAPE:-qwen2-0.5b}  # SHAPE=tiny TOKENS=64: a dry run on CPU
 model=/tmp/$shape
-python3 -c "
-import sys; sys.path[:0] = ['.', 'benchmarks']
-import bench
-from common.loading import load_tokenizer
-tokenizer = load_tokenizer('builtin:tiny-gpt2')
-bench.random_model('$shape', tokenizer).save_pretrained('$model')
-tokenizer.save_pretrained('$model')
-" || exit 1
+python3 -c "import sys; sys.path[:0] = ['.', 'benchmarks']; import bench; bench.save_random_model('$shape', '$model')" || exit 1
 export ACCELERATE_MIXED_PRECISION=bf16 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 python3 benchmarks/profile_steps.py --skip 3 --steps 3 --out "$out/profile_sft.txt" -- sft.py --model-name $model \

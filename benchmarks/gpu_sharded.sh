@@ -9,14 +9,7 @@ out=${1:?output folder}
 data=${2:?data folder}
 mkdir -p "$out"
 model=/tmp/qwen2-0.5b
-python3 -c "
-import sys; sys.path[:0] = ['.', 'benchmarks']
-import bench
-from common.loading import load_tokenizer
-tokenizer = load_tokenizer('builtin:tiny-gpt2')
-bench.random_model('qwen2-0.5b', tokenizer).save_pretrained('$model')
-tokenizer.save_pretrained('$model')
-" || exit 1
+python3 -c "import sys; sys.path[:0] = ['.', 'benchmarks']; import bench; bench.save_random_model('qwen2-0.5b', '$model')" || exit 1
 export PYTHONUNBUFFERED=1
 sft="sft.py --model-name $model --dataset-name $data/sft.jsonl --packing --max-seq-length 1024 --batch-size 8 --max-steps 6"
 sft="$sft --num-sample-generations 2 --eval-steps 100"
