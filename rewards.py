@@ -167,8 +167,8 @@ def load_task(
 ) -> tuple[list[dict], list[dict], bool]:
     """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `data_seed`, else
     `seed`, and `eval_size` distinct held-out ones from that seed + 1), or a dataset with a prompt and an answer column
-    (`eval_fraction` held out, split by the same seed). No held-out question occurs in training: training rows that
-    repeat one are dropped. Prompts go through the chat template (`use_chat`: messages, or strings with `chat_template`
+    (`eval_fraction` held out, split by the same seed). No held-out problem occurs in training: training rows that
+    repeat one (its prompt and its answer) are dropped. Prompts go through the chat template (`use_chat`: messages, or strings with `chat_template`
     for a tokenizer that has one; then a reasoning-gym question becomes a user message ending with `task_instruction`);
     each row gets the token ids of its rendered prompt (`prompt_ids`, with `system_prompt` and the `tools` schemas), the
     last `max_prompt_length` kept (None: all). Also returns whether prompts are chats. `args` holds those fields and
@@ -198,8 +198,9 @@ def load_task(
         train_data, eval_data = train_eval_split(dataset, args.eval_fraction, seed)
         train_rows, eval_rows = train_data.to_list(), eval_data.to_list()
         chat = use_chat(tokenizer, chat_template, train_rows[0]["prompt"], args.system_prompt)
-    held_out = {json.dumps(r["prompt"]) for r in eval_rows}
-    train_rows = [r for r in train_rows if json.dumps(r["prompt"]) not in held_out]
+    problem = lambda r: json.dumps([r["prompt"], r["answer"]])  # noqa: E731 - an environment's rows share one prompt
+    held_out = {problem(r) for r in eval_rows}
+    train_rows = [r for r in train_rows if problem(r) not in held_out]
     if not train_rows:
         raise UsageError(
             f"every training problem also occurs among the {len(eval_rows)} held-out ones: lower --eval-size or draw "

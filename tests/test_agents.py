@@ -175,6 +175,25 @@ def test_the_guessing_game_rewards_fewer_guesses():
     assert [game.guess(1) for _ in range(8)][-1] == "The game is over." and game.get_reward() == 0.0
 
 
+
+def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer):
+    """Every row of builtin:guess-number shares one prompt; a problem is its prompt and its answer (the secret), so
+    `--eval-fraction 0.2` holds out 20 numbers and trains on the other 80, the ones builtin:guess-number-traces covers."""
+    from types import SimpleNamespace
+
+    from presets.agents import guess_number_traces
+    from rewards import load_task
+
+    args = SimpleNamespace(dataset_name="builtin:guess-number", dataset_split="train", answer_column="answer", seed=1)
+    args.__dict__.update(eval_fraction=0.2, eval_size=64, chat_template=True, system_prompt=None)
+    train, held_out, chat = load_task(args, tokenizer, "prompt", 400)
+    assert chat and len(train) == 80 and len(held_out) == 20 and len({json.dumps(r["prompt"]) for r in train}) == 1
+    secrets = {r["answer"] for r in train}
+    assert len(secrets) == 80 and not secrets & {r["answer"] for r in held_out}
+    solved = {t["messages"][-1]["content"].removeprefix("The number is ").rstrip(".") for t in guess_number_traces()}
+    assert solved == secrets
+
+
 RECORDER = '''
 import json, os
 
