@@ -168,11 +168,12 @@ def load_task(
     """Training and held-out rows of a task: reasoning-gym:<task> (`train_size` problems drawn from `data_seed`, else
     `seed`, and `eval_size` distinct held-out ones from that seed + 1), or a dataset with a prompt and an answer column
     (`eval_fraction` held out, split by the same seed). No held-out problem occurs in training: training rows that
-    repeat one (its prompt and its answer) are dropped. Prompts go through the chat template (`use_chat`: messages, or strings with `chat_template`
-    for a tokenizer that has one; then a reasoning-gym question becomes a user message ending with `task_instruction`);
-    each row gets the token ids of its rendered prompt (`prompt_ids`, with `system_prompt` and the `tools` schemas), the
-    last `max_prompt_length` kept (None: all). Also returns whether prompts are chats. `args` holds those fields and
-    dataset_name, task_config, dataset_split, answer_column (the scripts' names)."""
+    repeat one (its prompt and its answer) are dropped. Prompts go through the chat template (`use_chat`: messages, or
+    strings with `chat_template` for a tokenizer that has one; then a reasoning-gym question becomes a user message
+    ending with `task_instruction`); each row gets the token ids of its rendered prompt (`prompt_ids`, with
+    `system_prompt` and the `tools` schemas), the last `max_prompt_length` kept (None: all). Also returns whether
+    prompts are chats. `args` holds those fields and dataset_name, task_config, dataset_split, answer_column (the
+    scripts' names)."""
     dataset_name, eval_size, chat_template = args.dataset_name, args.eval_size, args.chat_template
     seed = args.seed if getattr(args, "data_seed", None) is None else args.data_seed
     if dataset_name.startswith("reasoning-gym:"):

@@ -175,7 +175,6 @@ def test_the_guessing_game_rewards_fewer_guesses():
     assert [game.guess(1) for _ in range(8)][-1] == "The game is over." and game.get_reward() == 0.0
 
 
-
 def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer):
     """Every row of builtin:guess-number shares one prompt; a problem is its prompt and its answer (the secret), so
     `--eval-fraction 0.2` holds out 20 numbers and trains on the other 80, the ones builtin:guess-number-traces covers."""
