@@ -45,6 +45,7 @@ from rewards import distinct_answers, extract_answer, load_task, verifier  # noq
 BASE = "builtin:smollm2-135m-instruct"
 TASK = ["--dataset-name", "reasoning-gym:products", "--task-config", json.dumps(PRODUCTS)]
 EPISODE = ["--max-prompt-length", "400", "--max-completion-length", "96"]
+GUESS_TOKENS = 384  # an episode's tokens, the model's and the game's: binary-search traces take 61-373 after the prompt
 
 
 @dataclass
@@ -87,7 +88,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     flags = dict(model_name=folder, max_prompt_length=400, max_completion_length=96, eval_size=eval_size, train_size=64)
     if environment:
         flags |= dict(dataset_name="builtin:guess-number", eval_fraction=0.2, environment=environment)
-        flags |= dict(max_prompt_length=400, max_completion_length=160)
+        flags |= dict(max_prompt_length=400, max_completion_length=GUESS_TOKENS)
     else:
         flags |= dict(dataset_name="reasoning-gym:products", task_config=json.dumps(PRODUCTS), tools=["calculator"] * tools)
     args = grpo.Args(**flags)
@@ -155,7 +156,8 @@ def main(args: Args) -> None:
         return run(command, args.threads)
 
     def measure(key: str, folder: str, tools: bool = True, **kw) -> None:
-        results[key] = results.get(key) or evaluate(folder, tools, args.eval_size, base_model, **kw)
+        if key not in results:  # each row keeps the machine it was measured on (sweeps resume across machines)
+            results[key] = evaluate(folder, tools, args.eval_size, base_model, **kw) | {"machine": machine(args.threads)}
         print(key, {k: v for k, v in results[key].items() if k != "samples"}, flush=True)
         save()
 
@@ -176,10 +178,12 @@ def main(args: Args) -> None:
         for step in args.sft_curve:
             if step not in [c["step"] for c in points]:
                 folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{step}")
-                points.append({"step": step} | evaluate(folder, True, args.eval_size, base_model))
+                point = evaluate(folder, True, args.eval_size, base_model) | {"machine": machine(args.threads)}
+                points.append({"step": step} | point)
                 points.sort(key=lambda c: c["step"])
                 print("sft", {k: v for k, v in points[-1].items() if k != "samples"}, flush=True)
                 save()
+    logs, warm_folder = os.path.join(args.out, "runs"), None
     if "sft curve" in results:
         warm = next((c for c in results["sft curve"] if c["well_formed"] >= 0.5), results["sft curve"][-1])
         results["sft warm start"] = warm
@@ -188,22 +192,28 @@ def main(args: Args) -> None:
             if script not in args.stages or f"sft then {script}" in results:
                 continue
             folder = os.path.join(args.out, script)
-            command = [f"{script}.py", "--model-name", warm_folder, *TASK, "--tools", "calculator", *EPISODE]
-            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
-            command += ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * args.rl_updates)]
-            command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--eval-samples", "16"]
-            command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(args.out, "runs", script)]
+            command = [*rl_command(script, warm_folder, args.rl_updates), "--eval-freq", "5", "--eval-samples", "16"]
+            command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(logs, script)]
             seconds = launch(f"sft then {script}", command)
             measure(f"sft then {script}", folder)
             results[f"sft then {script}"]["seconds"] = seconds
             save()
     if "trl" in args.stages and "sft warm start" in results and "sft then trl grpo" not in results:
         folder = os.path.join(args.out, "trl_grpo")
+        results.setdefault("commands", {})["sft then trl grpo"] = "python benchmarks/agent_runs.py --stages trl"
         start = time.time()
-        step_s = trl_grpo(args, os.path.join(f"{sft_dir}_checkpoints", f"step_{results['sft warm start']['step']}"), folder)
+        step_s = trl_grpo(args, warm_folder, folder)
         seconds = time.time() - start
         measure("sft then trl grpo", folder)
         results["sft then trl grpo"] |= {"seconds": seconds, "step_s": step_s}
+        # grpo.py's step at the same settings, timed on this machine right after TRL's (no evaluation inside)
+        command = [*rl_command("grpo", warm_folder, 5), "--eval-freq", "100", "--eval-samples", "16", "--output-dir"]
+        command += [os.path.join(args.out, "grpo_timing"), "--overwrite", "--log-dir", os.path.join(logs, "grpo_timing")]
+        launch("grpo.py timed beside trl", command)
+        results["sft then trl grpo"] |= {
+            "ours_step_s": median([v for _, v in curve(os.path.join(logs, "grpo_timing"), "time/step")]),
+            "ours_generate_s": median([v for _, v in curve(os.path.join(logs, "grpo_timing"), "time/generate")]),
+        }
         save()
     if "guess" in args.stages:  # the environment: before and after SFT on binary-search traces, then after GRPO
         game = dict(environment="guess_number")
@@ -221,18 +231,17 @@ def main(args: Args) -> None:
             folder = os.path.join(args.out, "guess_grpo")
             command = ["grpo.py", "--model-name", guess_sft, "--environment", "guess_number"]
             command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
-            command += ["--max-prompt-length", "400", "--max-completion-length", "160"]
-            command += ["--batch-size", "4", "--num-generations", "8", "--mini-batch-size", "16"]
-            command += ["--gradient-accumulation-steps", "2", "--total-prompts", str(4 * args.rl_updates)]
-            command += ["--learning-rate", "1e-5", "--eval-freq", "4", "--output-dir", folder, "--overwrite"]
+            command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
+            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
+            command += ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--output-dir", folder, "--overwrite"]
             seconds = launch("guess: sft then grpo", command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")])
             measure("guess: sft then grpo", folder, **game)
             results["guess: sft then grpo"]["seconds"] = seconds
-    for script in ("grpo", "rloo"):  # the held-out curve of each RL run, from its logs
-        if f"sft then {script}" in results and "curve" not in results[f"sft then {script}"]:
-            logs = os.path.join(args.out, "runs", script)
-            times = sorted(v for _, v in curve(logs, "time/step"))
-            results[f"sft then {script}"] |= {"curve": curve(logs), "step_s": times[len(times) // 2]}
+    for key, run_name in [("sft then grpo", "grpo"), ("sft then rloo", "rloo"), ("guess: sft then grpo", "guess_grpo")]:
+        if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
+            run_logs = os.path.join(logs, run_name)
+            results[key] |= {"curve": curve(run_logs), "step_s": median([v for _, v in curve(run_logs, "time/step")])}
     results["machine"] = machine(args.threads)
     save()
     report(results, args.results[: -len(".json")] + ".md")
@@ -243,6 +252,7 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     episodes per step, 96 tokens, lr 1e-5, beta 0, temperature 1, float32, the verifier's reward). TRL parses tool calls
     with a response template it knows by the chat template; ours (agents.TOOL_TEMPLATE) is not among them, so the
     tokenizer gets TRL's Qwen3 one, which reads the same <tool_call> JSON. Returns the median step time."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", ".trl-current"))  # benchmarks/setup.sh installs it there
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -296,7 +306,19 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     trainer.train()
     trainer.model.save_pretrained(folder)
     load_tokenizer(warm_start).save_pretrained(folder)
-    return sorted(times)[len(times) // 2]
+    return median(times)
+
+
+def rl_command(script: str, warm_start: str, updates: int) -> list[str]:
+    """grpo.py's or rloo.py's command with the live calculator from the warm start: 4 problems x 4 episodes per update."""
+    command = [f"{script}.py", "--model-name", warm_start, *TASK, "--tools", "calculator", *EPISODE]
+    command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
+    return command + ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * updates), "--learning-rate", "1e-5"]
+
+
+def median(values: list[float]) -> float:
+    """The upper median (the middle value of an odd count)."""
+    return sorted(values)[len(values) // 2]
 
 
 def curve(log_dir: str, tag: str = "eval/reward") -> list[tuple[int, float]]:
@@ -325,6 +347,13 @@ ROWS = [
 ]
 
 
+GUESS_ROWS = [
+    ("guess: base", "the base model"),
+    ("guess: sft", "after SFT on binary-search traces"),
+    ("guess: sft then grpo", "SFT, then grpo.py in the environment"),
+]
+
+
 def report(results: dict, path: str) -> None:
     """RESULTS-agents.md and its PNG from the JSON."""
     import matplotlib
@@ -335,41 +364,81 @@ def report(results: dict, path: str) -> None:
     def cell(r, key, fmt="{:.2f}"):
         return fmt.format(r[key]) if key in r else "-"
 
+    measured = [results[k] for k, _ in ROWS + GUESS_ROWS if k in results] + results.get("sft curve", [])
+    machines = sorted({r["machine"] for r in measured if "machine" in r})
+
+    def where(r):  # the machine a row ran on, as a letter
+        return chr(65 + machines.index(r["machine"])) if "machine" in r else "?"
+
     lines = [
         "# Agents on the real model",
         "",
-        f"builtin:smollm2-135m-instruct, {results.get('machine', '')}; `python benchmarks/agent_runs.py`. Held-out: "
-        "reasoning-gym `products` (3-digit x 3-digit) drawn with seed 2, none of them among the RL (seed 1) or SFT "
-        "(seed 1000) problems; one episode per problem sampled at temperature 1.",
+        "builtin:smollm2-135m-instruct, 2 CPU cores, `python` (the threads: below); `python benchmarks/agent_runs.py`. "
+        "Held-out: reasoning-gym `products` (3-digit x 3-digit) drawn with seed 2, none of them among the RL (seed 1) or "
+        "SFT (seed 1000) problems; one episode per problem sampled at temperature 1.",
+        "",
+        "Machines (the sweep resumes, so rows may come from different ones; compare times only on one): "
+        + "; ".join(f"{chr(65 + i)}: {m}" for i, m in enumerate(machines)),
         "",
         "| model | held-out accuracy (sampled) | tool calls per episode | failure rate | well-formed call | KL to the "
-        "start | policy tokens | distinct answers | wall | s/update |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "start | policy tokens | distinct answers | wall | s/update | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, name in ROWS:
-        if key in results:
-            r = results[key]
-            wall = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
-            lines.append(
-                f"| {name} | {cell(r, 'accuracy')} | {cell(r, 'calls_per_episode')} | {cell(r, 'failure_rate')} | "
-                f"{cell(r, 'well_formed')} | {cell(r, 'kl')} | {cell(r, 'reply_tokens', '{:.1f}')} | "
-                f"{r['distinct_answers']} | {wall} | {cell(r, 'step_s', '{:.1f}')} |"
-            )
+
+    def row(name: str, r: dict, keys: list[str]) -> str:  # the figures, then the wall time, s/update and machine
+        wall = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
+        cells = [
+            cell(r, k, "{:.1f}" if k in ("reply_tokens", "step_s") else "{}" if k == "distinct_answers" else "{:.2f}")
+            for k in keys
+        ]
+        return "| " + " | ".join([name, *cells[:-1], wall, cells[-1], where(r)]) + " |"
+
+    calculator = ["accuracy", "calls_per_episode", "failure_rate", "well_formed", "kl", "reply_tokens", "distinct_answers"]
+    lines += [row(name, results[key], [*calculator, "step_s"]) for key, name in ROWS if key in results]
+    trl = results.get("sft then trl grpo", {})
+    if "ours_step_s" in trl:
+        lines += [
+            "",
+            f"Step time at the same settings, one run after the other on machine {where(trl)}: TRL's GRPOTrainer "
+            f"{trl['step_s']:.1f} s per step, grpo.py {trl['ours_step_s']:.1f} s per update (its rollout "
+            f"{trl['ours_generate_s']:.1f} s of it), {trl['ours_step_s'] / trl['step_s']:.2f}x TRL's (medians over "
+            "each run's steps; grpo.py's run: `grpo.py timed beside trl` below).",
+        ]
     if "sft curve" in results:
         lines += ["", "SFT warm start (8 traces per step, learning rate 2e-5), each checkpoint evaluated:", ""]
         lines += [
-            "| SFT steps | well-formed call | accuracy | tool calls per episode | failure rate | KL |",
-            "|---|---|---|---|---|---|",
+            "| SFT steps | well-formed call | accuracy | tool calls per episode | failure rate | KL | machine |",
+            "|---|---|---|---|---|---|---|",
         ]
         for c in results["sft curve"]:
             lines.append(
                 f"| {c['step']} | {c['well_formed']:.2f} | {c['accuracy']:.2f} | {c['calls_per_episode']:.2f} | "
-                f"{c['failure_rate']:.2f} | {c['kl']:.2f} |"
+                f"{c['failure_rate']:.2f} | {c['kl']:.2f} | {where(c)} |"
             )
     for key in ("sft then grpo", "sft then rloo"):
         if key in results and results[key].get("curve"):
             points = ", ".join(f"update {u}: {a:.2f}" for u, a in results[key]["curve"])
             lines += ["", f"{key}, the script's own evaluation during the run (16 of the held-out problems): {points}"]
+    guess = [(k, n) for k, n in GUESS_ROWS if k in results]
+    if guess:
+        lines += [
+            "",
+            "## Number guessing",
+            "",
+            "The guess_number environment (a whole number from 1 to 100 within 7 guesses, told higher or lower; a solve "
+            "scores 1 for the first guess and 1/7 less for each further one), on the 20 numbers that `--eval-fraction "
+            "0.2 --seed 1` holds out (the SFT traces and the RL episodes never see them), one episode each at "
+            "temperature 1:",
+            "",
+            "| model | solved | mean reward | guesses per episode | failure rate | turns per episode | KL to the start | "
+            "policy tokens | wall | s/update | machine |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        game = ["solved", "accuracy", "calls_per_episode", "failure_rate", "turns", "kl", "reply_tokens", "step_s"]
+        lines += [row(name, results[key], game) for key, name in guess]
+        if results.get("guess: sft then grpo", {}).get("curve"):
+            points = ", ".join(f"update {u}: {a:.2f}" for u, a in results["guess: sft then grpo"]["curve"])
+            lines += ["", f"grpo.py's own evaluation during the run (mean reward on the held-out numbers): {points}"]
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -378,7 +447,7 @@ def report(results: dict, path: str) -> None:
     lines += [f"- {key}: `{command}`" for key, command in results.get("commands", {}).items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
     if "sft curve" in results:
         steps = [c["step"] for c in results["sft curve"]]
         axes[0].plot(steps, [c["well_formed"] for c in results["sft curve"]], marker="o", label="well-formed call")
@@ -390,6 +459,16 @@ def report(results: dict, path: str) -> None:
             axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)
     axes[1].set(xlabel="update", ylabel="held-out accuracy (16 problems)", ylim=(0, 1), title="RL with the live calculator")
     axes[1].legend()
+    guess_curve = results.get("guess: sft then grpo", {}).get("curve")
+    if guess_curve:
+        axes[2].plot(*zip(*guess_curve), marker="o", color="C2", label="grpo.py (its own evaluation)")
+        for key, style in (("guess: base", ":"), ("guess: sft", "--")):
+            if key in results:
+                axes[2].axhline(results[key]["accuracy"], color="grey", linestyle=style, label=key.split(": ")[1])
+        axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
+        axes[2].legend()
+    else:
+        axes[2].axis("off")
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)
 
