@@ -232,8 +232,8 @@ def main(args: Args) -> None:
             command = ["grpo.py", "--model-name", guess_sft, "--environment", "guess_number"]
             command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
             command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
-            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
-            command += ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "4"]  # 633-token episodes
+            command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * args.rl_updates)]
             command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--output-dir", folder, "--overwrite"]
             seconds = launch("guess: sft then grpo", command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")])
             measure("guess: sft then grpo", folder, **game)
@@ -436,6 +436,16 @@ def report(results: dict, path: str) -> None:
         ]
         game = ["solved", "accuracy", "calls_per_episode", "failure_rate", "turns", "kl", "reply_tokens", "step_s"]
         lines += [row(name, results[key], game) for key, name in guess]
+        first = results.get("guess: grpo first update")
+        if first and "guess: sft then grpo" not in results:  # a run stopped after its first update, and why
+            lines += [
+                "",
+                f"grpo.py from that warm start (machine {where(first)}): in its first update every one of the 16 "
+                f"episodes scored {first['reward']:.0f} (no number found; {first['frac_reward_zero_std']:.0%} of the "
+                f"groups with equal rewards, so no gradient; {first['calls_per_episode']:.2f} guesses per episode, "
+                f"{first['step_s']:.0f} s). With no solved episode there is nothing to reinforce, and the run was "
+                "stopped there: a warm start that solves some games comes first.",
+            ]
         if results.get("guess: sft then grpo", {}).get("curve"):
             points = ", ".join(f"update {u}: {a:.2f}" for u, a in results["guess: sft then grpo"]["curve"])
             lines += ["", f"grpo.py's own evaluation during the run (mean reward on the held-out numbers): {points}"]
@@ -447,7 +457,8 @@ def report(results: dict, path: str) -> None:
     lines += [f"- {key}: `{command}`" for key, command in results.get("commands", {}).items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
+    guess_curve = results.get("guess: sft then grpo", {}).get("curve")
+    fig, axes = plt.subplots(1, 3 if guess_curve else 2, figsize=(15 if guess_curve else 10, 3.5))
     if "sft curve" in results:
         steps = [c["step"] for c in results["sft curve"]]
         axes[0].plot(steps, [c["well_formed"] for c in results["sft curve"]], marker="o", label="well-formed call")
@@ -459,7 +470,6 @@ def report(results: dict, path: str) -> None:
             axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)
     axes[1].set(xlabel="update", ylabel="held-out accuracy (16 problems)", ylim=(0, 1), title="RL with the live calculator")
     axes[1].legend()
-    guess_curve = results.get("guess: sft then grpo", {}).get("curve")
     if guess_curve:
         axes[2].plot(*zip(*guess_curve), marker="o", color="C2", label="grpo.py (its own evaluation)")
         for key, style in (("guess: base", ":"), ("guess: sft", "--")):
@@ -467,8 +477,6 @@ def report(results: dict, path: str) -> None:
                 axes[2].axhline(results[key]["accuracy"], color="grey", linestyle=style, label=key.split(": ")[1])
         axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
         axes[2].legend()
-    else:
-        axes[2].axis("off")
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)
 
