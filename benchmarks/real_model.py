@@ -20,6 +20,8 @@ replaces it).
 - rm_ppo: reward_modeling.py on pairs of the base model's replies (16 per question, up to 8 pairs per question, one
   epoch), then ppo.py against that learned reward, the verifier watched beside it (--gold-reward-funcs: never trained
   on);
+- rm_ppo_kl: a reward model trained as rm_ppo's (the same command on the seed's same samples), then PPO with the KL
+  held near 2 nats (--target 2 --horizon 32: the controller may move the coefficient 10% per update, rm_ppo's 1%);
 - rm_ppo_small: the same on dpo's pairs (8 replies, up to 4 pairs per question, two epochs): the first try, with a
   third of the pairs (docs/real-model.md, "The learned reward");
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
@@ -66,15 +68,16 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_small", "trl_grpo", "trl_rloo")
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
-SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_small": "self_samples"}
+SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
+SELF_SAMPLED["rm_ppo_small"] = "self_samples"
 
 
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_small trl_grpo trl_rloo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -129,13 +132,13 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
 
-    def rm_ppo(pairs: str, epochs: int, suffix: str) -> list[list[str]]:  # the reward model, then PPO against it
+    def rm_ppo(pairs: str, epochs: int, suffix: str, kl: tuple = ()) -> list[list[str]]:  # a reward model, then PPO
         rm = os.path.join(folder, "rm" + suffix)
         return [
             ["reward_modeling.py", "--model-name", MODEL, "--dataset-name", os.path.join(folder, pairs, "pairs.jsonl")]
             + ["--learning-rate", "1e-5", "--batch-size", "8", "--num-epochs", str(epochs), "--max-length", "128"]
             + ["--seed", str(seed), *out("rm" + suffix)],
-            ["ppo.py", *ppo, "--reward-model", rm, "--gold-reward-funcs", "verifier"] + out("rm_ppo" + suffix),
+            ["ppo.py", *ppo, "--reward-model", rm, "--gold-reward-funcs", "verifier", *kl] + out("rm_ppo" + suffix),
         ]
 
     return {
@@ -160,6 +163,8 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             + ["--seed", str(seed), *out("dpo")]
         ],
         "rm_ppo": rm_ppo(SELF_SAMPLED["rm_ppo"], 1, ""),
+        # rm_ppo's reward model (its command, on the seed's samples), then PPO with the KL held near 2 nats
+        "rm_ppo_kl": rm_ppo(SELF_SAMPLED["rm_ppo_kl"], 1, "_kl", ("--target", "2", "--horizon", "32")),
         "rm_ppo_small": rm_ppo(SELF_SAMPLED["rm_ppo_small"], 2, "_small"),
     }
 
@@ -376,6 +381,7 @@ LABELS = {
     "rft": "rejection-sampling SFT (sft.py on its own correct replies)",
     "dpo": "DPO (dpo.py on verifier-ranked pairs of its own replies)",
     "rm_ppo": "reward model (16 replies a question), then PPO against it",
+    "rm_ppo_kl": "a reward model trained the same way, then PPO with the KL held near 2",
     "rm_ppo_small": "the first try: reward model on dpo's pairs, then PPO",
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
@@ -389,6 +395,7 @@ CURVES = {
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
     "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
+    "rm_ppo_kl": ("rm_ppo_kl", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
     "rm_ppo_small": ("rm_ppo_small", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
 }
 
@@ -536,7 +543,7 @@ def machine() -> str:
 
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
-    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_small"),
+    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
 
@@ -665,9 +672,13 @@ def report(args: Args, results: dict, folder: str) -> None:
             + (f"{rollout / step:.0%}" if not (math.isnan(rollout) or math.isnan(step)) else "-")
         )
 
+    # the machine of each run (a sweep resumes, possibly on another machine): a letter per machine
+    machines = sorted({r["machine"] for s in seeds for r in results["seeds"][s].values() if "machine" in r})
+    letter = {m: chr(65 + i) for i, m in enumerate(machines)}
     per_seed = "\n".join(
         f"| {method} | {seed} | {r['greedy']:.2f} | {r['sampled']:.2f} | {r['kl']:.2f} | {r['length']:.1f} | "
-        f"{r['distinct']:.2f} | {timing(r)} | {r.get('threads', '-')} | {r.get('origin', '-')} |"
+        f"{r['distinct']:.2f} | {timing(r)} | {r.get('threads', '-')} | {letter.get(r.get('machine'), '-')} | "
+        f"{r.get('origin', '-')} |"
         for method in stats
         for seed in seeds
         for r in [results["seeds"][seed].get(method)]
@@ -684,7 +695,8 @@ def report(args: Args, results: dict, folder: str) -> None:
         r = results["seeds"][seeds[0]].get(method, {}).get("self_samples", {})
         return f"{r['samples']} replies to {r['questions']} questions" if r else "-"
 
-    where = f"{results.get('date', time.strftime('%Y-%m-%d'))}: {results.get('machine', machine())}, torch "
+    runs_on = results.get("machine", machine()) if len(machines) < 2 else "2 CPU cores (the machines below)"
+    where = f"{results.get('date', time.strftime('%Y-%m-%d'))}: {runs_on}, torch "
     where += results.get("torch", torch.__version__)  # where the runs ran (a report may be drawn elsewhere)
     text = f"""# The methods side by side on SmolLM2-135M-Instruct, one task, over seeds
 
@@ -699,7 +711,7 @@ changes the training order, the sampling and the self-sampled data (rft, dpo, rm
 training (the curves); the problems and the final evaluation's draws are the same for every seed.
 Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
 the run, the rollout share the median time of an update's generation over the median update time; they compare only
-runs of one sweep with the same thread count.
+runs on one machine with the same thread count. Machines: {"; ".join(f"{letter[m]}: {m}" for m in machines) or "-"}.
 
 {header}
 {chr(10).join(rows)}
@@ -712,8 +724,8 @@ runs of one sweep with the same thread count.
 
 {learned}## Every seed
 
-| method | seed | greedy | sampled | KL | reply tokens | distinct | wall time | s/update | rollout share | threads | run |
-|-|-|-|-|-|-|-|-|-|-|-|-|
+| method | seed | greedy | sampled | KL | reply tokens | distinct | wall | s/update | rollout share | threads | machine | run |
+|-|-|-|-|-|-|-|-|-|-|-|-|-|
 {per_seed}
 
 ## Commands (seed {seeds[0]}; the other seeds change only --seed)
@@ -803,7 +815,7 @@ if __name__ == "__main__":
                     extra = dict(commands=["python " + shlex.join(c) for c in plan[method]], self_samples=stats)
                 wall = time.time() - start
                 done[method] = evaluate(os.path.join(seed_folder, method), args.eval_samples, args.eval_problems)
-                done[method] |= extra | dict(wall_s=wall, threads=args.threads)
+                done[method] |= extra | dict(wall_s=wall, threads=args.threads, machine=machine())
                 done[method]["origin"] = f"the {time.strftime('%Y-%m-%d')} sweep"
                 with_curve(done[method], seed_folder, method)
                 save(results_file, results, seed, method)  # after every run: an interrupted sweep resumes
