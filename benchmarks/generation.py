@@ -11,7 +11,9 @@ and the first `--warmup` rounds are left out (they hold the compilations and CUD
 - `hf-static`: the same processors with transformers' static KV cache, whose decoding forward transformers compiles on
   CUDA (`cache_implementation="static"`);
 - `fast`: `common.FastGenerator`, our static-cache decoding loop with each step's forward one compiled CUDA graph, the
-  rollout path of ppo.py / grpo.py / rloo.py on CUDA;
+  rollout path of ppo.py / grpo.py / rloo.py on CUDA (under bf16 autocast its linear weights held in bf16, refreshed
+  once per call);
+- `fast-uncast`: the same with `cast_weights=False`: the float32 weights cast by autocast at every product;
 - `trl-0.8.6`: TRL 0.8.6's `PPOTrainer.generate` itself, when benchmarks/.trl-0.8.6 is there.
 
 With `--profile`, a torch.profiler table of one call of each variant at the smallest batch; with `--check-logprobs`,
@@ -49,7 +51,15 @@ class Args:
     model: Literal["gpt2-124m", "qwen2-0.5b", "tiny"] = "gpt2-124m"
     """randomly initialised GPT-2 small (124M), a Qwen2-0.5B-shaped model (494M), or a 2-layer 64-wide GPT-2"""
     variants: list[str] = field(
-        default_factory=lambda: ["hf-sample-fp32", "hf-sample-autocast", "ours-eager", "hf-static", "fast", "trl-0.8.6"]
+        default_factory=lambda: [
+            "hf-sample-fp32",
+            "hf-sample-autocast",
+            "ours-eager",
+            "hf-static",
+            "fast-uncast",
+            "fast",
+            "trl-0.8.6",
+        ]
     )
     """which variants to time"""
     rounds: int = 5
@@ -87,10 +97,10 @@ def main(args: Args) -> None:
     trl_trainer = {}
     fast = {}  # one per batch size: a generator runs a smaller batch in a larger cache it already holds
 
-    def fast_generate(batch):
+    def fast_generate(batch, cast_weights=True):
         B = len(batch["input_ids"])
-        fast.setdefault(B, FastGenerator(model, compile=device == "cuda"))
-        return fast[B](batch["input_ids"], batch["attention_mask"], T, eos, pad)
+        fast.setdefault((B, cast_weights), FastGenerator(model, compile=device == "cuda", cast_weights=cast_weights))
+        return fast[B, cast_weights](batch["input_ids"], batch["attention_mask"], T, eos, pad)
 
     def trl_generate(batch):
         from trl import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -114,6 +124,7 @@ def main(args: Args) -> None:
             lambda: autocast,
             lambda b: model.generate(**b, **sampling_kwargs(1.0, 0, 1.0), **common_kwargs, cache_implementation="static"),
         ),
+        "fast-uncast": (lambda: autocast, lambda b: fast_generate(b, cast_weights=False)),
         "fast": (lambda: autocast, fast_generate),
         "trl-0.8.6": (contextlib.nullcontext, trl_generate),
     }

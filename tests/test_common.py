@@ -154,6 +154,56 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     assert torch.allclose(logprobs_from_logits(logits, tokens), logprobs, atol=1e-5)
 
 
+def test_fast_generator_decodes_with_cast_linear_weights_bit_for_bit():
+    """Under bf16 autocast with float32 weights (accelerate's bf16 mixed precision), the decoding loop holds its linear
+    layers' weights in bf16 (nn.Linear in Llama, tied LM head included; Conv1D in GPT-2; LoRA's layers), shares every
+    other parameter with the model, and draws the same tokens with the same log-probs as decoding with the model itself.
+    After an in-place update of the weights (an optimizer step) the next call decodes with the new weights: a copy that
+    was not refreshed would draw the old model's tokens."""
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
+    prompts = tokenizer(["Hello, how are you?", "What is"], padding=True, return_tensors="pt")
+    ids, mask, pad = prompts["input_ids"], prompts["attention_mask"], tokenizer.pad_token_id
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    lora = get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    models = [LlamaForCausalLM(config), load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM), lora]
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    for model in models:
+        model = accelerator.prepare(model.eval())
+        plain, cast = (
+            FastGenerator(model, bucket=1, compile=False, cast_weights=False),
+            FastGenerator(model, bucket=1, compile=False),
+        )
+        for update in range(2):
+            runs = []
+            for generator in (plain, cast):
+                torch.manual_seed(update)
+                with accelerator.autocast():
+                    runs.append(generator(ids, mask, 12, None, pad, return_logprobs=True))
+            assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+            with torch.no_grad():  # an optimizer step: every weight moves in place
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=0.5)
+        assert plain.decoder is model and cast.decoder is not model
+        linear = [m for m in cast.decoder.modules() if type(m).__name__ in ("Linear", "Conv1D")]
+        assert linear and all(m.weight.dtype == torch.bfloat16 for m in linear)
+        shared = {p.data_ptr() for p in model.parameters()} & {p.data_ptr() for p in cast.decoder.parameters()}
+        assert len(shared) == len(list(model.parameters())) - len(cast.casts) + (model.config.tie_word_embeddings is True)
+
+
 def test_fast_generator_decodes_eagerly_when_compiling_fails(capsys):
     """Where torch.compile cannot build the decoding step (no working Triton or C compiler), the first rollout does not
     raise: it warns once and decodes the same tokens eagerly. Without the fallback the backend's error would surface."""
