@@ -7,9 +7,11 @@ Stages, each run through its script's own CLI and skipped when its result is alr
   the share of episodes with a well-formed call, accuracy, failures; the warm start is the first checkpoint where at
   least half of the episodes call the tool well;
 - grpo, rloo: from that checkpoint, with the live calculator, 4 problems x 4 episodes per update (their own
-  evaluation during the run on 16 of the held-out problems, the final one here on all);
+  evaluation during the run on 16 of the held-out problems, the final one here on all); grpo-long: grpo.py for
+  --long-updates updates;
 - trl: TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start, at the same settings;
-- guess: sft.py on builtin:guess-number-traces, then grpo.py in the guess_number environment.
+- guess: sft.py on builtin:guess-number-traces (checkpoints evaluated on the way), then grpo.py in the guess_number
+  environment from the first checkpoint that solves at least a fifth of the held-out games (else the last).
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
 one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
@@ -54,8 +56,8 @@ class Args:
     """the runs' folders (replaced by a rerun of their stage)"""
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
-    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "guess"])
-    """which stages to run (base sft grpo rloo trl guess)"""
+    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess"])
+    """which stages to run (base sft grpo rloo trl grpo-long guess)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
     sft_steps: int = 30
@@ -65,9 +67,15 @@ class Args:
     sft_curve: list[int] = field(default_factory=lambda: [5, 10, 20])
     """the SFT checkpoints evaluated (an evaluation of 64 episodes takes about 5 minutes on 2 CPU cores)"""
     rl_updates: int = 10
-    """grpo / rloo updates of 4 problems x 4 episodes"""
-    guess_sft_steps: int = 12
-    """SFT steps on the binary-search traces"""
+    """grpo / rloo updates of 4 problems x 4 episodes (and TRL's steps)"""
+    long_updates: int = 30
+    """grpo.py's updates in the grpo-long stage"""
+    guess_sft_steps: int = 40
+    """SFT steps on the binary-search traces (80 games, 8 a step)"""
+    guess_sft_curve: list[int] = field(default_factory=lambda: [20, 40])
+    """the guess SFT checkpoints evaluated"""
+    guess_updates: int = 10
+    """grpo.py's updates in the guess_number environment"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -188,15 +196,16 @@ def main(args: Args) -> None:
         warm = next((c for c in results["sft curve"] if c["well_formed"] >= 0.5), results["sft curve"][-1])
         results["sft warm start"] = warm
         warm_folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{warm['step']}")
-        for script in ("grpo", "rloo"):
-            if script not in args.stages or f"sft then {script}" in results:
+        for stage, script, key, updates in RL_RUNS:
+            updates = getattr(args, updates)
+            if stage not in args.stages or key in results:
                 continue
-            folder = os.path.join(args.out, script)
-            command = [*rl_command(script, warm_folder, args.rl_updates), "--eval-freq", "5", "--eval-samples", "16"]
-            command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(logs, script)]
-            seconds = launch(f"sft then {script}", command)
-            measure(f"sft then {script}", folder)
-            results[f"sft then {script}"]["seconds"] = seconds
+            folder = os.path.join(args.out, stage)
+            command = [*rl_command(script, warm_folder, updates), "--eval-freq", "5", "--eval-samples", "16"]
+            command += ["--output-dir", folder, "--overwrite", "--log-dir", os.path.join(logs, stage)]
+            seconds = launch(key, command)
+            measure(key, folder)
+            results[key] |= {"seconds": seconds, "updates": updates}
             save()
     if "trl" in args.stages and "sft warm start" in results and "sft then trl grpo" not in results:
         folder = os.path.join(args.out, "trl_grpo")
@@ -219,26 +228,40 @@ def main(args: Args) -> None:
         game = dict(environment="guess_number")
         measure("guess: base", BASE, **game)
         guess_sft = os.path.join(args.out, "guess_sft")
-        if "guess: sft" not in results:
+        last = os.path.join(f"{guess_sft}_checkpoints", f"step_{args.guess_sft_steps}")
+        if "guess: sft" not in results or not os.path.isdir(last):
             command = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:guess-number-traces"]
             command += ["--assistant-only-loss", "--max-steps", str(args.guess_sft_steps), "--batch-size", "8"]
-            command += ["--learning-rate", "2e-5", "--max-seq-length", "640", "--eval-steps", "1000"]
-            command += ["--eval-fraction", "0.05", "--output-dir", guess_sft, "--overwrite"]
+            command += ["--save-steps", str(min(args.guess_sft_curve)), "--learning-rate", "2e-5"]
+            command += ["--max-seq-length", "640", "--eval-steps", "1000", "--eval-fraction", "0.05"]
+            command += ["--output-dir", guess_sft, "--overwrite"]
             seconds = launch("guess: sft", command + ["--log-dir", os.path.join(args.out, "runs", "guess_sft")])
-            measure("guess: sft", guess_sft, **game)
-            results["guess: sft"]["seconds"] = seconds
+            results["guess: sft"] = {"train_seconds": seconds, "train_steps": args.guess_sft_steps, "curve": []}
+        points = results["guess: sft"]["curve"]
+        for step in args.guess_sft_curve:
+            if step not in [c["step"] for c in points]:
+                folder = os.path.join(f"{guess_sft}_checkpoints", f"step_{step}")
+                point = evaluate(folder, True, args.eval_size, base_model, **game) | {"machine": machine(args.threads)}
+                points.append({"step": step} | point)
+                points.sort(key=lambda c: c["step"])
+                print("guess sft", {k: v for k, v in points[-1].items() if k != "samples"}, flush=True)
+                save()
+        warm = next((c for c in points if c["solved"] >= 0.2), points[-1])
+        results["guess: sft"] |= {k: v for k, v in warm.items()}
+        guess_warm = os.path.join(f"{guess_sft}_checkpoints", f"step_{warm['step']}")
         if "guess: sft then grpo" not in results:
             folder = os.path.join(args.out, "guess_grpo")
-            command = ["grpo.py", "--model-name", guess_sft, "--environment", "guess_number"]
+            command = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number"]
             command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
             command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
             command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "4"]  # 633-token episodes
-            command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * args.rl_updates)]
+            command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * args.guess_updates)]
             command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--output-dir", folder, "--overwrite"]
             seconds = launch("guess: sft then grpo", command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")])
             measure("guess: sft then grpo", folder, **game)
-            results["guess: sft then grpo"]["seconds"] = seconds
-    for key, run_name in [("sft then grpo", "grpo"), ("sft then rloo", "rloo"), ("guess: sft then grpo", "guess_grpo")]:
+            results["guess: sft then grpo"] |= {"seconds": seconds, "updates": args.guess_updates}
+    runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [("guess: sft then grpo", "guess_grpo")]
+    for key, run_name in runs:
         if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
             run_logs = os.path.join(logs, run_name)
             results[key] |= {"curve": curve(run_logs), "step_s": median([v for _, v in curve(run_logs, "time/step")])}
@@ -309,11 +332,29 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     return median(times)
 
 
+RL_RUNS = [  # stage, script, results key, the Args field with its updates
+    ("grpo", "grpo", "sft then grpo", "rl_updates"),
+    ("rloo", "rloo", "sft then rloo", "rl_updates"),
+    ("grpo-long", "grpo", "sft then grpo, longer", "long_updates"),
+]
+
+
 def rl_command(script: str, warm_start: str, updates: int) -> list[str]:
     """grpo.py's or rloo.py's command with the live calculator from the warm start: 4 problems x 4 episodes per update."""
     command = [f"{script}.py", "--model-name", warm_start, *TASK, "--tools", "calculator", *EPISODE]
     command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "16"]
     return command + ["--gradient-accumulation-steps", "1", "--total-prompts", str(4 * updates), "--learning-rate", "1e-5"]
+
+
+def binary_search_reward() -> float:
+    """The guess_number reward of a binary search (guess the middle of what is left), averaged over 1..100."""
+    total = 0.0
+    for secret in range(1, 101):
+        low, high, guesses = 1, 100, 1
+        while (guess := (low + high) // 2) != secret:
+            low, high, guesses = (guess + 1, high, guesses + 1) if secret > guess else (low, guess - 1, guesses + 1)
+        total += 1 - (guesses - 1) / 7
+    return total / 100
 
 
 def median(values: list[float]) -> float:
@@ -343,13 +384,15 @@ ROWS = [
     ("sft warm start", "after SFT on tool traces (the warm start)"),
     ("sft then grpo", "SFT, then grpo.py with the live calculator"),
     ("sft then rloo", "SFT, then rloo.py with the live calculator"),
+    ("sft then grpo, longer", "SFT, then grpo.py with the live calculator"),
     ("sft then trl grpo", "SFT, then TRL 1.16 GRPOTrainer(tools=[calculator])"),
 ]
 
 
 GUESS_ROWS = [
     ("guess: base", "the base model"),
-    ("guess: sft", "after SFT on binary-search traces"),
+    ("guess: sft (12 steps)", "after 12 SFT steps on binary-search traces (an earlier run)"),
+    ("guess: sft", "after SFT on binary-search traces (the warm start)"),
     ("guess: sft then grpo", "SFT, then grpo.py in the environment"),
 ]
 
@@ -365,6 +408,7 @@ def report(results: dict, path: str) -> None:
         return fmt.format(r[key]) if key in r else "-"
 
     measured = [results[k] for k, _ in ROWS + GUESS_ROWS if k in results] + results.get("sft curve", [])
+    measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
 
     def where(r):  # the machine a row ran on, as a letter
@@ -386,6 +430,7 @@ def report(results: dict, path: str) -> None:
     ]
 
     def row(name: str, r: dict, keys: list[str]) -> str:  # the figures, then the wall time, s/update and machine
+        name += f", {r['updates']} updates" if "updates" in r else f", {r['step']} steps" if "step" in r else ""
         wall = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
         cells = [
             cell(r, k, "{:.1f}" if k in ("reply_tokens", "step_s") else "{}" if k == "distinct_answers" else "{:.2f}")
@@ -415,10 +460,13 @@ def report(results: dict, path: str) -> None:
                 f"| {c['step']} | {c['well_formed']:.2f} | {c['accuracy']:.2f} | {c['calls_per_episode']:.2f} | "
                 f"{c['failure_rate']:.2f} | {c['kl']:.2f} | {where(c)} |"
             )
-    for key in ("sft then grpo", "sft then rloo"):
+    for key in ("sft then grpo", "sft then rloo", "sft then grpo, longer"):
         if key in results and results[key].get("curve"):
             points = ", ".join(f"update {u}: {a:.2f}" for u, a in results[key]["curve"])
             lines += ["", f"{key}, the script's own evaluation during the run (16 of the held-out problems): {points}"]
+            short = results.get("sft then grpo", {}).get("curve", [])
+            if key.endswith("longer") and short and results[key]["curve"][: len(short)] == short:
+                lines[-1] += " (the same seed: its first evaluations are the shorter run's, whose curve it hides in the plot)"
     guess = [(k, n) for k, n in GUESS_ROWS if k in results]
     if guess:
         lines += [
@@ -437,18 +485,54 @@ def report(results: dict, path: str) -> None:
         game = ["solved", "accuracy", "calls_per_episode", "failure_rate", "turns", "kl", "reply_tokens", "step_s"]
         lines += [row(name, results[key], game) for key, name in guess]
         first = results.get("guess: grpo first update")
-        if first and "guess: sft then grpo" not in results:  # a run stopped after its first update, and why
+        if first:  # a run stopped after its first update, and why
             lines += [
                 "",
-                f"grpo.py from that warm start (machine {where(first)}): in its first update every one of the 16 "
+                f"grpo.py from the 12-step warm start (machine {where(first)}): in its first update every one of the 16 "
                 f"episodes scored {first['reward']:.0f} (no number found; {first['frac_reward_zero_std']:.0%} of the "
                 f"groups with equal rewards, so no gradient; {first['calls_per_episode']:.2f} guesses per episode, "
                 f"{first['step_s']:.0f} s). With no solved episode there is nothing to reinforce, and the run was "
                 "stopped there: a warm start that solves some games comes first.",
             ]
+        sft_curve = results.get("guess: sft", {}).get("curve")
+        if sft_curve:
+            sft = results["guess: sft"]
+            lines += [
+                "",
+                f"SFT on the binary-search traces (8 games a step, learning rate 2e-5; {sft['train_steps']} steps took "
+                f"{sft['train_seconds'] / 60:.1f} min on machine {where(sft_curve[-1])}), checkpoints evaluated; the "
+                "warm start is the first that solves at least a fifth of the games:",
+                "",
+            ]
+            lines += ["| SFT steps | solved | mean reward | guesses per episode | failure rate | turns | KL | machine |"]
+            lines += ["|---|---|---|---|---|---|---|---|"]
+            for c in sft_curve:
+                lines.append(
+                    f"| {c['step']} | {c['solved']:.2f} | {c['accuracy']:.2f} | {c['calls_per_episode']:.2f} | "
+                    f"{c['failure_rate']:.2f} | {c['turns']:.2f} | {c['kl']:.2f} | {where(c)} |"
+                )
         if results.get("guess: sft then grpo", {}).get("curve"):
             points = ", ".join(f"update {u}: {a:.2f}" for u, a in results["guess: sft then grpo"]["curve"])
             lines += ["", f"grpo.py's own evaluation during the run (mean reward on the held-out numbers): {points}"]
+            lines += [
+                "",
+                f"The ceiling of the mean reward: a binary search that always halves scores {binary_search_reward():.2f} "
+                "on average over 1..100 (it needs 6 or 7 guesses for 69 of the numbers), so the mean reward moves "
+                "little; the solve rate is the figure to watch. On 20 games one solve is 0.05, and the standard error of "
+                "a solve rate near 0.5 is 0.11.",
+            ]
+            before, after = results["guess: sft"], results["guess: sft then grpo"]
+            gap = after["solved"] - before["solved"]
+            lines[-1] += (
+                f" After {after['updates']} updates grpo.py solves {after['solved']:.2f} of the games against the warm "
+                f"start's {before['solved']:.2f} ({round(gap * 20):+d} of 20), with the mean reward at "
+                f"{after['accuracy']:.2f} against {before['accuracy']:.2f}: "
+                + (
+                    "inside two standard errors, not yet a shown improvement."
+                    if abs(gap) < 0.22
+                    else "beyond two standard errors."
+                )
+            )
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -465,16 +549,17 @@ def report(results: dict, path: str) -> None:
         axes[0].plot(steps, [c["accuracy"] for c in results["sft curve"]], marker="o", label="accuracy")
         axes[0].set(xlabel="SFT steps", ylim=(0, 1), title="SFT warm start")
         axes[0].legend()
-    for key in ("sft then grpo", "sft then rloo"):
+    for key in ("sft then grpo", "sft then rloo", "sft then grpo, longer"):
         if key in results and results[key].get("curve"):
-            axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)
+            axes[1].plot(*zip(*results[key]["curve"]), marker="o", label=key)  # the longer run's first 10 = the 10
     axes[1].set(xlabel="update", ylabel="held-out accuracy (16 problems)", ylim=(0, 1), title="RL with the live calculator")
     axes[1].legend()
     if guess_curve:
         axes[2].plot(*zip(*guess_curve), marker="o", color="C2", label="grpo.py (its own evaluation)")
-        for key, style in (("guess: base", ":"), ("guess: sft", "--")):
+        for key, style, label in (("guess: base", ":", "base"), ("guess: sft", "--", "SFT warm start")):
             if key in results:
-                axes[2].axhline(results[key]["accuracy"], color="grey", linestyle=style, label=key.split(": ")[1])
+                axes[2].axhline(results[key]["accuracy"], color="grey", linestyle=style, label=label)
+        axes[2].axhline(binary_search_reward(), color="C3", linestyle="-.", label="binary search (the ceiling)")
         axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
         axes[2].legend()
     fig.tight_layout()
