@@ -11,7 +11,8 @@ Stages, each run through its script's own CLI and skipped when its result is alr
   --long-updates updates;
 - trl: TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start, at the same settings;
 - guess: sft.py on builtin:guess-number-traces (checkpoints evaluated on the way), then grpo.py in the guess_number
-  environment from the first checkpoint that solves at least a fifth of the held-out games (else the last).
+  environment from the first checkpoint that solves at least a fifth of the held-out games (else the last);
+  guess-long: the same grpo.py run for --guess-long-updates updates.
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
 one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
@@ -56,8 +57,10 @@ class Args:
     """the runs' folders (replaced by a rerun of their stage)"""
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
-    stages: list[str] = field(default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess"])
-    """which stages to run (base sft grpo rloo trl grpo-long guess)"""
+    stages: list[str] = field(
+        default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess", "guess-long"]
+    )
+    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
     sft_steps: int = 30
@@ -76,6 +79,8 @@ class Args:
     """the guess SFT checkpoints evaluated"""
     guess_updates: int = 10
     """grpo.py's updates in the guess_number environment"""
+    guess_long_updates: int = 20
+    """grpo.py's updates in the environment in the guess-long stage"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -224,7 +229,9 @@ def main(args: Args) -> None:
             "ours_generate_s": median([v for _, v in curve(os.path.join(logs, "grpo_timing"), "time/generate")]),
         }
         save()
-    if "guess" in args.stages:  # the environment: before and after SFT on binary-search traces, then after GRPO
+    if {"guess", "guess-long"} & set(
+        args.stages
+    ):  # the environment: before and after SFT on binary-search traces, then after GRPO
         game = dict(environment="guess_number")
         measure("guess: base", BASE, **game)
         guess_sft = os.path.join(args.out, "guess_sft")
@@ -249,18 +256,21 @@ def main(args: Args) -> None:
         warm = next((c for c in points if c["solved"] >= 0.2), points[-1])
         results["guess: sft"] |= {k: v for k, v in warm.items()}
         guess_warm = os.path.join(f"{guess_sft}_checkpoints", f"step_{warm['step']}")
-        if "guess: sft then grpo" not in results:
-            folder = os.path.join(args.out, "guess_grpo")
+        for stage, key, name, updates in GUESS_RUNS:
+            updates = getattr(args, updates)
+            if stage not in args.stages or key in results:
+                continue
+            folder = os.path.join(args.out, name)
             command = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number"]
             command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
             command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
             command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "4"]  # 633-token episodes
-            command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * args.guess_updates)]
+            command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * updates)]
             command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--output-dir", folder, "--overwrite"]
-            seconds = launch("guess: sft then grpo", command + ["--log-dir", os.path.join(args.out, "runs", "guess_grpo")])
-            measure("guess: sft then grpo", folder, **game)
-            results["guess: sft then grpo"] |= {"seconds": seconds, "updates": args.guess_updates}
-    runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [("guess: sft then grpo", "guess_grpo")]
+            seconds = launch(key, command + ["--log-dir", os.path.join(args.out, "runs", name)])
+            measure(key, folder, **game)
+            results[key] |= {"seconds": seconds, "updates": updates}
+    runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [(key, name) for _, key, name, _ in GUESS_RUNS]
     for key, run_name in runs:
         if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
             run_logs = os.path.join(logs, run_name)
@@ -332,6 +342,10 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     return median(times)
 
 
+GUESS_RUNS = [  # stage, results key, run folder, the Args field with its updates
+    ("guess", "guess: sft then grpo", "guess_grpo", "guess_updates"),
+    ("guess-long", "guess: sft then grpo, longer", "guess_grpo_long", "guess_long_updates"),
+]
 RL_RUNS = [  # stage, script, results key, the Args field with its updates
     ("grpo", "grpo", "sft then grpo", "rl_updates"),
     ("rloo", "rloo", "sft then rloo", "rl_updates"),
@@ -394,6 +408,7 @@ GUESS_ROWS = [
     ("guess: sft (12 steps)", "after 12 SFT steps on binary-search traces (an earlier run)"),
     ("guess: sft", "after SFT on binary-search traces (the warm start)"),
     ("guess: sft then grpo", "SFT, then grpo.py in the environment"),
+    ("guess: sft then grpo, longer", "SFT, then grpo.py in the environment"),
 ]
 
 
@@ -511,9 +526,11 @@ def report(results: dict, path: str) -> None:
                     f"| {c['step']} | {c['solved']:.2f} | {c['accuracy']:.2f} | {c['calls_per_episode']:.2f} | "
                     f"{c['failure_rate']:.2f} | {c['turns']:.2f} | {c['kl']:.2f} | {where(c)} |"
                 )
-        if results.get("guess: sft then grpo", {}).get("curve"):
-            points = ", ".join(f"update {u}: {a:.2f}" for u, a in results["guess: sft then grpo"]["curve"])
-            lines += ["", f"grpo.py's own evaluation during the run (mean reward on the held-out numbers): {points}"]
+        guess_runs = [key for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
+        for key in guess_runs:
+            points = ", ".join(f"update {u}: {a:.2f}" for u, a in results[key]["curve"])
+            lines += ["", f"{key}, grpo.py's own evaluation (mean reward on the held-out numbers): {points}"]
+        if guess_runs:
             lines += [
                 "",
                 f"The ceiling of the mean reward: a binary search that always halves scores {binary_search_reward():.2f} "
@@ -521,18 +538,16 @@ def report(results: dict, path: str) -> None:
                 "little; the solve rate is the figure to watch. On 20 games one solve is 0.05, and the standard error of "
                 "a solve rate near 0.5 is 0.11.",
             ]
-            before, after = results["guess: sft"], results["guess: sft then grpo"]
-            gap = after["solved"] - before["solved"]
-            lines[-1] += (
-                f" After {after['updates']} updates grpo.py solves {after['solved']:.2f} of the games against the warm "
-                f"start's {before['solved']:.2f} ({round(gap * 20):+d} of 20), with the mean reward at "
-                f"{after['accuracy']:.2f} against {before['accuracy']:.2f}: "
-                + (
-                    "inside two standard errors, not yet a shown improvement."
-                    if abs(gap) < 0.22
-                    else "beyond two standard errors."
+            before = results["guess: sft"]
+            for key in guess_runs:
+                after = results[key]
+                gap = after["solved"] - before["solved"]
+                lines[-1] += (
+                    f" After {after['updates']} updates grpo.py solves {after['solved']:.2f} of the games against the "
+                    f"warm start's {before['solved']:.2f} ({round(gap * 20):+d} of 20), with the mean reward at "
+                    f"{after['accuracy']:.2f} against {before['accuracy']:.2f}: "
+                    + ("inside two standard errors." if abs(gap) < 0.22 else "beyond two standard errors.")
                 )
-            )
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -541,7 +556,8 @@ def report(results: dict, path: str) -> None:
     lines += [f"- {key}: `{command}`" for key, command in results.get("commands", {}).items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    guess_curve = results.get("guess: sft then grpo", {}).get("curve")
+    guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
+    guess_curve = guess_curves[-1][1] if guess_curves else None
     fig, axes = plt.subplots(1, 3 if guess_curve else 2, figsize=(15 if guess_curve else 10, 3.5))
     if "sft curve" in results:
         steps = [c["step"] for c in results["sft curve"]]
@@ -555,7 +571,9 @@ def report(results: dict, path: str) -> None:
     axes[1].set(xlabel="update", ylabel="held-out accuracy (16 problems)", ylim=(0, 1), title="RL with the live calculator")
     axes[1].legend()
     if guess_curve:
-        axes[2].plot(*zip(*guess_curve), marker="o", color="C2", label="grpo.py (its own evaluation)")
+        for i, (key, points) in enumerate(guess_curves):
+            label = f"grpo.py, {results[key]['updates']} updates"
+            axes[2].plot(*zip(*points), marker="o", color=f"C{i + 1}", label=label)
         for key, style, label in (("guess: base", ":", "base"), ("guess: sft", "--", "SFT warm start")):
             if key in results:
                 axes[2].axhline(results[key]["accuracy"], color="grey", linestyle=style, label=label)
