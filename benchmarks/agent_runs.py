@@ -174,6 +174,17 @@ def main(args: Args) -> None:
         print(key, {k: v for k, v in results[key].items() if k != "samples"}, flush=True)
         save()
 
+    def checkpoint_curve(points: list, prefix: str, steps: list[int], label: str, **kw) -> None:
+        """Evaluate the SFT checkpoints `prefix`_checkpoints/step_N not yet in `points` (kept sorted by step)."""
+        for step in steps:
+            if step not in [c["step"] for c in points]:
+                folder = os.path.join(f"{prefix}_checkpoints", f"step_{step}")
+                point = evaluate(folder, True, args.eval_size, base_model, **kw) | {"machine": machine(args.threads)}
+                points.append({"step": step} | point)
+                points.sort(key=lambda c: c["step"])
+                print(label, {k: v for k, v in point.items() if k != "samples"}, flush=True)
+                save()
+
     torch.set_num_threads(args.threads)
     if "base" in args.stages:
         measure("base without tools", BASE, tools=False)
@@ -187,15 +198,7 @@ def main(args: Args) -> None:
             sft += ["--learning-rate", "2e-5", "--max-seq-length", "320", "--eval-steps", "1000", "--eval-fraction", "0.02"]
             sft += ["--output-dir", sft_dir, "--overwrite", "--log-dir", os.path.join(args.out, "runs")]
             results["sft seconds"] = launch("sft", sft)
-        points = results.setdefault("sft curve", [])
-        for step in args.sft_curve:
-            if step not in [c["step"] for c in points]:
-                folder = os.path.join(f"{sft_dir}_checkpoints", f"step_{step}")
-                point = evaluate(folder, True, args.eval_size, base_model) | {"machine": machine(args.threads)}
-                points.append({"step": step} | point)
-                points.sort(key=lambda c: c["step"])
-                print("sft", {k: v for k, v in points[-1].items() if k != "samples"}, flush=True)
-                save()
+        checkpoint_curve(results.setdefault("sft curve", []), sft_dir, args.sft_curve, "sft")
     logs, warm_folder = os.path.join(args.out, "runs"), None
     if "sft curve" in results:
         warm = next((c for c in results["sft curve"] if c["well_formed"] >= 0.5), results["sft curve"][-1])
@@ -245,16 +248,9 @@ def main(args: Args) -> None:
             seconds = launch("guess: sft", command + ["--log-dir", os.path.join(args.out, "runs", "guess_sft")])
             results["guess: sft"] = {"train_seconds": seconds, "train_steps": args.guess_sft_steps, "curve": []}
         points = results["guess: sft"]["curve"]
-        for step in args.guess_sft_curve:
-            if step not in [c["step"] for c in points]:
-                folder = os.path.join(f"{guess_sft}_checkpoints", f"step_{step}")
-                point = evaluate(folder, True, args.eval_size, base_model, **game) | {"machine": machine(args.threads)}
-                points.append({"step": step} | point)
-                points.sort(key=lambda c: c["step"])
-                print("guess sft", {k: v for k, v in points[-1].items() if k != "samples"}, flush=True)
-                save()
+        checkpoint_curve(points, guess_sft, args.guess_sft_curve, "guess sft", **game)
         warm = next((c for c in points if c["solved"] >= 0.2), points[-1])
-        results["guess: sft"] |= {k: v for k, v in warm.items()}
+        results["guess: sft"] |= warm
         guess_warm = os.path.join(f"{guess_sft}_checkpoints", f"step_{warm['step']}")
         for stage, key, name, updates in GUESS_RUNS:
             updates = getattr(args, updates)

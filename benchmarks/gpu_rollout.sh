@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One GPU, one call (about 6 minutes on an H200): long rollouts at 0.5B (Qwen2-0.5B's shape, random weights, bf16
-# autocast), HF generate against FastGenerator with its linear weights cast once per call (`fast`) and with autocast
-# casting the float32 weights at every product (`fast-uncast`, as before), interleaved in the same run, at 256 and
-# 1,024 new tokens; then a profile of one call of `fast` and its sampled tokens' log-probs against the training forward.
+# One GPU, one call: long rollouts at 0.5B (Qwen2-0.5B's shape, random weights, bf16 autocast), HF generate against
+# FastGenerator with its linear weights cast once per call (`fast`) and with autocast casting the float32 weights at
+# every product (`fast-uncast`, as before), interleaved in the same run, at 256 and 1,024 new tokens; then a profile of
+# one call of `fast` and its sampled tokens' log-probs against the training forward. Its parts took 1-3.5 minutes each
+# on an H200 (in two calls).
 #
 #   bash benchmarks/gpu_rollout.sh OUT
 #

@@ -154,32 +154,23 @@ def test_fast_generator_samples_what_generate_samples_with_the_training_log_prob
     assert torch.allclose(logprobs_from_logits(logits, tokens), logprobs, atol=1e-5)
 
 
-def test_fast_generator_decodes_with_cast_linear_weights_bit_for_bit():
+def test_fast_generator_decodes_with_cast_linear_weights_bit_for_bit(chat_llama):
     """Under bf16 autocast with float32 weights (accelerate's bf16 mixed precision), the decoding loop holds its linear
     layers' weights in bf16 (nn.Linear in Llama, tied LM head included; Conv1D in GPT-2; LoRA's layers), shares every
     other parameter with the model, and draws the same tokens with the same log-probs as decoding with the model itself.
     After an in-place update of the weights (an optimizer step) the next call decodes with the new weights: a copy that
     was not refreshed would draw the old model's tokens."""
     from accelerate import Accelerator
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
     prompts = tokenizer(["Hello, how are you?", "What is"], padding=True, return_tensors="pt")
     ids, mask, pad = prompts["input_ids"], prompts["attention_mask"], tokenizer.pad_token_id
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    lora = get_peft_model(
-        LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    )
-    models = [LlamaForCausalLM(config), load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM), lora]
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    models = [
+        load_pretrained(chat_llama, AutoModelForCausalLM),  # its vocabulary holds GPT-2's and two chat tokens
+        load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM),
+        get_peft_model(load_pretrained(chat_llama, AutoModelForCausalLM), lora),
+    ]
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     for model in models:
         model = accelerator.prepare(model.eval())
