@@ -625,7 +625,7 @@ if __name__ == "__main__":
     # ---- save: LoRA weights in diffusers format (or the whole pipeline) ----
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(unet)
+        unwrapped = accelerator.unwrap_model(unet, keep_torch_compile=False)
         with atomic_directory(args.output_dir) as tmp:
             if args.use_lora:
                 lora_state = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))

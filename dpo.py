@@ -645,7 +645,7 @@ if __name__ == "__main__":
     last_eval = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) ----
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if peft_model_of(unwrapped) is not None:
         unwrapped = unwrapped.merge_and_unload()
     weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)

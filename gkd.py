@@ -211,7 +211,7 @@ def main(args: Args) -> None:
     train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
     eval_rows = eval_rows[: args.eval_samples]
     student, teacher, optimizer, scheduler = load_models(args, accelerator)
-    unwrapped = accelerator.unwrap_model(student)
+    unwrapped = accelerator.unwrap_model(student, keep_torch_compile=False)
     answer_ids = {r["answer"]: tokenize_answer(tokenizer, r, chat) for r in train_rows}
     accelerator.print(
         f"{len(train_rows)} training prompts, {len(eval_rows)} held out (none of them among the training prompts); "

@@ -369,7 +369,7 @@ def main(args: Args) -> None:
         f"{args.batch_size * world} prompts x {args.num_generations} completions"
     )
     model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     render_ids = functools.partial(prompt_ids, tokenizer, chat=chat, system_prompt=args.system_prompt, tools=schemas)
     sampler = Sampler(args, tokenizer, unwrapped, accelerator, agent, render_ids)
     resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights

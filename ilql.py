@@ -559,7 +559,7 @@ if __name__ == "__main__":
     last_eval = evaluate(total_steps)
 
     # ---- save: the LM in plain from_pretrained format (LoRA merged), the heads beside it ----
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if peft_model_of(unwrapped.lm) is not None:
         unwrapped.lm = unwrapped.lm.merge_and_unload()
     weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)

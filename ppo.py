@@ -498,7 +498,7 @@ def main(args: Args) -> None:
         num_training_steps=optimizer_steps * args.world_size,
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
     scorer.ready(unwrapped)
     kl_ctl = (

@@ -420,12 +420,17 @@ if __name__ == "__main__":
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval}
             save_checkpoint(
-                accelerator, folder, state, accelerator.unwrap_model(model), tokenizer, total_limit=args.save_total_limit
+                accelerator,
+                folder,
+                state,
+                accelerator.unwrap_model(model, keep_torch_compile=False),
+                tokenizer,
+                total_limit=args.save_total_limit,
             )
     last_eval = evaluate(total_steps)
 
     # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     gain, bias = 1.0, 0.0
     if args.normalize_reward:
         unwrapped.eval()

@@ -495,12 +495,17 @@ if __name__ == "__main__":
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval_loss}
             save_checkpoint(
-                accelerator, folder, state, accelerator.unwrap_model(model), tokenizer, total_limit=args.save_total_limit
+                accelerator,
+                folder,
+                state,
+                accelerator.unwrap_model(model, keep_torch_compile=False),
+                tokenizer,
+                total_limit=args.save_total_limit,
             )
     last_eval_loss = evaluate(total_steps)
 
     # ---- save (plain from_pretrained format; LoRA merged) and sample ----
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if peft_model_of(unwrapped) is not None:
         unwrapped = unwrapped.merge_and_unload()
     weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)

@@ -126,6 +126,28 @@ def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
         assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {dtype}
 
 
+def test_regionally_compiled_runs_save_plain_models(tmp_path):
+    """accelerate's regional compilation (`--dynamo_backend` with use_regional_compilation) wraps each submodule of the
+    prepared model in torch.compile, whose state dicts name every weight `..._orig_mod...`; the checkpoint and the final
+    model are saved from the model beneath, so both load with plain from_pretrained, equal to the uncompiled run's
+    weights (dynamo's eager backend runs the same kernels)."""
+    from safetensors.torch import load_file
+
+    flags = ["--max-steps", "2", "--save-steps", "2", "--num-sample-generations", "0", "--eval-steps", "1000"]
+    compiled = dict(ACCELERATE_DYNAMO_BACKEND="eager", ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="true")
+    for name, env in [("plain", {}), ("compiled", compiled)]:
+        run_script([SFT, *flags, "--output-dir", str(tmp_path / name)], tmp_path, **env)
+    plain, trained = (
+        load_file(tmp_path / "plain" / "model.safetensors"),
+        load_file(tmp_path / "compiled" / "model.safetensors"),
+    )
+    assert trained.keys() == plain.keys() and not any("_orig_mod" in k for k in trained)
+    assert all(torch.equal(trained[k], plain[k]) for k in plain)
+    checkpoint = load_file(tmp_path / "compiled_checkpoints" / "step_2" / "model.safetensors")
+    assert all(torch.equal(checkpoint[k], plain[k]) for k in plain)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "compiled")
+
+
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
