@@ -57,13 +57,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc, device=bias.device)
         for i in range(0, len(hidden), ctx.chunk_size):
             rows = slice(i, i + ctx.chunk_size)
-            h = hidden[rows].to(ctx.dtype)
-            # d log p(y) / d logits = onehot(y) - softmax(logits), scaled by the incoming gradient
-            dlogits = (F.linear(h, w, b).to(acc) - lse[rows, None]).exp_().neg_()
-            dlogits.scatter_add_(-1, labels[rows, None], torch.ones_like(dlogits[:, :1]))
-            dlogits *= grad[rows, None]
-            grad_hidden[rows] = dlogits.to(ctx.dtype) @ w
-            grad_weight += (dlogits.to(ctx.dtype).T @ h).to(acc)
+            h, g = hidden[rows].to(ctx.dtype), grad[rows, None].to(acc)
+            # d log p(y) / d logits = (onehot(y) - softmax(logits)) g: -p g everywhere, plus g at y. Four passes over
+            # the [chunk, vocab] block (the subtraction casts as it reads), where each step its own pass took seven.
+            dlogits = torch.sub(F.linear(h, w, b), lse[rows, None], out=torch.empty(0, dtype=acc, device=h.device))
+            dlogits.exp_().mul_(-g).scatter_add_(-1, labels[rows, None], g)
+            narrow = dlogits.to(ctx.dtype)
+            grad_hidden[rows] = narrow @ w
+            grad_weight += (narrow.T @ h).to(acc)
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0)
         return (
@@ -97,9 +98,11 @@ def chunkable_head(model, sharded: bool = False):
 
 def lm_token_logprobs(model, head, input_ids, attention_mask, labels) -> tuple[torch.Tensor, ...]:
     """Causal LM: log p(labels[:, t + 1]) [B, T - 1] (0 where the label is -100), that mask, and the last hidden
-    states [B, T, H]. One forward returns the hidden states (`logits_to_keep=1`: the full logits are never built);
+    states [B, T, H]. One forward returns the hidden states (`logits_to_keep=1`: the full logits are never built;
+    `use_cache=False`: no KV cache, whose per-layer state would also make a compiled layer recompile for each layer);
     `chunked_logprobs` runs `head` on the labelled positions. `model` may be the wrapped (DDP) module."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    kw = dict(output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **kw)
     hidden, labels = out.hidden_states[-1], labels[:, 1:]
     mask = labels != -100
     logprobs = chunked_logprobs(hidden[:, :-1][mask], head.weight, labels[mask], head.bias)
