@@ -30,7 +30,6 @@ from transformers.utils import get_json_schema
 
 from common.core import UsageError
 from common.loading import load_function, plugin_error
-from presets.agents import GuessTheNumber, calculator  # the built-in tool and environment, with their SFT traces
 
 # ChatML with Hermes-style tool calls (Qwen2.5's form): the tool schemas in the system message, calls as JSON in
 # <tool_call> tags, consecutive tool results as <tool_response> blocks of one user turn. For templates without tools.
@@ -68,8 +67,8 @@ TOOL_TEMPLATE = """\
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
-TOOLS = {"calculator": calculator}
-ENVIRONMENTS = {"guess_number": GuessTheNumber}
+TOOLS = {"calculator": "presets.agents:calculator"}  # the built-ins, imported when named (presets/ is deletable)
+ENVIRONMENTS = {"guess_number": "presets.agents:GuessTheNumber"}
 
 
 # ================================ loading: tools, environments, the chat template ================================

@@ -112,9 +112,8 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if is_random_builtin(name):
         return presets.random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
-    # (model, info) with output_loading_info=True
     loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
-    if presets.is_builtin(name):  # peft records it as the adapter's base model
+    if presets.is_builtin(name):  # peft records it as the adapter's base model (loaded: (model, info) with loading info)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         model.config.name_or_path = model.name_or_path = name
     return loaded
@@ -299,10 +298,11 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
 
 
 def load_function(spec: str, builtins: dict, flag: str):
-    """A plug-in: a built-in by name, or the function named by "package.module:function" or "path/to/file.py:function";
-    a module that fails to import is a one-line error naming the exception and the line of your file it came from."""
-    if spec in builtins:
-        return builtins[spec]
+    """A plug-in: a built-in by name (a function, or its "module:function"), or "package.module:function" or
+    "path/to/file.py:function"; a module that fails to import is a one-line error naming the exception and your line."""
+    spec = builtins.get(spec, spec)  # a built-in: the function, or where it lives ("presets.agents:calculator")
+    if callable(spec):
+        return spec
     if ":" not in spec:
         raise UsageError(f"{flag} {spec}: unknown; choose one of {sorted(builtins)} or give 'module:function'.")
     module_name, name = spec.rsplit(":", 1)

@@ -5,6 +5,7 @@ turns are scripted (a random model never writes a tool call; the log-probs and t
 import importlib
 import itertools
 import json
+import math
 import os
 import time
 
@@ -15,8 +16,6 @@ from conftest import read_scalars, run_failing, run_script
 
 from agents import (
     TOOL_TEMPLATE,
-    GuessTheNumber,
-    calculator,
     parse_tool_calls,
     run_calls,
     run_episodes,
@@ -25,6 +24,7 @@ from agents import (
     use_tool_template,
 )
 from common.loading import load_tokenizer
+from presets.agents import GuessTheNumber, calculator, guess_progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
@@ -173,6 +173,18 @@ def test_the_guessing_game_rewards_fewer_guesses():
     assert game.guess(37) == "correct" and game.get_reward() == 1.0
     game.reset(answer=37)
     assert [game.guess(1) for _ in range(8)][-1] == "The game is over." and game.get_reward() == 0.0
+
+
+def test_guess_progress_scores_what_the_replies_leave_possible():
+    games = [GuessTheNumber() for _ in range(4)]
+    for game in games:
+        game.reset(answer="30")
+    games[0].guess(50), games[0].guess(25)  # lower, higher: 26..49 left
+    games[1].guess(30)  # solved
+    games[2].guess(29), games[2].guess(200), games[2].guess(29)  # 30..100, then 30..199 changes nothing, then again
+    scores = guess_progress([[]] * 4, environments=games)
+    assert scores == pytest.approx([1 - math.log2(24) / math.log2(100), 1.0, 1 - math.log2(71) / math.log2(100), 0.0])
+    assert guess_progress([" 0", " 1"]) == [None, None]  # text completions, no game: no score
 
 
 def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer):
@@ -333,7 +345,7 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
     [
         (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file"),
         (["--tools", "agents:run_calls"], "has no schema"),
-        (["--environment", "agents:calculator"], "creating an instance raised TypeError"),
+        (["--environment", "presets.agents:calculator"], "creating an instance raised TypeError"),
         (["--tools", "calculator", "--tool-timeout", "0"], "--tool-timeout 0"),
         (["--tools", "calculator", "--reward-funcs"], "no reward"),
         (["--tools", "calculator", "--max-prompt-length", "32"], "raise it"),
