@@ -12,7 +12,9 @@ Stages, each run through its script's own CLI and skipped when its result is alr
 - trl: TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start, at the same settings;
 - guess: sft.py on builtin:guess-number-traces (checkpoints evaluated on the way), then grpo.py in the guess_number
   environment from the first checkpoint that solves at least a fifth of the held-out games (else the last);
-  guess-long: the same grpo.py run for --guess-long-updates updates.
+  guess-long: the same grpo.py run for --guess-long-updates updates; guess-shaped: grpo.py with guess_progress (partial
+  credit for narrowing the search) beside the game's reward, 8 games x 4 episodes per update, two passes over each,
+  the warm start and the result evaluated on 4 episodes per held-out number.
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
 one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
@@ -58,9 +60,9 @@ class Args:
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
     stages: list[str] = field(
-        default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess", "guess-long"]
+        default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess", "guess-long", "guess-shaped"]
     )
-    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long)"""
+    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long guess-shaped)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
     sft_steps: int = 30
@@ -81,6 +83,10 @@ class Args:
     """grpo.py's updates in the guess_number environment"""
     guess_long_updates: int = 20
     """grpo.py's updates in the environment in the guess-long stage"""
+    guess_shaped_updates: int = 12
+    """grpo.py's updates (8 games x 4 episodes each) in the guess-shaped stage"""
+    guess_episodes: int = 4
+    """episodes per held-out number in the guess-shaped stage's evaluations (20 numbers)"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -95,9 +101,9 @@ def run(command: list[str], threads: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: str | None = None) -> dict:
-    """One sampled episode per held-out problem (grpo.py's Sampler and agents.Agent), scored by the verifier (or the
-    environment's reward)."""
+def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: str | None = None, episodes: int = 1) -> dict:
+    """`episodes` sampled episodes per held-out problem (grpo.py's Sampler and agents.Agent), scored by the verifier (or
+    the environment's reward)."""
     flags = dict(model_name=folder, max_prompt_length=400, max_completion_length=96, eval_size=eval_size, train_size=64)
     if environment:
         flags |= dict(dataset_name="builtin:guess-number", eval_fraction=0.2, environment=environment)
@@ -109,6 +115,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     tokenizer = load_tokenizer(folder, padding_side="left")
     agent = Agent(args, tokenizer) if tools or environment else None
     _, rows, chat = load_task(args, tokenizer, "prompt", args.max_prompt_length, agent.schemas if agent else None)
+    rows = [row for row in rows for _ in range(episodes)]
     policy = load_pretrained(folder, grpo.AutoModelForCausalLM).eval()
     sampler = grpo.Sampler(args, tokenizer, policy, accelerator, agent, None)
     torch.manual_seed(args.seed)
@@ -232,7 +239,7 @@ def main(args: Args) -> None:
             "ours_generate_s": median([v for _, v in curve(os.path.join(logs, "grpo_timing"), "time/generate")]),
         }
         save()
-    if {"guess", "guess-long"} & set(
+    if {"guess", "guess-long", "guess-shaped"} & set(
         args.stages
     ):  # the environment: before and after SFT on binary-search traces, then after GRPO
         game = dict(environment="guess_number")
@@ -266,6 +273,26 @@ def main(args: Args) -> None:
             seconds = launch(key, command + ["--log-dir", os.path.join(args.out, "runs", name)])
             measure(key, folder, **game)
             results[key] |= {"seconds": seconds, "updates": updates}
+        if "guess-shaped" in args.stages:  # the game's reward plus partial credit, on more games per update
+            many = dict(environment="guess_number", episodes=args.guess_episodes)
+            measure(SHAPED_WARM, guess_warm, **many)
+            key, name, updates = "guess: sft then grpo, shaped", "guess_grpo_shaped", args.guess_shaped_updates
+            if key not in results:
+                folder = os.path.join(args.out, name)
+                command = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number"]
+                command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2"]
+                command += ["--reward-funcs", "presets.agents:guess_progress", "--reward-weights", "0.5"]
+                command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
+                command += ["--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "4"]
+                command += ["--gradient-accumulation-steps", "8", "--num-iterations", "2"]
+                command += ["--total-prompts", str(8 * updates), "--learning-rate", "2e-5", "--eval-freq", "4"]
+                seconds = launch(key, command + ["--output-dir", folder, "--overwrite", "--log-dir", f"{logs}/{name}"])
+                measure(key, folder, **many)
+                results[key] |= {"seconds": seconds, "updates": updates}
+            if "curves" not in results[key]:  # the run's own curves, from its logs
+                run_logs = os.path.join(logs, name)
+                results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _ in SHAPED_CURVES}}
+                results[key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
     runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [(key, name) for _, key, name, _ in GUESS_RUNS]
     for key, run_name in runs:
         if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
@@ -408,6 +435,48 @@ GUESS_ROWS = [
 ]
 
 
+SHAPED_WARM = "guess: sft, 4 episodes each"
+SHAPED_CURVES = [  # the guess-shaped run's logged curves
+    ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)"),
+    ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)"),
+]
+
+
+def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
+    """The guess-shaped stage's section: the warm start and grpo.py with partial credit, 4 episodes per held-out number,
+    and the run's own curves (the held-out guess_progress, the training episodes' game reward)."""
+    n = 20 * 4
+    se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
+    gap = after["solved"] - before["solved"]
+    lines = [
+        "",
+        "### With partial credit for narrowing the search",
+        "",
+        "The game's reward separates an episode only by solved or not (and by its number of guesses), so a group of "
+        "4 episodes that all fail, or all solve in the same number of guesses, gives no gradient. `--reward-funcs "
+        "presets.agents:guess_progress --reward-weights 0.5` adds half of 1 - log2(numbers still possible) / log2(100) "
+        "(1 once solved; an unsolved search that left 2 numbers scores 0.85, one that left 25 scores 0.30) beside the "
+        "game's reward. grpo.py from the same warm start, 8 numbers x 4 episodes per update, two passes over each "
+        "(`--num-iterations 2`), learning rate 2e-5. Both rows on 4 episodes per held-out number (80 episodes), the "
+        "game's own reward:",
+        "",
+        "| model | solved | mean reward | guesses per episode | failure rate | turns per episode | KL to the start | "
+        "policy tokens | wall | s/update | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        row("after SFT on binary-search traces (the warm start)", before, game),
+        row("SFT, then grpo.py with partial credit", after, game),
+        "",
+        f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
+        f"difference over 80 episodes each is {se:.2f}, so it is "
+        + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors.")
+        + " (The 80 episodes are 4 on each of 20 numbers, the same 20 before and after.)",
+    ]
+    for tag, what in SHAPED_CURVES:
+        points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
+        lines += ["", f"{what}, by update: {points}"]
+    return lines
+
+
 def report(results: dict, path: str) -> None:
     """RESULTS-agents.md and its PNG from the JSON."""
     import matplotlib
@@ -418,7 +487,8 @@ def report(results: dict, path: str) -> None:
     def cell(r, key, fmt="{:.2f}"):
         return fmt.format(r[key]) if key in r else "-"
 
-    measured = [results[k] for k, _ in ROWS + GUESS_ROWS if k in results] + results.get("sft curve", [])
+    shaped_keys = [(SHAPED_WARM, ""), ("guess: sft then grpo, shaped", "")]
+    measured = [results[k] for k, _ in ROWS + GUESS_ROWS + shaped_keys if k in results] + results.get("sft curve", [])
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
 
@@ -544,6 +614,9 @@ def report(results: dict, path: str) -> None:
                     f"{after['accuracy']:.2f} against {before['accuracy']:.2f}: "
                     + ("inside two standard errors." if abs(gap) < 0.22 else "beyond two standard errors.")
                 )
+    shaped, warm_many = results.get("guess: sft then grpo, shaped"), results.get(SHAPED_WARM)
+    if shaped and warm_many:
+        lines += shaped_report(shaped, warm_many, row, game)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -554,7 +627,9 @@ def report(results: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
     guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
     guess_curve = guess_curves[-1][1] if guess_curves else None
-    fig, axes = plt.subplots(1, 3 if guess_curve else 2, figsize=(15 if guess_curve else 10, 3.5))
+    shaped = results.get("guess: sft then grpo, shaped", {}).get("curves")
+    panels = 2 + bool(guess_curve) + bool(shaped)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5))
     if "sft curve" in results:
         steps = [c["step"] for c in results["sft curve"]]
         axes[0].plot(steps, [c["well_formed"] for c in results["sft curve"]], marker="o", label="well-formed call")
@@ -576,6 +651,11 @@ def report(results: dict, path: str) -> None:
         axes[2].axhline(binary_search_reward(), color="C3", linestyle="-.", label="binary search (the ceiling)")
         axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
         axes[2].legend()
+    if shaped:
+        for (tag, label), color in zip(SHAPED_CURVES, ("C1", "C2")):
+            axes[-1].plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
+        axes[-1].set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
+        axes[-1].legend()
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)
 

@@ -64,12 +64,13 @@ def calculator(expression: str) -> str:
 
 class GuessTheNumber:
     """Guess a whole number from 1 to 100 within 7 guesses, told "higher" or "lower" after each: the row's `answer`
-    is the secret. The reward, 0 unsolved, is 1 for the first guess and 1/7 less for each further one."""
+    is the secret. The reward, 0 unsolved, is 1 for the first guess and 1/7 less for each further one. `low` and `high`
+    bound what the replies so far leave possible (guess_progress scores them)."""
 
     max_guesses = 7
 
     def reset(self, answer, **row) -> None:
-        self.secret, self.guesses, self.solved = int(answer), 0, False
+        self.secret, self.guesses, self.solved, self.low, self.high = int(answer), 0, False, 1, 100
 
     def guess(self, number: int) -> str:
         """Guesses the secret number; the reply is "higher" (the secret is larger), "lower" or "correct".
@@ -82,12 +83,25 @@ class GuessTheNumber:
         self.guesses += 1
         number = int(number)
         if number == self.secret:
-            self.solved = True
+            self.solved, self.low, self.high = True, number, number
             return "correct"
-        return "higher" if self.secret > number else "lower"
+        if self.secret > number:
+            self.low = max(self.low, number + 1)
+            return "higher"
+        self.high = min(self.high, number - 1)
+        return "lower"
 
     def get_reward(self) -> float:
         return (self.max_guesses + 1 - self.guesses) / self.max_guesses if self.solved else 0.0
+
+
+def guess_progress(completions, environments=None, **columns) -> list[float | None]:
+    """A reward for guess_number episodes (--reward-funcs presets.agents:guess_progress): how far the guesses narrowed
+    the numbers still possible, 1 - log2(numbers left) / log2(100), so 1 once solved and partial credit for an unsolved
+    search (with 2 left: 0.85). The game's own reward says only solved or not; this one separates the failures too."""
+    if environments is None:  # not an episode of the game
+        return [None] * len(completions)
+    return [1 - math.log2(game.high - game.low + 1) / math.log2(100) for game in environments]
 
 
 def guess_number_rows() -> list[dict]:
