@@ -58,8 +58,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for i in range(0, len(hidden), ctx.chunk_size):
             rows = slice(i, i + ctx.chunk_size)
             h, g = hidden[rows].to(ctx.dtype), grad[rows, None].to(acc)
-            # d log p(y) / d logits = (onehot(y) - softmax(logits)) g: -p g everywhere, plus g at y. Four passes over
-            # the [chunk, vocab] block (the subtraction casts as it reads), where each step its own pass took seven.
+            # d log p(y) / d logits = (onehot(y) - softmax(logits)) g: -p g everywhere, plus g at y; four passes over
+            # the [chunk, vocab] block (the subtraction casts as it reads, one multiply negates and scales)
             dlogits = torch.sub(F.linear(h, w, b), lse[rows, None], out=torch.empty(0, dtype=acc, device=h.device))
             dlogits.exp_().mul_(-g).scatter_add_(-1, labels[rows, None], g)
             narrow = dlogits.to(ctx.dtype)

@@ -113,7 +113,7 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
     if is_random_builtin(name):
         return presets.random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
     loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
-    if presets.is_builtin(name):  # peft records it as the adapter's base model (loaded: (model, info) with loading info)
+    if presets.is_builtin(name):  # peft records it as the adapter's base (loaded: maybe (model, info))
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         model.config.name_or_path = model.name_or_path = name
     return loaded
