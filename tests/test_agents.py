@@ -165,6 +165,11 @@ def test_an_episode_masks_exactly_the_tool_tokens_and_stops_at_each_limit(tokeni
 
 
 def test_the_guessing_game_rewards_fewer_guesses():
+    from agents import ENVIRONMENTS, TOOLS
+    from common.loading import load_function
+
+    assert load_function("guess_number", ENVIRONMENTS, "--environment") is GuessTheNumber  # built-ins by name
+    assert load_function("calculator", TOOLS, "--tools") is calculator
     game = GuessTheNumber()
     game.reset(answer="37", prompt="...")
     assert [game.guess(50), game.guess(25), game.guess(37)] == ["lower", "higher", "correct"]
