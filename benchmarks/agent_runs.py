@@ -291,7 +291,7 @@ def main(args: Args) -> None:
                 results[key] |= {"seconds": seconds, "updates": updates}
             if "curves" not in results[key]:  # the run's own curves, from its logs
                 run_logs = os.path.join(logs, name)
-                results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _ in SHAPED_CURVES}}
+                results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in SHAPED_CURVES}}
                 results[key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
     runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [(key, name) for _, key, name, _ in GUESS_RUNS]
     for key, run_name in runs:
@@ -436,9 +436,9 @@ GUESS_ROWS = [
 
 
 SHAPED_WARM = "guess: sft, 4 episodes each"
-SHAPED_CURVES = [  # the guess-shaped run's logged curves
-    ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)"),
-    ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)"),
+SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its label in the plot
+    ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)", "held-out guess_progress"),
+    ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)", "training game reward"),
 ]
 
 
@@ -471,7 +471,7 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
         + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors.")
         + " (The 80 episodes are 4 on each of 20 numbers, the same 20 before and after.)",
     ]
-    for tag, what in SHAPED_CURVES:
+    for tag, what, _ in SHAPED_CURVES:
         points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
         lines += ["", f"{what}, by update: {points}"]
     return lines
@@ -652,7 +652,7 @@ def report(results: dict, path: str) -> None:
         axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
         axes[2].legend()
     if shaped:
-        for (tag, label), color in zip(SHAPED_CURVES, ("C1", "C2")):
+        for (tag, _, label), color in zip(SHAPED_CURVES, ("C1", "C2")):
             axes[-1].plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
         axes[-1].set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
         axes[-1].legend()
