@@ -158,7 +158,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
             "well_formed": sum(formed) / n,
         }
     if environment:
-        result["solved"] = sum(s > 0 for s in scores) / n
+        result |= {"solved": sum(s > 0 for s in scores) / n, "episodes": episodes}
     return result
 
 
@@ -435,7 +435,7 @@ GUESS_ROWS = [
 ]
 
 
-SHAPED_WARM = "guess: sft, 4 episodes each"
+SHAPED_WARM = "guess: sft, 4 episodes each"  # (4: --guess-episodes' default; each row records its own)
 SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its label in the plot
     ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)", "held-out guess_progress"),
     ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)", "training game reward"),
@@ -445,7 +445,7 @@ SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its 
 def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
     """The guess-shaped stage's section: the warm start and grpo.py with partial credit, 4 episodes per held-out number,
     and the run's own curves (the held-out guess_progress, the training episodes' game reward)."""
-    n = 20 * 4
+    n = 20 * after["episodes"]
     se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
     gap = after["solved"] - before["solved"]
     lines = [
@@ -457,8 +457,8 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
         "presets.agents:guess_progress --reward-weights 0.5` adds half of 1 - log2(numbers still possible) / log2(100) "
         "(1 once solved; an unsolved search that left 2 numbers scores 0.85, one that left 25 scores 0.30) beside the "
         "game's reward. grpo.py from the same warm start, 8 numbers x 4 episodes per update, two passes over each "
-        "(`--num-iterations 2`), learning rate 2e-5. Both rows on 4 episodes per held-out number (80 episodes), the "
-        "game's own reward:",
+        f"(`--num-iterations 2`), learning rate 2e-5. Both rows on {after['episodes']} episodes per held-out number "
+        f"({n} episodes), the game's own reward:",
         "",
         "| model | solved | mean reward | guesses per episode | failure rate | turns per episode | KL to the start | "
         "policy tokens | wall | s/update | machine |",
@@ -467,9 +467,9 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
         row("SFT, then grpo.py with partial credit", after, game),
         "",
         f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
-        f"difference over 80 episodes each is {se:.2f}, so it is "
+        f"difference over {n} episodes each is {se:.2f}, so it is "
         + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors.")
-        + " (The 80 episodes are 4 on each of 20 numbers, the same 20 before and after.)",
+        + f" (The {n} episodes are {after['episodes']} on each of 20 numbers, the same 20 before and after.)",
     ]
     for tag, what, _ in SHAPED_CURVES:
         points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
