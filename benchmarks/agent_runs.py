@@ -259,15 +259,16 @@ def main(args: Args) -> None:
         warm = next((c for c in points if c["solved"] >= 0.2), points[-1])
         results["guess: sft"] |= warm
         guess_warm = os.path.join(f"{guess_sft}_checkpoints", f"step_{warm['step']}")
+        play = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number", "--dataset-name"]
+        play += ["builtin:guess-number", "--eval-fraction", "0.2", "--max-prompt-length", "400"]
+        play += ["--max-completion-length", str(GUESS_TOKENS)]  # grpo.py in the game from the warm start
         for stage, key, name, updates in GUESS_RUNS:
             updates = getattr(args, updates)
             if stage not in args.stages or key in results:
                 continue
             folder = os.path.join(args.out, name)
-            command = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number"]
-            command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2", "--reward-funcs"]
-            command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
-            command += ["--batch-size", "4", "--num-generations", "4", "--mini-batch-size", "4"]  # 633-token episodes
+            command = [*play, "--reward-funcs", "--batch-size", "4", "--num-generations", "4"]  # 633-token episodes
+            command += ["--mini-batch-size", "4"]
             command += ["--gradient-accumulation-steps", "4", "--total-prompts", str(4 * updates)]
             command += ["--learning-rate", "1e-5", "--eval-freq", "5", "--output-dir", folder, "--overwrite"]
             seconds = launch(key, command + ["--log-dir", os.path.join(args.out, "runs", name)])
@@ -276,13 +277,10 @@ def main(args: Args) -> None:
         if "guess-shaped" in args.stages:  # the game's reward plus partial credit, on more games per update
             many = dict(environment="guess_number", episodes=args.guess_episodes)
             measure(SHAPED_WARM, guess_warm, **many)
-            key, name, updates = "guess: sft then grpo, shaped", "guess_grpo_shaped", args.guess_shaped_updates
+            key, name, updates = SHAPED_RUN, "guess_grpo_shaped", args.guess_shaped_updates
             if key not in results:
                 folder = os.path.join(args.out, name)
-                command = ["grpo.py", "--model-name", guess_warm, "--environment", "guess_number"]
-                command += ["--dataset-name", "builtin:guess-number", "--eval-fraction", "0.2"]
-                command += ["--reward-funcs", "presets.agents:guess_progress", "--reward-weights", "0.5"]
-                command += ["--max-prompt-length", "400", "--max-completion-length", str(GUESS_TOKENS)]
+                command = [*play, "--reward-funcs", "presets.agents:guess_progress", "--reward-weights", "0.5"]
                 command += ["--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "4"]
                 command += ["--gradient-accumulation-steps", "8", "--num-iterations", "2"]
                 command += ["--total-prompts", str(8 * updates), "--learning-rate", "2e-5", "--eval-freq", "4"]
@@ -436,6 +434,7 @@ GUESS_ROWS = [
 
 
 SHAPED_WARM = "guess: sft, 4 episodes each"  # (4: --guess-episodes' default; each row records its own)
+SHAPED_RUN = "guess: sft then grpo, shaped"
 SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its label in the plot
     ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)", "held-out guess_progress"),
     ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)", "training game reward"),
@@ -443,8 +442,8 @@ SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its 
 
 
 def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
-    """The guess-shaped stage's section: the warm start and grpo.py with partial credit, 4 episodes per held-out number,
-    and the run's own curves (the held-out guess_progress, the training episodes' game reward)."""
+    """The guess-shaped stage's section: the warm start and grpo.py with partial credit, on the same episodes per
+    held-out number, and the run's own curves (the held-out guess_progress, the training episodes' game reward)."""
     n = 20 * after["episodes"]
     se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
     gap = after["solved"] - before["solved"]
@@ -487,8 +486,8 @@ def report(results: dict, path: str) -> None:
     def cell(r, key, fmt="{:.2f}"):
         return fmt.format(r[key]) if key in r else "-"
 
-    shaped_keys = [(SHAPED_WARM, ""), ("guess: sft then grpo, shaped", "")]
-    measured = [results[k] for k, _ in ROWS + GUESS_ROWS + shaped_keys if k in results] + results.get("sft curve", [])
+    keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN]
+    measured = [results[k] for k in keys if k in results] + results.get("sft curve", [])
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
 
@@ -614,7 +613,7 @@ def report(results: dict, path: str) -> None:
                     f"{after['accuracy']:.2f} against {before['accuracy']:.2f}: "
                     + ("inside two standard errors." if abs(gap) < 0.22 else "beyond two standard errors.")
                 )
-    shaped, warm_many = results.get("guess: sft then grpo, shaped"), results.get(SHAPED_WARM)
+    shaped, warm_many = results.get(SHAPED_RUN), results.get(SHAPED_WARM)
     if shaped and warm_many:
         lines += shaped_report(shaped, warm_many, row, game)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
@@ -627,7 +626,7 @@ def report(results: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
     guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
     guess_curve = guess_curves[-1][1] if guess_curves else None
-    shaped = results.get("guess: sft then grpo, shaped", {}).get("curves")
+    shaped = results.get(SHAPED_RUN, {}).get("curves")
     panels = 2 + bool(guess_curve) + bool(shaped)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5))
     if "sft curve" in results:
