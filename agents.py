@@ -68,7 +68,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 TOOLS = {"calculator": "presets.agents:calculator"}  # the built-ins, imported when named (presets/ is deletable)
-ENVIRONMENTS = {"guess_number": "presets.agents:GuessTheNumber"}
+ENVIRONMENTS = {"guess_number": "presets.agents:GuessTheNumber", "guess_range": "presets.agents:GuessInRange"}
 
 
 # ================================ loading: tools, environments, the chat template ================================

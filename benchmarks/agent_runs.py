@@ -51,6 +51,10 @@ BASE = "builtin:smollm2-135m-instruct"
 TASK = ["--dataset-name", "reasoning-gym:products", "--task-config", json.dumps(PRODUCTS)]
 EPISODE = ["--max-prompt-length", "400", "--max-completion-length", "96"]
 GUESS_TOKENS = 384  # an episode's tokens, the model's and the game's: binary-search traces take 61-373 after the prompt
+GAMES = {  # environment: its dataset and an episode's tokens (guess_range's random-search traces take up to 435)
+    "guess_number": ("builtin:guess-number", GUESS_TOKENS),
+    "guess_range": ("builtin:guess-range", 448),
+}
 
 
 @dataclass
@@ -60,9 +64,9 @@ class Args:
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
     stages: list[str] = field(
-        default_factory=lambda: ["base", "sft", "grpo", "rloo", "trl", "grpo-long", "guess", "guess-long", "guess-shaped"]
+        default_factory=lambda: "base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range".split()
     )
-    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long guess-shaped)"""
+    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
     sft_steps: int = 30
@@ -86,7 +90,11 @@ class Args:
     guess_shaped_updates: int = 12
     """grpo.py's updates (8 games x 4 episodes each) in the guess-shaped stage"""
     guess_episodes: int = 4
-    """episodes per held-out number in the guess-shaped stage's evaluations (20 numbers)"""
+    """episodes per held-out number in the guess-shaped and guess-range stages' evaluations (20 numbers)"""
+    range_sft_steps: int = 60
+    """SFT steps on the random-search traces of the guess-range stage (320 games, 8 a step)"""
+    range_updates: int = 12
+    """grpo.py's updates (8 games x 4 episodes each) in the guess-range stage"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -106,8 +114,8 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     the environment's reward)."""
     flags = dict(model_name=folder, max_prompt_length=400, max_completion_length=96, eval_size=eval_size, train_size=64)
     if environment:
-        flags |= dict(dataset_name="builtin:guess-number", eval_fraction=0.2, environment=environment)
-        flags |= dict(max_prompt_length=400, max_completion_length=GUESS_TOKENS)
+        dataset, tokens = GAMES[environment]
+        flags |= dict(dataset_name=dataset, eval_fraction=0.2, environment=environment, max_completion_length=tokens)
     else:
         flags |= dict(dataset_name="reasoning-gym:products", task_config=json.dumps(PRODUCTS), tools=["calculator"] * tools)
     args = grpo.Args(**flags)
@@ -119,7 +127,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     policy = load_pretrained(folder, grpo.AutoModelForCausalLM).eval()
     sampler = grpo.Sampler(args, tokenizer, policy, accelerator, agent, None)
     torch.manual_seed(args.seed)
-    scores, calls, failures, turns, tokens, formed, kls, texts = [], [], [], [], [], [], [], []
+    scores, calls, failures, turns, tokens, formed, kls, texts, offsets = [], [], [], [], [], [], [], [], []
     for i in range(0, len(rows), 32):
         chunk = rows[i : i + 32]
         rollout = sampler.rollout(chunk)
@@ -134,6 +142,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
             formed += [any(m.get("tool_calls") for m in e) for e in messages]
         if environment:
             scores += [e.get_reward() for e in rollout.environments]
+            offsets += [o for episode in messages for o in guess_offsets(episode)]
         else:
             scores += verifier(None, messages, [r["answer"] for r in chunk], rg_entry=[r["rg_entry"] for r in chunk])
         texts += [m[-1]["content"] for m in messages]
@@ -159,7 +168,27 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
         }
     if environment:
         result |= {"solved": sum(s > 0 for s in scores) / n, "episodes": episodes}
+        result |= {"off_middle": sum(offsets) / max(1, len(offsets)), "guesses": len(offsets)}
     return result
+
+
+def guess_offsets(messages: list[dict]) -> list[float]:
+    """How far each guess of a guessing episode fell from the middle of the numbers its replies so far left possible:
+    |guess - middle| / (numbers left). 0 halves the range (binary search); a uniform draw from the range averages 0.25;
+    0.5 and more is at an end or outside it."""
+    low, high, pending, offsets = 1, 100, [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            pending += [call["function"].get("arguments") for call in message.get("tool_calls") or []]
+        elif message["role"] == "tool" and pending:
+            arguments, reply = pending.pop(0), message["content"]
+            number = arguments.get("number") if isinstance(arguments, dict) else None
+            if not isinstance(number, int) or not reply.startswith(("higher", "lower", "correct")):
+                continue  # a malformed call, or a guess after the game ended
+            offsets.append(abs(number - (low + high) / 2) / (high - low + 1))
+            low, high = (max(low, number + 1), high) if reply.startswith("higher") else (low, high)
+            low, high = (low, min(high, number - 1)) if reply.startswith("lower") else (low, high)
+    return offsets
 
 
 def main(args: Args) -> None:
@@ -291,6 +320,33 @@ def main(args: Args) -> None:
                 run_logs = os.path.join(logs, name)
                 results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in SHAPED_CURVES}}
                 results[key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
+    if "guess-range" in args.stages:  # random-search demonstrations in the game that names the range left, then GRPO
+        range_game, sft_folder = dict(environment="guess_range", episodes=args.guess_episodes), f"{args.out}/range_sft"
+        warm = os.path.join(f"{sft_folder}_checkpoints", f"step_{args.range_sft_steps}")
+        if not os.path.isdir(warm):
+            command = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:guess-range-traces"]
+            command += ["--assistant-only-loss", "--max-steps", str(args.range_sft_steps), "--batch-size", "8"]
+            command += ["--save-steps", "20", "--learning-rate", "2e-5", "--max-seq-length", "768"]
+            command += ["--eval-steps", "1000", "--eval-fraction", "0.05", "--output-dir", sft_folder, "--overwrite"]
+            results[RANGE_SFT] = {"train_seconds": launch(RANGE_SFT, command + ["--log-dir", f"{logs}/range_sft"])}
+        key, name, updates = RANGE_RUN, "range_grpo", args.range_updates
+        folder = os.path.join(args.out, name)
+        if key not in results:
+            command = ["grpo.py", "--model-name", warm, "--environment", "guess_range", "--dataset-name"]
+            command += ["builtin:guess-range", "--eval-fraction", "0.2", "--max-prompt-length", "400"]
+            command += ["--max-completion-length", str(GAMES["guess_range"][1]), "--reward-funcs", "--batch-size", "8"]
+            command += ["--num-generations", "4", "--mini-batch-size", "4", "--gradient-accumulation-steps", "8"]
+            command += ["--num-iterations", "2", "--total-prompts", str(8 * updates), "--learning-rate", "3e-5"]
+            command += ["--eval-freq", "4", "--output-dir", folder, "--overwrite", "--log-dir", f"{logs}/{name}"]
+            seconds = launch(key, command)
+            point = evaluate(warm, True, args.eval_size, base_model, **range_game) | {"step": args.range_sft_steps}
+            results[RANGE_SFT] = results.get(RANGE_SFT, {}) | point | {"machine": machine(args.threads)}
+            save()
+            measure(key, folder, **range_game)
+            run_logs = os.path.join(logs, name)
+            step_s = median([v for _, v in curve(run_logs, "time/step")])
+            results[key] |= {"seconds": seconds, "updates": updates, "step_s": step_s}
+            results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in RANGE_CURVES}}
     runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [(key, name) for _, key, name, _ in GUESS_RUNS]
     for key, run_name in runs:
         if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
@@ -435,6 +491,15 @@ GUESS_ROWS = [
 
 SHAPED_WARM = "guess: sft, 4 episodes each"  # (4: --guess-episodes' default; each row records its own)
 SHAPED_RUN = "guess: sft then grpo, shaped"
+RANGE_SFT = "guess_range: sft on random search"
+RANGE_RUN = "guess_range: sft then grpo"
+RANGE_CURVES = [  # the guess-range run's logged curves: tag, what it is, its label in the plot
+    ("eval/reward", "held-out mean reward (grpo.py's own evaluation, 20 numbers)", "held-out reward"),
+    ("rewards/GuessInRange/mean", "the training episodes' mean reward (32 an update)", "training reward"),
+    ("eval/tools/call_frequency", "held-out guesses per episode", None),
+    ("entropy", "the policy's entropy per token on the training episodes", None),
+    ("frac_reward_zero_std", "the share of groups with equal rewards (no gradient)", None),
+]
 SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its label in the plot
     ("eval/reward", "held-out guess_progress (grpo.py's own evaluation, 20 numbers)", "held-out guess_progress"),
     ("rewards/GuessTheNumber/mean", "the training episodes' game reward (32 an update)", "training game reward"),
@@ -476,6 +541,41 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
     return lines
 
 
+def range_report(after: dict, before: dict, row) -> list[str]:
+    """The guess-range stage's section: SFT on random search, then grpo.py, on the same episodes per held-out number."""
+    n = 20 * after["episodes"]
+    se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
+    gap = after["solved"] - before["solved"]
+    game = ["solved", "accuracy", "calls_per_episode", "off_middle", "failure_rate", "turns", "kl", "reply_tokens"]
+    lines = [
+        "",
+        "### Searching better than the demonstrations",
+        "",
+        "The guess_range environment is the same game with replies that also name the numbers still possible "
+        '("higher: 51 to 100"), so each guess needs only the last reply. Its SFT traces (builtin:guess-range-traces) '
+        "draw every guess uniformly from that range, 4 games for each of the 80 training numbers: the warm start "
+        "imitates a search that solves about half of the games, where halving the range solves all of them. grpo.py "
+        "then plays with the game's reward alone, 8 numbers x 4 episodes per update, two passes over each, learning "
+        f"rate 3e-5. Both rows on {after['episodes']} episodes per held-out number ({n} episodes). Off the middle: "
+        "|guess - middle of the range left| / numbers left, averaged over the guesses: 0.25 for a uniform draw, 0 for "
+        "halving.",
+        "",
+        "| model | solved | mean reward | guesses per episode | off the middle | failure rate | turns per episode | "
+        "KL to the start | policy tokens | wall | s/update | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        row(f"after SFT on random-search traces, {before['step']} steps (the warm start)", before, [*game, "step_s"]),
+        row("SFT, then grpo.py", after, [*game, "step_s"]),
+        "",
+        f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
+        f"difference over {n} episodes each is {se:.2f}, so it is "
+        + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors."),
+    ]
+    for tag, what, _ in RANGE_CURVES:
+        points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
+        lines += ["", f"{what}, by update: {points}"]
+    return lines
+
+
 def report(results: dict, path: str) -> None:
     """RESULTS-agents.md and its PNG from the JSON."""
     import matplotlib
@@ -486,7 +586,7 @@ def report(results: dict, path: str) -> None:
     def cell(r, key, fmt="{:.2f}"):
         return fmt.format(r[key]) if key in r else "-"
 
-    keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN]
+    keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN, RANGE_SFT, RANGE_RUN]
     measured = [results[k] for k in keys if k in results] + results.get("sft curve", [])
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
@@ -616,6 +716,8 @@ def report(results: dict, path: str) -> None:
     shaped, warm_many = results.get(SHAPED_RUN), results.get(SHAPED_WARM)
     if shaped and warm_many:
         lines += shaped_report(shaped, warm_many, row, game)
+    if RANGE_RUN in results and "solved" in results.get(RANGE_SFT, {}):
+        lines += range_report(results[RANGE_RUN], results[RANGE_SFT], row)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -626,9 +728,13 @@ def report(results: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
     guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
     guess_curve = guess_curves[-1][1] if guess_curves else None
-    shaped = results.get(SHAPED_RUN, {}).get("curves")
-    panels = 2 + bool(guess_curve) + bool(shaped)
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.5))
+    shaped, ranged = results.get(SHAPED_RUN, {}).get("curves"), results.get(RANGE_RUN, {}).get("curves")
+    panels = 2 + bool(guess_curve) + bool(shaped) + bool(ranged)
+    rows_, columns = (panels + 2) // 3, min(panels, 3)
+    fig, grid = plt.subplots(rows_, columns, figsize=(5 * columns, 3.5 * rows_), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.axis("off")
     if "sft curve" in results:
         steps = [c["step"] for c in results["sft curve"]]
         axes[0].plot(steps, [c["well_formed"] for c in results["sft curve"]], marker="o", label="well-formed call")
@@ -651,10 +757,18 @@ def report(results: dict, path: str) -> None:
         axes[2].set(xlabel="update", ylabel="held-out mean reward (20 numbers)", ylim=(0, 1), title="Number guessing")
         axes[2].legend()
     if shaped:
+        ax = axes[2 + bool(guess_curve)]
         for (tag, _, label), color in zip(SHAPED_CURVES, ("C1", "C2")):
-            axes[-1].plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
-        axes[-1].set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
-        axes[-1].legend()
+            ax.plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
+        ax.set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
+        ax.legend()
+    if ranged:
+        ax = axes[panels - 1]
+        for (tag, _, label), color in zip(RANGE_CURVES[:2], ("C1", "C2")):
+            ax.plot(*zip(*ranged[tag]), marker="o", color=color, label=label)
+        ax.axhline(binary_search_reward(), color="C3", linestyle="-.", label="binary search (the ceiling)")
+        ax.set(xlabel="update", ylabel="mean reward", ylim=(0, 1), title="Guessing in the range left, from random search")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)
 

@@ -17,6 +17,8 @@ builtin:calculator-traces         messages, tools: reasoning-gym `products` (3-d
 builtin:guess-number              prompt, answer: find a number from 1 to 100 (the answer) with the guess tool
 builtin:guess-number-traces       messages, tools: binary search for the 80 numbers that `--eval-fraction 0.2 --seed 1`
                                   trains on (grpo.py / rloo.py hold the other 20 out)
+builtin:guess-range               prompt, answer: the same games for the guess_range environment (replies name the range left)
+builtin:guess-range-traces        messages, tools: random search in guess_range, 4 games for each of the same 80 numbers
 """
 
 import glob
@@ -35,6 +37,8 @@ DATASETS = (
     "builtin:calculator-traces",
     "builtin:guess-number",
     "builtin:guess-number-traces",
+    "builtin:guess-range",
+    "builtin:guess-range-traces",
 )
 
 
@@ -110,13 +114,15 @@ def dataset(name: str, seed: int = 0) -> Dataset:
                 for r in rows
             ]
         )
-    if name in ("builtin:calculator-traces", "builtin:guess-number", "builtin:guess-number-traces"):
+    if name.startswith(("builtin:calculator", "builtin:guess")):
         from presets import agents
 
         rows = {
             "builtin:calculator-traces": agents.calculator_traces,
             "builtin:guess-number": agents.guess_number_rows,
             "builtin:guess-number-traces": agents.guess_number_traces,
+            "builtin:guess-range": lambda: agents.guess_number_rows(agents.GUESS_RANGE_PROMPT),
+            "builtin:guess-range-traces": agents.guess_range_traces,
         }[name]()
         return Dataset.from_list(rows)
     raise KeyError(f"Unknown built-in dataset {name!r}: choose {', '.join(DATASETS)}.")

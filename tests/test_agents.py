@@ -24,7 +24,7 @@ from agents import (
     use_tool_template,
 )
 from common.loading import load_tokenizer
-from presets.agents import GuessTheNumber, calculator, guess_progress
+from presets.agents import GuessInRange, GuessTheNumber, calculator, guess_progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
@@ -178,6 +178,11 @@ def test_the_guessing_game_rewards_fewer_guesses():
     assert game.guess(37) == "correct" and game.get_reward() == 1.0
     game.reset(answer=37)
     assert [game.guess(1) for _ in range(8)][-1] == "The game is over." and game.get_reward() == 0.0
+    assert load_function("guess_range", ENVIRONMENTS, "--environment") is GuessInRange
+    game = GuessInRange()  # the same game; its replies name the numbers still possible
+    game.reset(answer="37")
+    assert [game.guess(50), game.guess(25), game.guess(40)] == ["lower: 1 to 49", "higher: 26 to 49", "lower: 26 to 39"]
+    assert game.guess(37) == "correct" and game.get_reward() == pytest.approx(4 / 7)
 
 
 def test_guess_progress_scores_what_the_replies_leave_possible():
@@ -192,22 +197,49 @@ def test_guess_progress_scores_what_the_replies_leave_possible():
     assert guess_progress([" 0", " 1"]) == [None, None]  # text completions, no game: no score
 
 
-def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer):
-    """Every row of builtin:guess-number shares one prompt; a problem is its prompt and its answer (the secret), so
-    `--eval-fraction 0.2` holds out 20 numbers and trains on the other 80, the ones builtin:guess-number-traces covers."""
+@pytest.mark.parametrize("dataset_name", ["builtin:guess-number", "builtin:guess-range"])
+def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer, dataset_name):
+    """Every row of a guessing dataset shares one prompt; a problem is its prompt and its answer (the secret), so
+    `--eval-fraction 0.2` holds out 20 numbers and trains on the other 80, the ones the SFT traces play."""
     from types import SimpleNamespace
 
-    from presets.agents import guess_number_traces
+    from presets.agents import guess_number_traces, training_secrets
     from rewards import load_task
 
-    args = SimpleNamespace(dataset_name="builtin:guess-number", dataset_split="train", answer_column="answer", seed=1)
+    args = SimpleNamespace(dataset_name=dataset_name, dataset_split="train", answer_column="answer", seed=1)
     args.__dict__.update(eval_fraction=0.2, eval_size=64, chat_template=True, system_prompt=None)
     train, held_out, chat = load_task(args, tokenizer, "prompt", 400)
     assert chat and len(train) == 80 and len(held_out) == 20 and len({json.dumps(r["prompt"]) for r in train}) == 1
     secrets = {r["answer"] for r in train}
     assert len(secrets) == 80 and not secrets & {r["answer"] for r in held_out}
     solved = {t["messages"][-1]["content"].removeprefix("The number is ").rstrip(".") for t in guess_number_traces()}
-    assert solved == secrets
+    assert solved == secrets == {str(n) for n in training_secrets()}
+
+
+def test_random_search_traces_draw_each_guess_from_the_range_left():
+    """builtin:guess-range-traces: 4 games for each training number, each guess inside the range the replies left
+    (read back from the replies), at most 7 guesses; such play solves about half of the games (halving solves all)."""
+    from presets.agents import guess_range_traces, training_secrets
+
+    traces, solved, offsets = guess_range_traces(), 0, []
+    assert len(traces) == 4 * len(training_secrets())
+    for trace in traces:
+        low, high, secret = 1, 100, None
+        guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in trace["messages"] if "tool_calls" in m]
+        replies = [m["content"] for m in trace["messages"] if m["role"] == "tool"]
+        assert len(guesses) == len(replies) <= 7
+        for guess, reply in zip(guesses, replies):
+            assert low <= guess <= high
+            offsets.append(abs(guess - (low + high) / 2) / (high - low + 1))
+            if reply == "correct":
+                secret = guess
+                break
+            left = tuple(int(n) for n in reply.split(": ")[1].split(" to "))
+            assert left == ((guess + 1, high) if reply.startswith("higher") else (low, guess - 1))
+            low, high = left
+        solved += secret is not None
+        assert trace["messages"][-1]["content"] == (f"The number is {secret}." if secret else "I ran out of guesses.")
+    assert 0.35 < solved / len(traces) < 0.6 and 0.22 < sum(offsets) / len(offsets) < 0.28
 
 
 RECORDER = '''
