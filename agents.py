@@ -15,7 +15,7 @@ the tools' together, as TRL counts) would pass `max_completion_length`. All epis
 by turn. The model's own tokens are marked 1 in `model_mask`, the tools' 0: the loss, the importance ratio, the KL and
 the lengths use the model's tokens only, while the tool tokens stay in the context.
 
-The built-in tool (`calculator`) and environment (`guess_number`) are examples to copy: presets/agents.py.
+The built-in tool (`calculator`) and environments (`guess_number`, `guess_range`) are examples to copy: presets/agents.py.
 """
 
 import inspect
