@@ -512,12 +512,22 @@ SHAPED_CURVES = [  # the guess-shaped run's logged curves: tag, what it is, its 
 ]
 
 
+def solve_gap(before: dict, after: dict) -> str:
+    """How far the held-out solve rate moved, against the standard error of the difference (the same episodes)."""
+    n = 20 * after["episodes"]
+    se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
+    gap = after["solved"] - before["solved"]
+    return (
+        f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
+        f"difference over {n} episodes each is {se:.2f}, so it is "
+        + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors.")
+    )
+
+
 def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
     """The guess-shaped stage's section: the warm start and grpo.py with partial credit, on the same episodes per
     held-out number, and the run's own curves (the held-out guess_progress, the training episodes' game reward)."""
     n = 20 * after["episodes"]
-    se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
-    gap = after["solved"] - before["solved"]
     lines = [
         "",
         "### With partial credit for narrowing the search",
@@ -536,9 +546,7 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
         row("after SFT on binary-search traces (the warm start)", before, game),
         row("SFT, then grpo.py with partial credit", after, game),
         "",
-        f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
-        f"difference over {n} episodes each is {se:.2f}, so it is "
-        + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors.")
+        solve_gap(before, after)
         + f" (The {n} episodes are {after['episodes']} on each of 20 numbers, the same 20 before and after.)",
     ]
     for tag, what, _ in SHAPED_CURVES:
@@ -550,8 +558,6 @@ def shaped_report(after: dict, before: dict, row, game: list[str]) -> list[str]:
 def range_report(after: dict, before: dict, game_only: dict | None, row) -> list[str]:
     """The guess-range stage's section: SFT on random search, then grpo.py, on the same episodes per held-out number."""
     n = 20 * after["episodes"]
-    se = (before["solved"] * (1 - before["solved"]) / n + after["solved"] * (1 - after["solved"]) / n) ** 0.5
-    gap = after["solved"] - before["solved"]
     game = ["solved", "accuracy", "calls_per_episode", "off_middle", "failure_rate", "turns", "kl", "reply_tokens"]
     lines = [
         "",
@@ -577,9 +583,7 @@ def range_report(after: dict, before: dict, game_only: dict | None, row) -> list
         row("after SFT on random-search traces (the warm start)", before, [*game, "step_s"]),
         row("SFT, then grpo.py", after, [*game, "step_s"]),
         "",
-        f"The solve rate moved {gap:+.2f} ({before['solved']:.2f} -> {after['solved']:.2f}); the standard error of that "
-        f"difference over {n} episodes each is {se:.2f}, so it is "
-        + ("beyond two standard errors." if abs(gap) > 2 * se else "inside two standard errors."),
+        solve_gap(before, after),
     ]
     for tag, what, _ in RANGE_CURVES:
         points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
