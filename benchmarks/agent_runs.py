@@ -17,7 +17,8 @@ Stages, each run through its script's own CLI and skipped when its result is alr
   the warm start and the result evaluated on 4 episodes per held-out number;
 - guess-range: sft.py on builtin:guess-range-traces (random search in the guess_range game, whose replies name the
   range left), then grpo.py from it with guess_progress beside the game's reward; both evaluated on 4 episodes per
-  held-out number, with how far each guess falls from the middle of the range left.
+  held-out number, with how far each guess falls from the middle of the range left;
+- guess-mixed: the same, with SFT on builtin:guess-mixed-traces (halving and random search, half the games each).
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
 one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
@@ -60,16 +61,17 @@ GAMES = {  # environment: its dataset and an episode's tokens (guess_range's ran
 }
 
 
+STAGES = "base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range guess-mixed"
+
+
 @dataclass
 class Args:
     out: str = "outputs/agents"
     """the runs' folders (replaced by a rerun of their stage)"""
     results: str = os.path.join(ROOT, "benchmarks", "RESULTS-agents.json")
     """the measured results, read first so that finished stages are skipped"""
-    stages: list[str] = field(
-        default_factory=lambda: "base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range".split()
-    )
-    """which stages to run (base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range)"""
+    stages: list[str] = field(default_factory=lambda: STAGES.split())
+    """which stages to run (the default: all of them, in this order)"""
     eval_size: int = 64
     """held-out problems per evaluation"""
     sft_steps: int = 30
@@ -93,11 +95,11 @@ class Args:
     guess_shaped_updates: int = 12
     """grpo.py's updates (8 games x 4 episodes each) in the guess-shaped stage"""
     guess_episodes: int = 4
-    """episodes per held-out number in the guess-shaped and guess-range stages' evaluations (20 numbers)"""
+    """episodes per held-out number in the guess-shaped, guess-range and guess-mixed stages' evaluations (20 numbers)"""
     range_sft_steps: int = 60
-    """SFT steps on the random-search traces of the guess-range stage (320 games, 8 a step)"""
+    """SFT steps on the traces of the guess-range and guess-mixed stages (320 games each, 8 a step)"""
     range_updates: int = 8
-    """grpo.py's updates (8 games x 4 episodes each) in the guess-range stage"""
+    """grpo.py's updates (8 games x 4 episodes each) in the guess-range and guess-mixed stages"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -130,7 +132,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     policy = load_pretrained(folder, grpo.AutoModelForCausalLM).eval()
     sampler = grpo.Sampler(args, tokenizer, policy, accelerator, agent, None)
     torch.manual_seed(args.seed)
-    scores, calls, failures, turns, tokens, formed, kls, texts, offsets = [], [], [], [], [], [], [], [], []
+    scores, calls, failures, turns, tokens, formed, kls, texts, states = [], [], [], [], [], [], [], [], []
     for i in range(0, len(rows), 32):
         chunk = rows[i : i + 32]
         rollout = sampler.rollout(chunk)
@@ -145,7 +147,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
             formed += [any(m.get("tool_calls") for m in e) for e in messages]
         if environment:
             scores += [e.get_reward() for e in rollout.environments]
-            offsets += [o for episode in messages for o in guess_offsets(episode)]
+            states += [guess_states(episode) for episode in messages]
         else:
             scores += verifier(None, messages, [r["answer"] for r in chunk], rg_entry=[r["rg_entry"] for r in chunk])
         texts += [m[-1]["content"] for m in messages]
@@ -171,15 +173,14 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
         }
     if environment:
         result |= {"solved": sum(s > 0 for s in scores) / n, "episodes": episodes}
-        result |= {"off_middle": sum(offsets) / max(1, len(offsets)), "guesses": len(offsets)}
+        result |= search_figures(states)
     return result
 
 
-def guess_offsets(messages: list[dict]) -> list[float]:
-    """How far each guess of a guessing episode fell from the middle of the numbers its replies so far left possible:
-    |guess - middle| / (numbers left). 0 halves the range (binary search); a uniform draw from the range averages 0.25;
-    0.5 and more is at an end or outside it."""
-    low, high, pending, offsets = 1, 100, [], []
+def guess_states(messages: list[dict]) -> list[tuple[int, int, int]]:
+    """Each guess of a guessing episode with the numbers its replies so far left possible: (guess, low, high), read
+    back from the replies (malformed calls and guesses after the game ended are left out)."""
+    low, high, pending, states = 1, 100, [], []
     for message in messages:
         if message["role"] == "assistant":
             pending += [call["function"].get("arguments") for call in message.get("tool_calls") or []]
@@ -187,11 +188,23 @@ def guess_offsets(messages: list[dict]) -> list[float]:
             arguments, reply = pending.pop(0), message["content"]
             number = arguments.get("number") if isinstance(arguments, dict) else None
             if not isinstance(number, int) or not reply.startswith(("higher", "lower", "correct")):
-                continue  # a malformed call, or a guess after the game ended
-            offsets.append(abs(number - (low + high) / 2) / (high - low + 1))
+                continue
+            states.append((number, low, high))
             low, high = (max(low, number + 1), high) if reply.startswith("higher") else (low, high)
             low, high = (low, min(high, number - 1)) if reply.startswith("lower") else (low, high)
-    return offsets
+    return states
+
+
+def search_figures(episodes: list[list[tuple[int, int, int]]]) -> dict:
+    """How the guesses sit in the range left: off_middle, the mean of |guess - middle| / numbers left (0 halves the
+    range, a uniform draw averages 0.25, 0.5 and more is at an end or outside it); at_middle, the share of guesses that
+    halve it (within half a number of the middle); opens_middle, the share of episodes whose first guess is 50 or 51."""
+    states = [state for episode in episodes for state in episode]
+    offsets = [abs(guess - (low + high) / 2) / (high - low + 1) for guess, low, high in states]
+    middle = [abs(guess - (low + high) / 2) <= 0.5 for guess, low, high in states]
+    openers = [abs(e[0][0] - 50.5) <= 0.5 for e in episodes if e]
+    share = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+    return {"off_middle": share(offsets), "at_middle": share(middle), "opens_middle": share(openers), "guesses": len(states)}
 
 
 def main(args: Args) -> None:
@@ -323,17 +336,22 @@ def main(args: Args) -> None:
                 run_logs = os.path.join(logs, name)
                 results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in SHAPED_CURVES}}
                 results[key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
-    if "guess-range" in args.stages:  # random-search demonstrations in the game that names the range left, then GRPO
-        range_game, sft_folder = dict(environment="guess_range", episodes=args.guess_episodes), f"{args.out}/range_sft"
+    for stage, (sft_key, key, traces, name) in SEARCH_STAGES.items():  # in the game that names the range left
+        if stage not in args.stages:
+            continue
+        range_game, sft_folder = dict(environment="guess_range", episodes=args.guess_episodes), f"{args.out}/{name}_sft"
         warm = os.path.join(f"{sft_folder}_checkpoints", f"step_{args.range_sft_steps}")
         if not os.path.isdir(warm):
-            command = ["sft.py", "--model-name", BASE, "--dataset-name", "builtin:guess-range-traces"]
+            command = ["sft.py", "--model-name", BASE, "--dataset-name", traces]
             command += ["--assistant-only-loss", "--max-steps", str(args.range_sft_steps), "--batch-size", "8"]
             command += ["--save-steps", "20", "--learning-rate", "2e-5", "--max-seq-length", "768"]
             command += ["--eval-steps", "1000", "--eval-fraction", "0.05", "--output-dir", sft_folder, "--overwrite"]
-            results[RANGE_SFT] = {"train_seconds": launch(RANGE_SFT, command + ["--log-dir", f"{logs}/range_sft"])}
-        key, name, updates = RANGE_RUN, "range_grpo", args.range_updates
-        folder = os.path.join(args.out, name)
+            results[sft_key] = {"train_seconds": launch(sft_key, command + ["--log-dir", f"{logs}/{name}_sft"])}
+        if "solved" not in results.get(sft_key, {}):
+            point = evaluate(warm, True, args.eval_size, base_model, **range_game) | {"step": args.range_sft_steps}
+            results[sft_key] = results.get(sft_key, {}) | point | {"machine": machine(args.threads)}
+            save()
+        folder, updates = os.path.join(args.out, f"{name}_grpo"), args.range_updates
         if key not in results:
             command = ["grpo.py", "--model-name", warm, "--environment", "guess_range", "--dataset-name"]
             command += ["builtin:guess-range", "--eval-fraction", "0.2", "--max-prompt-length", "400"]
@@ -341,13 +359,10 @@ def main(args: Args) -> None:
             command += ["presets.agents:guess_progress", "--reward-weights", "1.0", "--batch-size", "8"]
             command += ["--num-generations", "4", "--mini-batch-size", "4", "--gradient-accumulation-steps", "8"]
             command += ["--num-iterations", "2", "--total-prompts", str(8 * updates), "--learning-rate", "2e-5"]
-            command += ["--eval-freq", "4", "--output-dir", folder, "--overwrite", "--log-dir", f"{logs}/{name}"]
+            command += ["--eval-freq", "4", "--output-dir", folder, "--overwrite", "--log-dir", f"{logs}/{name}_grpo"]
             seconds = launch(key, command)
-            point = evaluate(warm, True, args.eval_size, base_model, **range_game) | {"step": args.range_sft_steps}
-            results[RANGE_SFT] = results.get(RANGE_SFT, {}) | point | {"machine": machine(args.threads)}
-            save()
             measure(key, folder, **range_game)
-            run_logs = os.path.join(logs, name)
+            run_logs = os.path.join(logs, f"{name}_grpo")
             step_s = median([v for _, v in curve(run_logs, "time/step")])
             results[key] |= {"seconds": seconds, "updates": updates, "step_s": step_s}
             results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in RANGE_CURVES}}
@@ -497,6 +512,12 @@ SHAPED_WARM = "guess: sft, 4 episodes each"  # (4: --guess-episodes' default; ea
 SHAPED_RUN = "guess: sft then grpo, shaped"
 RANGE_SFT = "guess_range: sft on random search"
 RANGE_RUN = "guess_range: sft then grpo"
+MIXED_SFT = "guess_range: sft on halving and random search"
+MIXED_RUN = "guess_range: sft on both, then grpo"
+SEARCH_STAGES = {  # stage: its SFT key, its RL key, the SFT traces, the runs' folder prefix
+    "guess-range": (RANGE_SFT, RANGE_RUN, "builtin:guess-range-traces", "range"),
+    "guess-mixed": (MIXED_SFT, MIXED_RUN, "builtin:guess-mixed-traces", "mixed"),
+}
 RANGE_GAME_ONLY = "guess_range: sft then grpo, game reward only (stopped after 8 updates)"  # an earlier command
 RANGE_CURVES = [  # the guess-range run's logged curves: tag, what it is, its label in the plot
     ("eval/reward", "held-out game reward + guess_progress (grpo.py's own evaluation, 20 numbers)", "held-out sum"),
@@ -585,9 +606,7 @@ def range_report(after: dict, before: dict, game_only: dict | None, row) -> list
         "",
         solve_gap(before, after),
     ]
-    for tag, what, _ in RANGE_CURVES:
-        points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
-        lines += ["", f"{what}, by update: {points}"]
+    lines += curve_lines(after)
     if game_only:  # the first try, with the game's reward alone: its logged curves
         curves = {tag: ", ".join(f"{u}: {v:.2f}" for u, v in points) for tag, points in game_only["curves"].items()}
         lines += [
@@ -602,6 +621,44 @@ def range_report(after: dict, before: dict, game_only: dict | None, row) -> list
     return lines
 
 
+def curve_lines(after: dict) -> list[str]:
+    """A guess_range run's logged curves (RANGE_CURVES), one line each."""
+    lines = []
+    for tag, what, _ in RANGE_CURVES:
+        points = ", ".join(f"{u}: {v:.2f}" for u, v in after.get("curves", {}).get(tag, []))
+        lines += ["", f"{what}, by update: {points}"]
+    return lines
+
+
+def mixed_report(after: dict, before: dict, row) -> list[str]:
+    """The guess-mixed stage's section: SFT on halving and random search, then grpo.py at the guess-range settings."""
+    n = 20 * after["episodes"]
+    game = ["solved", "accuracy", "calls_per_episode", "opens_middle", "at_middle", "failure_rate", "turns", "kl"]
+    lines = [
+        "",
+        "### Choosing the better of two demonstrated searches",
+        "",
+        "The same game, with SFT traces (builtin:guess-mixed-traces) from two players, 2 games each for every training "
+        "number: one halves the range left (it opens with 50 and solves every game), the other draws each guess "
+        "uniformly from it (as above). Behaviour cloning copies both: the warm start plays some games by halving and "
+        f"others at random (sft.py, {before['step']} steps of 8, {before.get('train_seconds', 0) / 60:.1f} min). "
+        "grpo.py then runs at the settings of the run above (the game's reward plus guess_progress, "
+        f"{after['updates']} updates of 8 numbers x 4 episodes, two passes over each, learning rate 2e-5). Both rows on "
+        f"{after['episodes']} episodes per held-out number ({n} episodes), the game's own reward. Opens with 50: the "
+        "share of episodes whose first guess halves 1..100 (50 or 51); at the middle: the share of all guesses within "
+        "half a number of the middle of the range left.",
+        "",
+        "| model | solved | mean reward | guesses per episode | opens with 50 | at the middle | failure rate | "
+        "turns per episode | KL to the start | wall | s/update | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        row("after SFT on halving and random search (the warm start)", before, [*game, "step_s"]),
+        row("SFT, then grpo.py", after, [*game, "step_s"]),
+        "",
+        solve_gap(before, after),
+    ]
+    return lines + curve_lines(after)
+
+
 def report(results: dict, path: str) -> None:
     """RESULTS-agents.md and its PNG from the JSON."""
     import matplotlib
@@ -612,7 +669,7 @@ def report(results: dict, path: str) -> None:
     def cell(r, key, fmt="{:.2f}"):
         return fmt.format(r[key]) if key in r else "-"
 
-    keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN, RANGE_SFT, RANGE_RUN]
+    keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN, RANGE_SFT, RANGE_RUN, MIXED_SFT, MIXED_RUN]
     measured = [results[k] for k in keys if k in results] + results.get("sft curve", [])
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
@@ -744,6 +801,8 @@ def report(results: dict, path: str) -> None:
         lines += shaped_report(shaped, warm_many, row, game)
     if RANGE_RUN in results and "solved" in results.get(RANGE_SFT, {}):
         lines += range_report(results[RANGE_RUN], results[RANGE_SFT], results.get(RANGE_GAME_ONLY), row)
+    if MIXED_RUN in results and "solved" in results.get(MIXED_SFT, {}):
+        lines += mixed_report(results[MIXED_RUN], results[MIXED_SFT], row)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -755,7 +814,8 @@ def report(results: dict, path: str) -> None:
     guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
     guess_curve = guess_curves[-1][1] if guess_curves else None
     shaped, ranged = results.get(SHAPED_RUN, {}).get("curves"), results.get(RANGE_RUN, {}).get("curves")
-    panels = 2 + bool(guess_curve) + bool(shaped) + bool(ranged)
+    mixed = results.get(MIXED_RUN, {}).get("curves")
+    panels = 2 + bool(guess_curve) + bool(shaped) + bool(ranged) + bool(mixed)
     rows_, columns = (panels + 2) // 3, min(panels, 3)
     fig, grid = plt.subplots(rows_, columns, figsize=(5 * columns, 3.5 * rows_), squeeze=False)
     axes = list(grid.flat)
@@ -788,11 +848,11 @@ def report(results: dict, path: str) -> None:
             ax.plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
         ax.set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
         ax.legend()
-    if ranged:
-        ax = axes[panels - 1]
+    titles = ["Guessing in the range left, from random search"] * bool(ranged) + ["... from halving and random"] * bool(mixed)
+    for curves, title, ax in zip([c for c in (ranged, mixed) if c], titles, axes[panels - len(titles) : panels]):
         for (tag, _, label), color in zip(RANGE_CURVES[:3], ("C1", "C2", "C0")):
-            ax.plot(*zip(*ranged[tag]), marker="o", color=color, label=label)
-        ax.set(xlabel="update", ylabel="mean reward", ylim=(0, 1), title="Guessing in the range left, from random search")
+            ax.plot(*zip(*curves[tag]), marker="o", color=color, label=label)
+        ax.set(xlabel="update", ylabel="mean reward", ylim=(0, 1), title=title)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)

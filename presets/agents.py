@@ -187,3 +187,11 @@ def guess_range_traces(plays: int = 4, seed: int = 0) -> list[dict]:
     (halving solves all): demonstrations that RL has to improve on, not copy."""
     draw = random.Random(seed)
     return guess_traces(GuessInRange(), GUESS_RANGE_PROMPT, draw.randint, plays)
+
+
+def guess_mixed_traces(plays: int = 2, seed: int = 0) -> list[dict]:
+    """Two players in GuessInRange for each number that grpo.py trains on, `plays` games each: halving the range left
+    (its first guess is always 50; it solves every game) and random search (guess_range_traces). Behaviour cloning
+    copies both; RL can learn to play the better one."""
+    halve = guess_traces(GuessInRange(), GUESS_RANGE_PROMPT, lambda low, high: (low + high) // 2, plays)
+    return halve + guess_range_traces(plays, seed)

@@ -19,6 +19,7 @@ builtin:guess-number-traces       messages, tools: binary search for the 80 numb
                                   trains on (grpo.py / rloo.py hold the other 20 out)
 builtin:guess-range               prompt, answer: the same games for the guess_range environment (replies name the range left)
 builtin:guess-range-traces        messages, tools: random search in guess_range, 4 games for each of the same 80 numbers
+builtin:guess-mixed-traces        messages, tools: halving and random search in guess_range, 2 games each per number
 """
 
 import glob
@@ -39,6 +40,7 @@ DATASETS = (
     "builtin:guess-number-traces",
     "builtin:guess-range",
     "builtin:guess-range-traces",
+    "builtin:guess-mixed-traces",
 )
 
 
@@ -123,6 +125,7 @@ def dataset(name: str, seed: int = 0) -> Dataset:
             "builtin:guess-number-traces": agents.guess_number_traces,
             "builtin:guess-range": lambda: agents.guess_number_rows(agents.GUESS_RANGE_PROMPT),
             "builtin:guess-range-traces": agents.guess_range_traces,
+            "builtin:guess-mixed-traces": agents.guess_mixed_traces,
         }[name]()
         return Dataset.from_list(rows)
     raise KeyError(f"Unknown built-in dataset {name!r}: choose {', '.join(DATASETS)}.")

@@ -242,6 +242,25 @@ def test_random_search_traces_draw_each_guess_from_the_range_left():
     assert 0.35 < solved / len(traces) < 0.6 and 0.22 < sum(offsets) / len(offsets) < 0.28
 
 
+
+def test_mixed_traces_halve_in_half_of_the_games_and_search_at_random_in_the_rest():
+    """builtin:guess-mixed-traces: for each training number 2 games that guess the middle of the range left (each
+    opens with 50 and solves within 7 guesses) and 2 games of random search (guess_range_traces' player)."""
+    from presets.agents import guess_mixed_traces, guess_range_traces, training_secrets
+
+    traces, secrets = guess_mixed_traces(), training_secrets()
+    halving, random_search = traces[: 2 * len(secrets)], traces[2 * len(secrets) :]
+    assert random_search == guess_range_traces(plays=2)
+    for trace, secret in zip(halving, [s for s in secrets for _ in range(2)]):
+        messages, low, high = trace["messages"], 1, 100
+        guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in messages if "tool_calls" in m]
+        assert guesses[0] == 50 and len(guesses) <= 7 and guesses[-1] == secret
+        for guess in guesses:
+            assert guess == (low + high) // 2
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+        assert messages[-1]["content"] == f"The number is {secret}."
+
+
 RECORDER = '''
 import json, os
 
