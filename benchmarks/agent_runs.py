@@ -634,6 +634,7 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
     """The guess-mixed stage's section: SFT on halving and random search, then grpo.py at the guess-range settings."""
     n = 20 * after["episodes"]
     game = ["solved", "accuracy", "calls_per_episode", "opens_middle", "at_middle", "failure_rate", "turns", "kl"]
+    game += ["reply_tokens"]
     lines = [
         "",
         "### Choosing the better of two demonstrated searches",
@@ -649,8 +650,8 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
         "half a number of the middle of the range left.",
         "",
         "| model | solved | mean reward | guesses per episode | opens with 50 | at the middle | failure rate | "
-        "turns per episode | KL to the start | wall | s/update | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "turns per episode | KL to the start | policy tokens | wall | s/update | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         row("after SFT on halving and random search (the warm start)", before, [*game, "step_s"]),
         row("SFT, then grpo.py", after, [*game, "step_s"]),
         "",
