@@ -598,13 +598,7 @@ def range_report(after: dict, before: dict, game_only: dict | None, row) -> list
         "|guess - middle of the range left| / numbers left, averaged over the guesses: 0.25 for a uniform draw, 0 for "
         "halving.",
         "",
-        "| model | solved | mean reward | guesses per episode | off the middle | failure rate | turns per episode | "
-        "KL to the start | policy tokens | wall | s/update | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        row("after SFT on random-search traces (the warm start)", before, [*game, "step_s"]),
-        row("SFT, then grpo.py", after, [*game, "step_s"]),
-        "",
-        solve_gap(before, after),
+        *before_after(before, after, game, "random-search traces", row),
     ]
     lines += curve_lines(after)
     if game_only:  # the first try, with the game's reward alone: its logged curves
@@ -619,6 +613,33 @@ def range_report(after: dict, before: dict, game_only: dict | None, row) -> list
             "gradient; the policy grew surer (its entropy halved) without learning to halve the range.",
         ]
     return lines
+
+
+COLUMNS = {  # a guessing table's column for each figure
+    "solved": "solved",
+    "accuracy": "mean reward",
+    "calls_per_episode": "guesses per episode",
+    "off_middle": "off the middle",
+    "opens_middle": "opens with 50",
+    "at_middle": "at the middle",
+    "failure_rate": "failure rate",
+    "turns": "turns per episode",
+    "kl": "KL to the start",
+    "reply_tokens": "policy tokens",
+}
+
+
+def before_after(before: dict, after: dict, game: list[str], traces: str, row) -> list[str]:
+    """A guess_range stage's table (the warm start, then grpo.py) and how far the solve rate moved."""
+    columns = ["model", *(COLUMNS[k] for k in game), "wall", "s/update", "machine"]
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+        row(f"after SFT on {traces} (the warm start)", before, [*game, "step_s"]),
+        row("SFT, then grpo.py", after, [*game, "step_s"]),
+        "",
+        solve_gap(before, after),
+    ]
 
 
 def curve_lines(after: dict) -> list[str]:
@@ -649,13 +670,7 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
         "share of episodes whose first guess halves 1..100 (50 or 51); at the middle: the share of all guesses within "
         "half a number of the middle of the range left.",
         "",
-        "| model | solved | mean reward | guesses per episode | opens with 50 | at the middle | failure rate | "
-        "turns per episode | KL to the start | policy tokens | wall | s/update | machine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        row("after SFT on halving and random search (the warm start)", before, [*game, "step_s"]),
-        row("SFT, then grpo.py", after, [*game, "step_s"]),
-        "",
-        solve_gap(before, after),
+        *before_after(before, after, game, "halving and random search", row),
     ]
     return lines + curve_lines(after)
 
