@@ -897,7 +897,8 @@ def report(results: dict, path: str) -> None:
             ax.plot(*zip(*shaped[tag]), marker="o", color=color, label=label)
         ax.set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
         ax.legend()
-    titles = ["Guessing in the range left, from random search"] * bool(ranged) + ["... from halving and random"] * bool(mixed)
+    titles = ["Guessing in the range left, from random search"] * bool(ranged)
+    titles += ["Range left, from halving and random search"] * bool(mixed)
     for curves, title, ax in zip([c for c in (ranged, mixed) if c], titles, axes[panels - len(titles) : panels]):
         for (tag, _, label), color in zip(RANGE_CURVES[:3], ("C1", "C2", "C0")):
             ax.plot(*zip(*curves[tag]), marker="o", color=color, label=label)
