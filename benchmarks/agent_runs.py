@@ -665,6 +665,8 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
     n = 20 * after["episodes"]
     game = ["solved", "accuracy", "guess_progress", "calls_per_episode", "opens_middle", "solved_opening_middle"]
     game += ["solved_otherwise", "at_middle", "failure_rate", "turns", "kl", "reply_tokens"]
+    training = after["curves"]["rewards/presets.agents:guess_progress/mean"]
+    peak, last = max(training, key=lambda point: point[1]), training[-1]
     lines = [
         "",
         "### Choosing the better of two demonstrated searches",
@@ -689,9 +691,8 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
         "follow: on the held-out numbers the warm start's games that opened with 50 solved "
         f"{before['solved_opening_middle']:.2f}, hardly more than its others ({before['solved_otherwise']:.2f}), so "
         "choosing to halve could add little by itself; half of the guesses still miss the middle, and a search that "
-        "narrows the range to a few numbers earns partial credit without the solve. The training episodes' rewards "
-        "fell in the last two updates (8 numbers each); whether that is the numbers drawn or the start of a collapse, "
-        "a longer run would tell.",
+        "narrows the range to a few numbers earns partial credit without the solve. The training episodes' "
+        f"guess_progress (8 numbers an update) peaked at {peak[1]:.2f} in update {peak[0]} and ended at {last[1]:.2f}.",
     ]
     return lines + curve_lines(after)
 

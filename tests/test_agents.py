@@ -242,7 +242,6 @@ def test_random_search_traces_draw_each_guess_from_the_range_left():
     assert 0.35 < solved / len(traces) < 0.6 and 0.22 < sum(offsets) / len(offsets) < 0.28
 
 
-
 def test_mixed_traces_halve_in_half_of_the_games_and_search_at_random_in_the_rest():
     """builtin:guess-mixed-traces: for each training number 2 games that guess the middle of the range left (each
     opens with 50 and solves within 7 guesses) and 2 games of random search (guess_range_traces' player)."""
