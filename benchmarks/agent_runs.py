@@ -206,10 +206,11 @@ def search_figures(episodes: list[list[tuple[int, int, int]]], scores: list[floa
     middle = [abs(guess - (low + high) / 2) <= 0.5 for guess, low, high in states]
     opens = [bool(e) and abs(e[0][0] - 50.5) <= 0.5 for e in episodes]
     share = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
-    solved = {True: [s > 0 for s, o in zip(scores, opens) if o], False: [s > 0 for s, o in zip(scores, opens) if not o]}
+    opening = [s > 0 for s, o in zip(scores, opens) if o]
+    otherwise = [s > 0 for s, o in zip(scores, opens) if not o]
     figures = {"off_middle": share(offsets), "at_middle": share(middle), "opens_middle": share(opens)}
-    figures |= {"solved_opening_middle": share(solved[True])} if solved[True] else {}
-    figures |= {"solved_otherwise": share(solved[False])} if solved[False] else {}  # (none: no figure)
+    figures |= {"solved_opening_middle": share(opening)} if opening else {}  # no such episodes: no figure
+    figures |= {"solved_otherwise": share(otherwise)} if otherwise else {}
     return figures | {"guesses": len(states)}
 
 

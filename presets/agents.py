@@ -176,9 +176,14 @@ def guess_traces(game: GuessTheNumber, prompt: str, pick, plays: int) -> list[di
     return rows
 
 
+def middle(low: int, high: int) -> int:
+    """Binary search's guess: the middle of the numbers still possible (the lower one of two)."""
+    return (low + high) // 2
+
+
 def guess_number_traces() -> list[dict]:
     """Binary search for each number that grpo.py trains on: guess the middle of what is left, then say the number."""
-    return guess_traces(GuessTheNumber(), GUESS_PROMPT, lambda low, high: (low + high) // 2, plays=1)
+    return guess_traces(GuessTheNumber(), GUESS_PROMPT, middle, plays=1)
 
 
 def guess_range_traces(plays: int = 4, seed: int = 0) -> list[dict]:
@@ -193,5 +198,4 @@ def guess_mixed_traces(plays: int = 2, seed: int = 0) -> list[dict]:
     """Two players in GuessInRange for each number that grpo.py trains on, `plays` games each: halving the range left
     (its first guess is always 50; it solves every game) and random search (guess_range_traces). Behaviour cloning
     copies both; RL can learn to play the better one."""
-    halve = guess_traces(GuessInRange(), GUESS_RANGE_PROMPT, lambda low, high: (low + high) // 2, plays)
-    return halve + guess_range_traces(plays, seed)
+    return guess_traces(GuessInRange(), GUESS_RANGE_PROMPT, middle, plays) + guess_range_traces(plays, seed)
