@@ -18,7 +18,9 @@ Stages, each run through its script's own CLI and skipped when its result is alr
 - guess-range: sft.py on builtin:guess-range-traces (random search in the guess_range game, whose replies name the
   range left), then grpo.py from it with guess_progress beside the game's reward; both evaluated on 4 episodes per
   held-out number, with how far each guess falls from the middle of the range left;
-- guess-mixed: the same, with SFT on builtin:guess-mixed-traces (halving and random search, half the games each).
+- guess-mixed: the same, with SFT on builtin:guess-mixed-traces (halving and random search, half the games each);
+  guess-mixed-more: grpo.py on from that run's model for --more-updates updates, at the same settings; its warm
+  start and its model are evaluated again on --wide-episodes episodes per held-out number.
 
 Every evaluation: the held-out problems (reasoning-gym's seed 2, none of them among the training or the SFT problems),
 one episode each sampled at temperature 1 (grpo.py's evaluation), the verifier's score, tool calls and failures per
@@ -61,7 +63,7 @@ GAMES = {  # environment: its dataset and an episode's tokens (guess_range's ran
 }
 
 
-STAGES = "base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range guess-mixed"
+STAGES = "base sft grpo rloo trl grpo-long guess guess-long guess-shaped guess-range guess-mixed guess-mixed-more"
 
 
 @dataclass
@@ -100,6 +102,11 @@ class Args:
     """SFT steps on the traces of the guess-range and guess-mixed stages (320 games each, 8 a step)"""
     range_updates: int = 8
     """grpo.py's updates (8 games x 4 episodes each) in the guess-range and guess-mixed stages"""
+    more_updates: int = 10
+    """grpo.py's further updates in the guess-mixed-more stage (10: each of the 80 training numbers once)"""
+    wide_episodes: int = 8
+    """episodes per held-out number in the guess-mixed-more stage's second, larger evaluation (of the warm start and
+    the final model)"""
     threads: int = 2
     """torch threads of each run"""
 
@@ -344,7 +351,8 @@ def main(args: Args) -> None:
                 results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in SHAPED_CURVES}}
                 results[key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
     for stage, (sft_key, key, traces, name) in SEARCH_STAGES.items():  # in the game that names the range left
-        if stage not in args.stages:
+        more = stage == "guess-mixed" and "guess-mixed-more" in args.stages  # on from the end of the guess-mixed run
+        if stage not in args.stages and not more:
             continue
         range_game, sft_folder = dict(environment="guess_range", episodes=args.guess_episodes), f"{args.out}/{name}_sft"
         warm = os.path.join(f"{sft_folder}_checkpoints", f"step_{args.range_sft_steps}")
@@ -358,21 +366,33 @@ def main(args: Args) -> None:
             point = evaluate(warm, True, args.eval_size, base_model, **range_game) | {"step": args.range_sft_steps}
             results[sft_key] = results.get(sft_key, {}) | point | {"machine": machine(args.threads)}
             save()
-        folder, updates = os.path.join(args.out, f"{name}_grpo"), args.range_updates
-        if key not in results:
-            command = ["grpo.py", "--model-name", warm, "--environment", "guess_range", "--dataset-name"]
-            command += ["builtin:guess-range", "--eval-fraction", "0.2", "--max-prompt-length", "400"]
-            command += ["--max-completion-length", str(GAMES["guess_range"][1]), "--reward-funcs"]
-            command += ["presets.agents:guess_progress", "--reward-weights", "1.0", "--batch-size", "8"]
-            command += ["--num-generations", "4", "--mini-batch-size", "4", "--gradient-accumulation-steps", "8"]
-            command += ["--num-iterations", "2", "--total-prompts", str(8 * updates), "--learning-rate", "2e-5"]
-            command += ["--eval-freq", "4", "--output-dir", folder, "--overwrite", "--log-dir", f"{logs}/{name}_grpo"]
-            seconds = launch(key, command)
-            measure(key, folder, **range_game)
-            run_logs = os.path.join(logs, f"{name}_grpo")
-            step_s = median([v for _, v in curve(run_logs, "time/step")])
-            results[key] |= {"seconds": seconds, "updates": updates, "step_s": step_s}
-            results[key] |= {"curves": {tag: curve(run_logs, tag) for tag, _, _ in RANGE_CURVES}}
+        runs = [(key, warm, f"{name}_grpo", args.range_updates, ["--eval-freq", "4"])]  # key, start, folder, ...
+        if more:
+            extra = ["--eval-freq", "5", "--save-freq", "5"]
+            runs.append((MIXED_MORE, os.path.join(args.out, f"{name}_grpo"), f"{name}_grpo_more", args.more_updates, extra))
+        for run_key, start, run_name, updates, extra in runs:  # each trained once, then evaluated once
+            folder, run_logs = os.path.join(args.out, run_name), os.path.join(logs, run_name)
+            if run_key not in results:
+                command = ["grpo.py", "--model-name", start, "--environment", "guess_range", "--dataset-name"]
+                command += ["builtin:guess-range", "--eval-fraction", "0.2", "--max-prompt-length", "400"]
+                command += ["--max-completion-length", str(GAMES["guess_range"][1]), "--reward-funcs"]
+                command += ["presets.agents:guess_progress", "--reward-weights", "1.0", "--batch-size", "8"]
+                command += ["--num-generations", "4", "--mini-batch-size", "4", "--gradient-accumulation-steps", "8"]
+                command += ["--num-iterations", "2", "--total-prompts", str(8 * updates), "--learning-rate", "2e-5"]
+                command += [*extra, "--output-dir", folder, "--overwrite", "--log-dir", run_logs]
+                results[run_key] = {"seconds": launch(run_key, command), "updates": updates}
+                save()
+            if "solved" not in results[run_key]:
+                point = evaluate(folder, True, args.eval_size, base_model, **range_game)
+                results[run_key] |= point | {"machine": machine(args.threads)}
+                results[run_key]["step_s"] = median([v for _, v in curve(run_logs, "time/step")])
+                results[run_key]["curves"] = {tag: curve(run_logs, tag) for tag, _, _ in RANGE_CURVES}
+                save()
+            print(run_key, {k: v for k, v in results[run_key].items() if k not in ("samples", "curves")}, flush=True)
+        if more:  # the warm start and the final model again, on more episodes: a smaller standard error
+            wide = dict(environment="guess_range", episodes=args.wide_episodes)
+            measure(MIXED_SFT + WIDE, warm, **wide)
+            measure(MIXED_MORE + WIDE, os.path.join(args.out, f"{name}_grpo_more"), **wide)
     runs = [(key, stage) for stage, _, key, _ in RL_RUNS] + [(key, name) for _, key, name, _ in GUESS_RUNS]
     for key, run_name in runs:
         if key in results and "curve" not in results[key]:  # the held-out curve of each RL run, from its logs
@@ -521,6 +541,8 @@ RANGE_SFT = "guess_range: sft on random search"
 RANGE_RUN = "guess_range: sft then grpo"
 MIXED_SFT = "guess_range: sft on halving and random search"
 MIXED_RUN = "guess_range: sft on both, then grpo"
+MIXED_MORE = "guess_range: sft on both, then grpo, on for more updates"
+WIDE = ", a larger evaluation"  # the guess-mixed-more stage's second evaluation of the warm start and its model
 SEARCH_STAGES = {  # stage: its SFT key, its RL key, the SFT traces, the runs' folder prefix
     "guess-range": (RANGE_SFT, RANGE_RUN, "builtin:guess-range-traces", "range"),
     "guess-mixed": (MIXED_SFT, MIXED_RUN, "builtin:guess-mixed-traces", "mixed"),
@@ -698,6 +720,34 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
     return lines + curve_lines(after)
 
 
+def more_report(more: dict, after: dict, before: dict, row) -> list[str]:
+    """The guess-mixed-more stage's section: grpo.py on from the guess-mixed run's model, against the warm start."""
+    game = ["solved", "accuracy", "guess_progress", "calls_per_episode", "opens_middle", "at_middle", "failure_rate"]
+    game += ["turns", "kl", "reply_tokens"]
+    columns = ["model", *(COLUMNS[k] for k in game), "wall", "s/update", "machine"]
+    total, alone = after["updates"] + more["updates"], {k: v for k, v in more.items() if k != "updates"}
+    return [
+        "",
+        f"### On for {more['updates']} more updates",
+        "",
+        f"grpo.py on from the model above for {more['updates']} more updates at the same settings (`--model-name` "
+        "its output; a new optimizer, as the first run saved no checkpoint to resume from; 8 numbers an update, so "
+        f"{8 * more['updates']} numbers: each training number once, in the order `--seed 1` draws). The rows on the "
+        "same held-out episodes as above; the wall time of the last row is that of the further updates.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+        row("after SFT on halving and random search (the warm start)", before, [*game, "step_s"]),
+        row("SFT, then grpo.py", after, [*game, "step_s"]),
+        row(f"SFT, then grpo.py, {after['updates']} + {more['updates']} = {total} updates", alone, [*game, "step_s"]),
+        "",
+        solve_gap(before, more),
+        "",
+        progress_gap(before, more),
+        *curve_lines(more),
+    ]
+
+
 def progress_gap(before: dict, after: dict) -> str:
     """How far the held-out guess_progress moved, against the largest standard error its means allow (a score in [0, 1]
     with mean m varies at most m (1 - m); the per-episode scores are not kept)."""
@@ -721,6 +771,7 @@ def report(results: dict, path: str) -> None:
         return fmt.format(r[key]) if key in r else "-"
 
     keys = [k for k, _ in ROWS + GUESS_ROWS] + [SHAPED_WARM, SHAPED_RUN, RANGE_SFT, RANGE_RUN, MIXED_SFT, MIXED_RUN]
+    keys += [MIXED_MORE, MIXED_SFT + WIDE, MIXED_MORE + WIDE]
     measured = [results[k] for k in keys if k in results] + results.get("sft curve", [])
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
@@ -854,6 +905,8 @@ def report(results: dict, path: str) -> None:
         lines += range_report(results[RANGE_RUN], results[RANGE_SFT], results.get(RANGE_GAME_ONLY), row)
     if MIXED_RUN in results and "solved" in results.get(MIXED_SFT, {}):
         lines += mixed_report(results[MIXED_RUN], results[MIXED_SFT], row)
+        if "solved" in results.get(MIXED_MORE, {}):
+            lines += more_report(results[MIXED_MORE], results[MIXED_RUN], results[MIXED_SFT], row)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -865,7 +918,7 @@ def report(results: dict, path: str) -> None:
     guess_curves = [(key, results[key]["curve"]) for _, key, _, _ in GUESS_RUNS if results.get(key, {}).get("curve")]
     guess_curve = guess_curves[-1][1] if guess_curves else None
     shaped, ranged = results.get(SHAPED_RUN, {}).get("curves"), results.get(RANGE_RUN, {}).get("curves")
-    mixed = results.get(MIXED_RUN, {}).get("curves")
+    mixed, more = results.get(MIXED_RUN, {}).get("curves"), results.get(MIXED_MORE, {}).get("curves")
     panels = 2 + bool(guess_curve) + bool(shaped) + bool(ranged) + bool(mixed)
     rows_, columns = (panels + 2) // 3, min(panels, 3)
     fig, grid = plt.subplots(rows_, columns, figsize=(5 * columns, 3.5 * rows_), squeeze=False)
@@ -900,10 +953,13 @@ def report(results: dict, path: str) -> None:
         ax.set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
         ax.legend()
     titles = ["Guessing in the range left, from random search"] * bool(ranged)
-    titles += ["Range left, from halving and random search"] * bool(mixed)
+    titles += ["Range left, from halving and random search" + ", then on (dashed)" * bool(more)] * bool(mixed)
     for curves, title, ax in zip([c for c in (ranged, mixed) if c], titles, axes[panels - len(titles) : panels]):
         for (tag, _, label), color in zip(RANGE_CURVES[:3], ("C1", "C2", "C0")):
             ax.plot(*zip(*curves[tag]), marker="o", color=color, label=label)
+            if curves is mixed and more:  # the run on from its end, at its update count
+                shift = results[MIXED_RUN]["updates"]
+                ax.plot([u + shift for u, _ in more[tag]], [v for _, v in more[tag]], marker="o", color=color, ls="--")
         ax.set(xlabel="update", ylabel="mean reward", ylim=(0, 1), title=title)
         ax.legend()
     fig.tight_layout()
