@@ -720,9 +720,11 @@ def mixed_report(after: dict, before: dict, row) -> list[str]:
     return lines + curve_lines(after)
 
 
-def more_report(more: dict, after: dict, before: dict, row) -> list[str]:
-    """The guess-mixed-more stage's section: grpo.py on from the guess-mixed run's model, against the warm start."""
-    game = ["solved", "accuracy", "guess_progress", "calls_per_episode", "opens_middle", "at_middle", "failure_rate"]
+def more_report(more: dict, after: dict, before: dict, wide: list[dict], row) -> list[str]:
+    """The guess-mixed-more stage's section: grpo.py on from the guess-mixed run's model, against the warm start (and,
+    where measured, the two again on more episodes: `wide`)."""
+    game = ["solved", "accuracy", "guess_progress", "calls_per_episode", "opens_middle", "at_middle", "off_middle"]
+    game += ["failure_rate"]
     game += ["turns", "kl", "reply_tokens"]
     columns = ["model", *(COLUMNS[k] for k in game), "wall", "s/update", "machine"]
     total, alone = after["updates"] + more["updates"], {k: v for k, v in more.items() if k != "updates"}
@@ -733,7 +735,8 @@ def more_report(more: dict, after: dict, before: dict, row) -> list[str]:
         f"grpo.py on from the model above for {more['updates']} more updates at the same settings (`--model-name` "
         "its output; a new optimizer, as the first run saved no checkpoint to resume from; 8 numbers an update, so "
         f"{8 * more['updates']} numbers: each training number once, in the order `--seed 1` draws). The rows on the "
-        "same held-out episodes as above; the wall time of the last row is that of the further updates.",
+        "same held-out episodes as above; the wall time of the last row is that of the further updates, and the curves below "
+        "count the further updates (update 0: the model after the first 8).",
         "",
         "| " + " | ".join(columns) + " |",
         "|---" * len(columns) + "|",
@@ -745,6 +748,25 @@ def more_report(more: dict, after: dict, before: dict, row) -> list[str]:
         "",
         progress_gap(before, more),
         *curve_lines(more),
+        *wide_lines(*wide, before, more, total),
+    ]
+
+
+def wide_lines(before: dict | None, after: dict | None, first_before: dict, first_after: dict, updates: int) -> list[str]:
+    """The larger evaluation of the guess-mixed-more stage: the warm start and the final model on more episodes."""
+    if not (before and after):
+        return []
+    n, first = 20 * after["episodes"], 20 * first_after["episodes"]
+    pooled = [(w["solved"] * n + f["solved"] * first) / (n + first) for w, f in ((before, first_before), (after, first_after))]
+    se = sum(p * (1 - p) / (n + first) for p in pooled) ** 0.5
+    return [
+        "",
+        f"The two evaluated again on {after['episodes']} episodes per held-out number ({n} each, the evaluation's seed "
+        f"unchanged): the warm start solves {before['solved']:.2f} (guess_progress "
+        f"{before['guess_progress']:.2f}) and the model after {updates} updates "
+        f"{after['solved']:.2f} ({after['guess_progress']:.2f}). " + solve_gap(before, after) + " This evaluation ran "
+        f"after the first fell short of two standard errors; over both ({n + first} episodes of each model) the solve "
+        f"rate moved {pooled[1] - pooled[0]:+.2f} ({pooled[0]:.2f} -> {pooled[1]:.2f}), standard error {se:.2f}.",
     ]
 
 
@@ -906,7 +928,8 @@ def report(results: dict, path: str) -> None:
     if MIXED_RUN in results and "solved" in results.get(MIXED_SFT, {}):
         lines += mixed_report(results[MIXED_RUN], results[MIXED_SFT], row)
         if "solved" in results.get(MIXED_MORE, {}):
-            lines += more_report(results[MIXED_MORE], results[MIXED_RUN], results[MIXED_SFT], row)
+            wide = [results.get(MIXED_SFT + WIDE), results.get(MIXED_MORE + WIDE)]
+            lines += more_report(results[MIXED_MORE], results[MIXED_RUN], results[MIXED_SFT], wide, row)
     lines += ["", f"![SFT warm start and RL with the live calculator]({os.path.basename(path)[: -len('.md')]}.png)", ""]
     lines += [
         "Each row is one run (seed 1). The commands (benchmarks/agent_runs.py runs them, then evaluates each model):",
@@ -953,15 +976,20 @@ def report(results: dict, path: str) -> None:
         ax.set(xlabel="update", ylim=(0, 1), title="Number guessing, with partial credit")
         ax.legend()
     titles = ["Guessing in the range left, from random search"] * bool(ranged)
-    titles += ["Range left, from halving and random search" + ", then on (dashed)" * bool(more)] * bool(mixed)
+    titles += ["Range left, halving and random" + " (dashed: on)" * bool(more)] * bool(mixed)
     for curves, title, ax in zip([c for c in (ranged, mixed) if c], titles, axes[panels - len(titles) : panels]):
         for (tag, _, label), color in zip(RANGE_CURVES[:3], ("C1", "C2", "C0")):
             ax.plot(*zip(*curves[tag]), marker="o", color=color, label=label)
             if curves is mixed and more:  # the run on from its end, at its update count
                 shift = results[MIXED_RUN]["updates"]
                 ax.plot([u + shift for u, _ in more[tag]], [v for _, v in more[tag]], marker="o", color=color, ls="--")
-        ax.set(xlabel="update", ylabel="mean reward", ylim=(0, 1), title=title)
-        ax.legend()
+        if curves is mixed:  # agent_runs.py's own evaluations: the solve rate on 4 episodes per held-out number
+            points = [(0, results[MIXED_SFT]), (results[MIXED_RUN]["updates"], results[MIXED_RUN])]
+            points += [(points[1][0] + results[MIXED_MORE]["updates"], results[MIXED_MORE])] * bool(more)
+            label = f"held-out solved ({20 * results[MIXED_RUN]['episodes']} episodes)"
+            ax.plot([u for u, _ in points], [r["solved"] for _, r in points], marker="s", color="C3", label=label)
+        ax.set(xlabel="update", ylabel="mean reward" + " / share solved" * (curves is mixed), ylim=(0, 1), title=title)
+        ax.legend(**(dict(fontsize=7, loc=(0.3, 0.55)) if curves is mixed else {}))
     fig.tight_layout()
     fig.savefig(path[: -len(".md")] + ".png", dpi=100)
 
