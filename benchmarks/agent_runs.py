@@ -724,8 +724,7 @@ def more_report(more: dict, after: dict, before: dict, wide: list[dict], row) ->
     """The guess-mixed-more stage's section: grpo.py on from the guess-mixed run's model, against the warm start (and,
     where measured, the two again on more episodes: `wide`)."""
     game = ["solved", "accuracy", "guess_progress", "calls_per_episode", "opens_middle", "at_middle", "off_middle"]
-    game += ["failure_rate"]
-    game += ["turns", "kl", "reply_tokens"]
+    game += ["failure_rate", "turns", "kl", "reply_tokens"]
     columns = ["model", *(COLUMNS[k] for k in game), "wall", "s/update", "machine"]
     total, alone = after["updates"] + more["updates"], {k: v for k, v in more.items() if k != "updates"}
     return [
@@ -735,8 +734,8 @@ def more_report(more: dict, after: dict, before: dict, wide: list[dict], row) ->
         f"grpo.py on from the model above for {more['updates']} more updates at the same settings (`--model-name` "
         "its output; a new optimizer, as the first run saved no checkpoint to resume from; 8 numbers an update, so "
         f"{8 * more['updates']} numbers: each training number once, in the order `--seed 1` draws). The rows on the "
-        "same held-out episodes as above; the wall time of the last row is that of the further updates, and the curves below "
-        "count the further updates (update 0: the model after the first 8).",
+        "same held-out episodes as above; the wall time of the last row is that of the further updates, and the "
+        f"curves below count the further updates (update 0: the model after the first {after['updates']}).",
         "",
         "| " + " | ".join(columns) + " |",
         "|---" * len(columns) + "|",
