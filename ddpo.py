@@ -38,9 +38,12 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from common.checkpoints import read_checkpoint
+from common.cli import cli
 from common.core import UsageError, check_args, check_scores, exact_div
 from common.loading import load_function, load_pipeline, plugin_error
-from common.run import atomic_directory, check_finite, cli, end_run, read_checkpoint, start_run, write_model_card
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, start_run
 
 
 @dataclass

@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import UsageError, check_args, masked_mean, pad_right, plain, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -40,18 +42,8 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, rank_batches, start_run
 from fast_paths import chunkable_head, lm_token_logprobs
 
 

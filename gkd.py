@@ -33,20 +33,13 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import peft_model_of, place_frozen
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, start_run
 from fast_paths import sampling_kwargs
 from rewards import distinct_answers, is_number, load_task, verifier
 

@@ -27,6 +27,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right, plain
 from common.loading import (
     check_columns,
@@ -38,18 +40,8 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import peft_model_of
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, rank_batches, start_run
 from fast_paths import cache_argument
 
 HEADS_FILE = "ilql_heads.safetensors"

@@ -25,9 +25,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from common.cli import cli
 from common.core import logprobs_from_logits
 from common.loading import load_data, reward_model_text
-from common.run import MARKER, cli
+from common.outputs import MARKER
 
 
 @dataclass

@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from common.chat import render, text_of, use_chat
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import (
     INVALID_LOGPROB,
     AdaptiveKLController,
@@ -71,17 +73,8 @@ from common.models import (
     place_frozen,
     reference_context,
 )
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, start_run
 from fast_paths import FastGenerator, sampling_kwargs
 from rewards import load_rewards, load_task, score_completions
 
@@ -737,10 +730,10 @@ def check(args: Args) -> None:
         non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
         fractions="eval_fraction",
     )
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 < args.top_p <= 1):
-        raise UsageError(
-            f"--gamma {args.gamma}, --lam {args.lam}, --top-p {args.top_p}: gamma and lam lie in [0, 1], top_p in (0, 1]."
-        )
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}: gamma and lam lie in [0, 1].")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
     if args.truncate_queries and args.max_query_length is None:

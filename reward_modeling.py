@@ -28,6 +28,8 @@ from transformers import AutoModelForSequenceClassification, get_scheduler
 from transformers.utils import logging as transformers_logging
 
 from common.chat import use_chat
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import UsageError, check_args, plain, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -41,18 +43,8 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import REWARD_NORMALIZATION_FILE, check_lora_targets, classifier_pad, peft_model_of
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, rank_batches, start_run
 
 
 @dataclass

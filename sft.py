@@ -25,8 +25,9 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from agents import use_tool_template
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.cli import cli
 from common.core import UsageError, check_args, pad_right, plain, weight_decay_groups
 from common.loading import (
     check_columns,
@@ -39,18 +40,9 @@ from common.loading import (
     train_eval_split,
 )
 from common.models import check_lora_targets, peft_model_of
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
-)
+from common.outputs import atomic_directory, check_finite, write_model_card
+from common.run import end_run, rank_batches, start_run
+from common.tools import use_tool_template
 from fast_paths import chunkable_head, lm_token_logprobs
 
 
@@ -95,7 +87,7 @@ class Args:
     """a system message put before every chat prompt that has none (None: the template's default, if any)"""
     chat_template_path: str | None = None
     """a Jinja chat template file to render the data with (saved with the model); None: the tokenizer's own, or for
-    messages with tool calls that it cannot render, agents.TOOL_TEMPLATE on ChatML models such as SmolLM2"""
+    messages with tool calls that it cannot render, common.tools.TOOL_TEMPLATE on ChatML models such as SmolLM2"""
     assistant_only_loss: bool = False
     """messages data: the loss on the assistant turns only, each with its end-of-turn token (TRL 1.x)"""
     response_template: str | None = None

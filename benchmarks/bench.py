@@ -1061,7 +1061,7 @@ def report(args: Args, rows: list[dict], extras: list) -> str:
 
 
 if __name__ == "__main__":
-    from common.run import cli  # tyro.cli with --help text that flows
+    from common.cli import cli  # tyro.cli with --help text that flows
 
     args = cli(Args)
     if args.worker:

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from common.run import cli  # noqa: E402
+from common.cli import cli  # noqa: E402
 
 GRPO_LIKE = ["--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--eval-samples", "8", "--train-size", "64"]
 GRPO_LIKE += ["--eval-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "2", "--log-freq", "1"]

@@ -1,4 +1,5 @@
 """What the algorithm scripts share: log-prob / masking / KL utilities and KL controllers (core.py), chat templates
-(chat.py), value-head, reference and reward models (models.py), loading by name (loading.py), run setup, logging and
-atomic checkpoints (run.py). Everything algorithm-specific stays in the scripts; the offline built-ins live in presets/,
-the fast paths in fast_paths.py, verifiable tasks and reward functions in rewards.py."""
+(chat.py), value-head, reference and reward models (models.py), loading by name (loading.py), the command line
+(cli.py), output folders and atomic saves (outputs.py), checkpoints (checkpoints.py), run setup and logging (run.py).
+Everything algorithm-specific stays in the scripts; the offline built-ins live in presets/, the fast paths in
+fast_paths.py, verifiable tasks and reward functions in rewards.py."""

@@ -19,7 +19,7 @@ def warn_once(message: str, _said: set = set()) -> None:  # noqa: B006 - the set
 def error_line(error: BaseException) -> str:
     """An exception in one line: its type and the first line of its message (at most 200 characters)."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def plain(tensor):
@@ -89,6 +89,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
     """Mean of `values` over the positions where `mask` is 1 (over `axis`, or over everything); 0 where the mask is
     empty (TRL 1.x clamps the count at 1)."""
     return (values * mask).sum(axis=axis) / mask.sum(axis=axis).clamp(min=1)
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the non-NaN values (NaN with fewer than two); TRL 1.x's `nanstd`."""
+    keep = ~values.isnan()
+    count = keep.sum(dim) if dim is not None else keep.sum()
+    mean = values.nanmean(dim, keepdim=dim is not None)
+    squares = torch.where(keep, (values - mean) ** 2, 0.0)
+    return (squares.sum(dim) if dim is not None else squares.sum()).div(count - 1).sqrt()
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

@@ -11,8 +11,10 @@ import json
 import math
 import os
 import socket
+import sys
 import sysconfig
 import traceback
+import zlib
 from urllib.parse import urlparse
 
 import torch
@@ -25,6 +27,15 @@ from common.chat import as_messages, check_roles, is_conversation, render, text_
 from common.core import UsageError, error_line
 
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def from_cache(make, *args, **kwargs):
+    """`make(*args, **kwargs)`, a presets/ function that may build or rebuild a cached built-in: a damaged cache it
+    cannot rebuild (a read-only one) is a one-line error naming the folder to delete."""
+    try:
+        return make(*args, **kwargs)
+    except presets.cache.CacheError as error:
+        raise UsageError(str(error)) from None
 
 
 def builtin(name: str, kind: str = "model") -> str:
@@ -43,10 +54,10 @@ def is_random_builtin(name: str) -> bool:
 
 def resolve(name: str) -> str:
     """The folder or hub id that `from_pretrained` reads: a pretrained built-in's cached folder (built on first use)."""
-    return presets.folder(builtin(name)) if presets.is_builtin(name) and not is_random_builtin(name) else name
+    return from_cache(presets.folder, builtin(name)) if presets.is_builtin(name) and not is_random_builtin(name) else name
 
 
-# The flag each name on the command line came from (filled by common.run.cli), so that an error names the flag
+# The flag each name on the command line came from (filled by common.cli.cli), so that an error names the flag
 FLAGS: dict[str, str] = {}
 
 
@@ -97,7 +108,9 @@ def located(load, name: str, what: str):
 
 def load_config(name: str):
     """The config of a built-in preset, hub id or local folder."""
-    return presets.config(name) if is_random_builtin(name) else located(AutoConfig.from_pretrained, resolve(name), "model")
+    if is_random_builtin(name):
+        return from_cache(presets.config, name)
+    return located(AutoConfig.from_pretrained, resolve(name), "model")
 
 
 def context_length(config) -> int | None:
@@ -111,7 +124,8 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
     checkpoint's, README "weight dtype"), or for a random built-in name a tiny model initialised with `seed`."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if is_random_builtin(name):
-        return presets.random_model(name, auto_class, seed, dtype=torch.float32 if dtype == "auto" else dtype, **kwargs)
+        dtype = torch.float32 if dtype == "auto" else dtype
+        return from_cache(presets.random_model, name, auto_class, seed, dtype=dtype, **kwargs)
     loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
     if presets.is_builtin(name):  # peft records it as the adapter's base (loaded: maybe (model, info))
         model = loaded[0] if isinstance(loaded, tuple) else loaded
@@ -159,7 +173,7 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
             "(tokenizer.save_pretrained(folder))"
         )
     if presets.is_builtin(name):
-        tokenizer = presets.tokenizer(builtin(name))
+        tokenizer = from_cache(presets.tokenizer, builtin(name))
     else:
         tokenizer = located(AutoTokenizer.from_pretrained, name, "tokenizer")
     if tokenizer.pad_token is None:
@@ -174,7 +188,7 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
 def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
     """A built-in dataset, a local json/jsonl/csv/parquet/txt file, or a hub id / local dataset folder."""
     if presets.is_builtin(name):
-        return presets.dataset(builtin(name, "dataset"), seed)
+        return from_cache(presets.dataset, builtin(name, "dataset"), seed)
     extension = os.path.splitext(name)[1].lower()
     flag = FLAGS.get(name, "the dataset file")
     if extension in DATA_FILE_TYPES and not os.path.exists(name):
@@ -187,7 +201,10 @@ def load_data(name: str, split: str = "train", seed: int = 0) -> Dataset:
         if extension in (".json", ".jsonl", ".csv", ".txt"):
             check_text_file(name, flag, extension)
         try:
-            return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train")
+            with open(name, "rb") as f:
+                bom = f.read(3) == b"\xef\xbb\xbf"
+            options = {"encoding": "utf-8-sig"} if bom and extension == ".txt" else {}  # json and csv skip it themselves
+            return load_dataset(DATA_FILE_TYPES[extension], data_files=name, split="train", **options)
         except Exception as error:  # noqa: BLE001 - rows that do not make one table: one line, not the parser's internals
             raise UsageError(f"{flag} {name}: its rows do not make one table ({error_line(error)}).") from None
     return located(lambda n: load_dataset(n, split=split), name, "dataset")
@@ -199,7 +216,7 @@ def check_text_file(name: str, flag: str, extension: str) -> None:
     with open(name, "rb") as f:
         raw = f.read()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
     except UnicodeDecodeError as bad:
         line = raw[: bad.start].count(b"\n") + 1
         raise UsageError(
@@ -264,6 +281,11 @@ def check_columns(
             if not ok or isinstance(value, bool):
                 wanted = "chat messages" if messages else "a number" if column in numeric else "text"
                 raise UsageError(f"The column {column!r}, row {row}: {value!r} is not {wanted} (fix or drop that row).")
+            if messages and all(m["role"] == "system" for m in value):
+                raise UsageError(
+                    f"The column {column!r}, row {row}: a conversation of system messages only, with nothing to train on "
+                    "or answer (add a user or assistant turn, or drop that row)."
+                )
             if column in numeric and not math.isfinite(value):  # one NaN in a reward or margin turns every weight NaN
                 raise UsageError(
                     f"The column {column!r}, row {row}: {value} is not a finite number (NaN or inf: fix or drop that row)."
@@ -288,7 +310,7 @@ def train_eval_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple
 def load_pipeline(name: str, seed: int = 0, **kwargs):
     """`StableDiffusionPipeline.from_pretrained(name)`, or for builtin:tiny-sd a tiny random one (seeded)."""
     if presets.is_builtin(name):
-        return presets.pipeline(builtin(name, "pipeline"), seed)
+        return from_cache(presets.pipeline, builtin(name, "pipeline"), seed)
     from diffusers import StableDiffusionPipeline
 
     load = functools.partial(
@@ -309,10 +331,18 @@ def load_function(spec: str, builtins: dict, flag: str):
     if module_name.endswith(".py") and not os.path.isfile(module_name):
         raise UsageError(f"{flag} {spec}: no such file {module_name!r}.")
     try:
-        if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+        if module_name.endswith(".py"):  # imported once per file, under a name of its own: its classes pickle by name
+            registered = f"plugin_{os.path.basename(module_name)[:-3]}_{zlib.crc32(os.path.abspath(module_name).encode()):x}"
+            module = sys.modules.get(registered)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(registered, module_name)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[registered] = module
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[registered]
+                    raise
         else:
             module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised

@@ -13,7 +13,7 @@ Unknown names raise KeyError, which the loaders report as a one-line usage error
 
 from transformers import AutoTokenizer
 
-from presets import data, pretrained, tiny
+from presets import cache, data, pretrained, tiny  # noqa: F401 - cache: its CacheError, for common/loading.py
 
 
 def is_builtin(name: str) -> bool:
@@ -28,10 +28,6 @@ def is_random(name: str) -> bool:
 def folder(name: str) -> str:
     """The folder of a pretrained built-in model, built and cached on first use."""
     return pretrained.pretrained_folder(name)
-
-
-def is_pretrained(name: str) -> bool:
-    return name in pretrained.FOLDERS
 
 
 def tokenizer(name: str):

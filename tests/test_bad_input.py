@@ -1,6 +1,7 @@
 """Anticipated mistakes end every script with one line, `error: <what is wrong> (<how to fix it>)`, exit status 2 and
 no traceback, before anything is trained or written."""
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ from common.core import UsageError
 SCRIPTS = {name: os.path.join(ROOT, f"{name}.py") for name in ("ppo", "dpo", "sft", "reward_modeling", "ilql", "ddpo", "gkd")}
 
 
+@pytest.mark.slow
 def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
     for script, flags, message in (
         ("ppo", ["--batch-size", "10", "--mini-batch-size", "4"], "is not divisible by 4"),
@@ -90,6 +92,7 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, launcher):
     """A mistake found after the Accelerator exists (so after torch.distributed installed its exception hook, which
@@ -163,13 +166,14 @@ def test_an_output_folder_that_is_not_ours_is_refused_and_left_as_it_is(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "project"]  # nothing written, nothing left behind
 
 
+@pytest.mark.slow
 def test_a_model_folder_of_an_earlier_run_is_replaced_only_with_overwrite(tmp_path):
     """A run's folders carry a marker: a second run refuses them without --overwrite (model and checkpoints alike),
     replaces them with it, and resuming from one of its own checkpoints needs no flag; the marker never stops
     from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from common.run import MARKER
+    from common.outputs import MARKER
 
     command = [SCRIPTS["sft"], *RANDOM_MODEL, *SFT_QUICK, "--save-steps", "1"]
     run_script(command, tmp_path)
@@ -193,7 +197,7 @@ def test_atomic_saves_refuse_foreign_folders_and_non_finite_weights(tmp_path):
     from safetensors.torch import save_file
 
     from common.core import UsageError
-    from common.run import MARKER, atomic_directory
+    from common.outputs import MARKER, atomic_directory
 
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "a.txt").write_text("precious")
@@ -214,6 +218,7 @@ def test_atomic_saves_refuse_foreign_folders_and_non_finite_weights(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ours", "theirs"] and (tmp_path / "ours" / MARKER).is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["sft", "dpo", "reward_modeling", "ilql"])
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing(tmp_path, script, pairs_file):
     """A learning rate that blows the weights up: the run stops at the first non-finite loss or gradient norm, names
@@ -221,7 +226,7 @@ def test_a_diverging_run_stops_with_one_line_and_saves_nothing(tmp_path, script,
     data = [] if script in ("sft", "ilql") else ["--dataset-name", pairs_file]
     quick = ["--max-steps", "4", "--eval-steps", "1000", "--batch-size", "4"]
     (tmp_path / "outputs" / script).mkdir(parents=True)
-    from common.run import MARKER
+    from common.outputs import MARKER
 
     (tmp_path / "outputs" / script / MARKER).write_text("{}")
     (tmp_path / "outputs" / script / "model.safetensors").write_text("the earlier model")
@@ -288,6 +293,7 @@ def test_model_folders_without_weights_or_with_truncated_weights(tmp_path):
         assert "save the model again, or pass another folder" in error, error
 
 
+@pytest.mark.slow
 def test_checkpoints_that_are_truncated_corrupt_or_of_another_script(tmp_path):
     import shutil
 
@@ -381,6 +387,7 @@ def test_ddpo_plugins_get_one_line_errors(tmp_path):
         assert "importlib" not in error, error  # the user's file is named, never the import machinery's
 
 
+@pytest.mark.slow
 def test_flags_without_effect_warn_once_and_bad_lora_flags_fail(tmp_path):
     from conftest import run_in_process
 
@@ -417,6 +424,7 @@ def test_flags_without_effect_warn_once_and_bad_lora_flags_fail(tmp_path):
         assert message in run_failing([SCRIPTS["sft"], *RANDOM_MODEL, *flags], tmp_path)
 
 
+@pytest.mark.slow
 def test_hub_ids_fail_at_once_offline_and_name_their_flag(tmp_path):
     """Without HF_HUB_OFFLINE and with no route to the hub: one line naming the flag and the fix, no retries."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
@@ -437,6 +445,7 @@ def test_hub_ids_fail_at_once_offline_and_name_their_flag(tmp_path):
     assert not any("retry" in line.lower() or "Traceback" in line for line in lines), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_usage_box_prints_once_under_two_processes(tmp_path):
     from conftest import DDP_ENV
 
@@ -460,3 +469,28 @@ def test_a_usage_box_prints_once_under_two_processes(tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and output.count("Unrecognized options: --no-such-flag") == 1, output[-3000:]
+
+
+def test_a_byte_order_mark_is_read_and_a_system_only_conversation_is_refused(tmp_path):
+    """A jsonl that a Windows editor saved with a UTF-8 byte-order mark trains like one without; a conversation of
+    system messages only, with nothing to train on, is a one-line error naming its row."""
+    from common.loading import load_data
+
+    rows = [{"prompt": f"question {i}", "chosen": "good", "rejected": "bad"} for i in range(8)]
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())
+    assert load_data(str(tmp_path / "bom.jsonl")).to_list() == rows
+    flags = ["--dataset-name", "bom.jsonl", "--max-steps", "1", "--batch-size", "2", "--eval-fraction", "0.25"]
+    assert "dpo: 1 steps" in run_script([SCRIPTS["dpo"], *RANDOM_MODEL, *flags], tmp_path)
+    conversations = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
+    conversations.insert(2, [{"role": "system", "content": "You are helpful."}])
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": c}) for c in conversations))
+    error = run_failing([SCRIPTS["sft"], "--dataset-name", "chat.jsonl", "--text-column", "messages"], tmp_path)
+    assert "The column 'messages', row 2: a conversation of system messages only" in error, error
+
+
+@pytest.mark.parametrize("script", ["grpo", "rloo", "ppo"])
+def test_one_message_per_failed_check(tmp_path, script):
+    """--top-p 0 names --top-p alone (it once shared a line with another flag's check)."""
+    path = os.path.join(ROOT, f"{script}.py")
+    error = run_failing([path, *RANDOM_MODEL, "--top-p", "0"], tmp_path)
+    assert error == "UsageError: --top-p 0.0: it lies in (0, 1].", error

@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from common.checkpoints import load_checkpoint, save_checkpoint
 from common.core import (
     AdaptiveKLController,
     FixedKLController,
@@ -32,6 +33,7 @@ from common.loading import (
     load_pretrained,
     load_tokenizer,
     quantization_kwargs,
+    resolve,
 )
 from common.models import (
     AutoModelForCausalLMWithValueHead,
@@ -40,7 +42,8 @@ from common.models import (
     load_reward_model,
     reference_context,
 )
-from common.run import RunLogger, atomic_directory, load_checkpoint, save_checkpoint, write_model_card
+from common.outputs import atomic_directory, write_model_card
+from common.run import RunLogger
 from fast_paths import (
     FastGenerator,
     InverseCDFSampler,
@@ -54,6 +57,7 @@ VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4
 
 
+@pytest.mark.slow
 def test_inverse_cdf_sampling_draws_from_the_warped_policy():
     """The sampler's frequencies over 40,000 draws match softmax(scores) (standard error of each under 0.0025) and it
     never draws a masked token; through `generate`, the first new token of 4,000 copies of one prompt follows the
@@ -464,6 +468,7 @@ def test_builtin_presets_are_seeded_and_offline():
     assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
 
 
+@pytest.mark.slow
 def test_pretrained_preset_builds_deterministically(tmp_path):
     """The same seed gives the same weights (a short build: the recipe of builtin:tiny-chat, 4 steps)."""
     from safetensors.torch import load_file
@@ -507,6 +512,51 @@ def test_building_a_builtin_leaves_the_callers_random_state_and_clears_a_killed_
     assert runs[0] == runs[1] and not leftover.exists()
 
 
+@pytest.mark.slow
+def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_be(tmp_path, monkeypatch, capsys):
+    """A cached built-in is checked when it is used: a truncated tokenizer.json, a deleted tokenizer_config.json or cut
+    weights are rebuilt, with one line saying so; where the cache cannot be written, one line names the folder."""
+    import functools
+
+    from presets import pretrained, tiny
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(pretrained, "build_tiny_chat", functools.partial(pretrained.build_tiny_chat, max_steps=2))
+    cache = tmp_path / "rlhf-builtin"
+    reference = load_tokenizer("builtin:tiny-gpt2")
+    for damage in ("truncate tokenizer.json", "delete tokenizer_config.json"):
+        action, name = damage.split()
+        if action == "truncate":
+            (cache / "gpt2" / name).write_text((cache / "gpt2" / name).read_text()[:1000])
+        else:
+            (cache / "gpt2" / name).unlink()
+        capsys.readouterr()
+        tokenizer = load_tokenizer("builtin:tiny-gpt2")
+        assert f"the cached tokenizer {cache / 'gpt2'} is damaged ({name}" in capsys.readouterr().out
+        assert tokenizer.pad_token_id == reference.pad_token_id and len(tokenizer) == len(reference)
+    folder = cache / "tiny-chat-v1"
+    assert resolve("builtin:tiny-chat") == str(folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    capsys.readouterr()
+    assert resolve("builtin:tiny-chat") == str(folder) and (folder / "model.safetensors").read_bytes() == weights
+    assert "builtin:tiny-chat: the cached folder" in capsys.readouterr().out  # rebuilt (deterministically: same bytes)
+    AutoModelForCausalLM.from_pretrained(folder)
+    (folder / "config.json").unlink()
+    (cache / "gpt2" / "tokenizer.json").write_text("{")
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pretrained, "file_lock", read_only)
+    monkeypatch.setattr(tiny.tempfile, "mkdtemp", read_only)
+    with pytest.raises(UsageError, match=r"tiny-chat-v1 is damaged \(config.json is missing\) and cannot be rebuilt"):
+        resolve("builtin:tiny-chat")
+    with pytest.raises(UsageError, match=r"gpt2 is damaged \(tokenizer.json has 1 bytes, not \d+\) .*delete that folder"):
+        load_tokenizer("builtin:tiny-gpt2")
+
+
+@pytest.mark.slow
 def test_a_cold_cache_run_repeats_a_warm_one(tmp_path, monkeypatch):
     """sft.py on a pretrained built-in, once building it and once finding it cached: the same weights, bit for bit."""
     import functools
@@ -527,6 +577,7 @@ def test_a_cold_cache_run_repeats_a_warm_one(tmp_path, monkeypatch):
     assert all(torch.equal(cold[k], warm[k]) for k in cold)
 
 
+@pytest.mark.slow
 def test_pretrained_preset_speaks_the_dialogue():
     """builtin:tiny-chat (built once and cached, shared by every test that needs it) loads with plain from_pretrained
     and predicts the built-in dialogue far better than a random model (10.8 nats per token)."""
@@ -546,6 +597,7 @@ def test_pretrained_preset_speaks_the_dialogue():
     assert reward_model.config.num_labels == 1 and reward_model.config.name_or_path == "builtin:tiny-chat-rm"
 
 
+@pytest.mark.slow
 def test_builtin_prompts_are_ones_tiny_chat_answers():
     """builtin:chatterbot-prompts holds the utterances that open a conversation: builtin:tiny-chat starts a reply to
     them, where it ends most mid-conversation lines at once (out of context they read as closing answers). Measured:
@@ -648,7 +700,7 @@ def _umask() -> int:
 def test_atomic_directory_recovers_a_save_killed_between_its_renames(tmp_path):
     """A SIGKILL after the old folder was renamed aside and before the new one was renamed into place leaves no
     `ckpt`; the next save (or recover_directory) puts the newest complete copy back first, and cleans up."""
-    from common.run import MARKER, recover_directory
+    from common.outputs import MARKER, recover_directory
 
     target = tmp_path / "ckpt"
     for kind, text in (("old", "previous"), ("new", "complete new")):  # two complete saves, each with its marker
@@ -734,7 +786,7 @@ def test_context_length_of_absolute_relative_and_no_positions():
 def test_resume_from_a_folder_that_is_no_checkpoint_is_a_clear_error(tmp_path):
     from accelerate import Accelerator
 
-    from common.run import load_checkpoint
+    from common.checkpoints import load_checkpoint
 
     (tmp_path / "model").mkdir()
     with pytest.raises(UsageError, match="not a checkpoint folder"):
@@ -746,7 +798,7 @@ def test_cli_checks_resume_from_before_anything_is_loaded(tmp_path, monkeypatch)
     import dataclasses
     import sys
 
-    from common.run import cli
+    from common.cli import cli
 
     @dataclasses.dataclass
     class Args:
@@ -771,7 +823,7 @@ def test_cli_filters_deepspeeds_device_guess(tmp_path, monkeypatch):
     import logging
     import sys
 
-    from common.run import cli
+    from common.cli import cli
 
     @dataclasses.dataclass
     class Args:
@@ -796,7 +848,7 @@ def test_cli_help_flows_docstrings_wrapped_in_the_source(monkeypatch, capsys):
     import dataclasses
     import sys
 
-    from common.run import cli
+    from common.cli import cli
 
     @dataclasses.dataclass
     class Args:
