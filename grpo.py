@@ -15,49 +15,38 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
-import functools
-import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
-from accelerate import Accelerator, DistributedType
-from accelerate.utils import gather_object
-from peft import LoraConfig, get_peft_model
+from accelerate import Accelerator
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, get_scheduler
 
-from agents import Agent, Episodes, episode_text
 from common.chat import text_of
-from common.core import UsageError, check_args, exact_div, masked_mean, warn_once, weight_decay_groups
-from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
+from common.checkpoints import save_checkpoint
+from common.cli import cli
+from common.core import UsageError, exact_div, masked_mean, nanstd
+from common.outputs import check_finite
+from common.rollout import (
+    Engine,
+    RolloutStream,
+    check_online_args,
+    evaluate,
+    load_online_task,
+    load_policy,
+    per_token_logprobs,
+    pooled,
+    resume,
+    rollout_metrics,
+    sampling_logprobs,
+    save_policy,
+    score,
+    summary,
 )
-from fast_paths import FastGenerator, sampling_kwargs
-from rewards import (
-    degenerate_batch,
-    distinct_answers,
-    is_number,
-    load_rewards,
-    load_task,
-    prompt_ids,
-    score_completions,
-)
+from common.run import end_run, start_run
 
 
 @dataclass
@@ -153,9 +142,9 @@ class Args:
     """clip range below 1 (and above 1 unless --epsilon-high)"""
     epsilon_high: float | None = None
     """clip range above 1 (DAPO's clip-higher: 0.28); None: epsilon"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """aggregation of the per-token losses: grpo (per sequence, then mean), bnpo (a mini-batch's tokens), dr_grpo
-    (sum / (sequences * max_completion_length)), dapo (the completion tokens of the whole step; TRL's default)"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """the surrogate and its aggregation (TRL 1.16's table, docs/grpo.md): grpo, bnpo, dr_grpo, dapo (TRL's default)
+    clip the ratio; cispo clips it as a weight; sapo gates it softly; luspo sums per sequence; vespo weighs sequences"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantages divided by the group's reward std (GRPO), the batch's (batch), or not at all (Dr. GRPO)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -169,6 +158,50 @@ class Args:
     overlong_penalty, linearly (0: off)"""
     overlong_penalty: float = 1.0
     """the largest overlong punishment"""
+    delta: float | None = None
+    """INTELLECT-2's cap on the unclipped ratio (two-sided clipping; > 1 + epsilon); None: off"""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature for positive advantages"""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature for the others"""
+    vespo_k_pos: float = 2.0
+    """vespo: the gamma weight's power for positive advantages (down-weights ratios below 1)"""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the gamma weight's decay for positive advantages (down-weights ratios above 1)"""
+    vespo_k_neg: float = 3.0
+    """vespo: the power for negative advantages"""
+    vespo_lambda_neg: float = 2.0
+    """vespo: the decay for negative advantages"""
+    use_bias_correction_kl: bool = True
+    """multiply the k3 KL term by the ratio: DeepSeek-V3.2's unbiased KL gradient (TRL 1.16's default; beta > 0)"""
+    top_entropy_quantile: float = 1.0
+    """keep in the loss only the top quantile of tokens by entropy ("Beyond the 80/20 rule": 0.2); 1.0: every token"""
+
+    # Off-policy: stale rollouts and their corrections (docs/grpo.md#off-policy)
+    max_staleness: int = 0
+    """the rollout of an update may come from weights up to this many updates old (TRL's AsyncGRPO); 0: on-policy"""
+    async_rollouts: bool = False
+    """with --max-staleness > 0, sample in a background thread with its own weights while the trainer trains (older
+    rollouts dropped); else the rollout of update t comes from the weights of update t - k exactly (deterministic)"""
+    weight_sync_steps: int = 1
+    """--async-rollouts: the worker's weights are refreshed from the trainer every this many updates"""
+    rollout_timeout: float = 1800.0
+    """--async-rollouts: seconds the trainer waits for a rollout before the run stops with an error"""
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    """the ratio's denominator: recompute (a forward of the policy at the update's start, TRL's GRPOTrainer; the
+    sampler's difference corrected below) or sampler (its own log-probs, TRL's AsyncGRPO: no forward, no correction)"""
+    importance_sampling_correction: bool = True
+    """correct stale rollouts by the ratio of the recomputed to the sampler's log-probs (TRL's
+    vllm_importance_sampling_correction), with --importance-sampling-mode"""
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    """per token or per sequence, truncated into [min, max] or zeroed outside it (TRL's vllm_importance_sampling_mode)"""
+    importance_sampling_clip_min: float | None = None
+    """the correction's lower bound (None: none)"""
+    importance_sampling_clip_max: float | None = 3.0
+    """the correction's upper bound (None: none)"""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: drop a negative-advantage sequence whose mean KL to the sampler exceeds
+    this (e.g. 0.5); None: off"""
 
     # Generation
     max_completion_length: int = 32
@@ -200,7 +233,7 @@ class Args:
     """seconds a tool call may run; a slower one becomes an error message to the model, counted as a failure"""
     chat_template_path: str | None = None
     """a Jinja chat template that renders tools, calls and results (None: the tokenizer's own if it can, else
-    agents.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
+    common.tools.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
 
     # LoRA
     use_peft: bool = False
@@ -250,13 +283,54 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return torch.nan_to_num(advantages, nan=0.0), is_std_zero
 
 
-def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Bessel-corrected standard deviation over the non-NaN values (NaN with fewer than two)."""
-    keep = ~values.isnan()
-    count = keep.sum(dim) if dim is not None else keep.sum()
-    mean = values.nanmean(dim, keepdim=dim is not None)
-    squares = torch.where(keep, (values - mean) ** 2, 0.0)
-    return (squares.sum(dim) if dim is not None else squares.sum()).div(count - 1).sqrt()
+def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0):
+    """The correction between the policy the loss compares with (`old_logprobs`) and the one that sampled
+    (`sampling_logprobs`): TRL 1.16's vllm_importance_sampling_* (Yao et al. 2025, truncated importance sampling;
+    masked importance sampling as in IcePop). w = exp(old - sampling) per token ("token_*", [B, T]) or from the summed
+    log-ratio per sequence ("sequence_*", [B, 1]); "*_truncate" clips w to [clip_min, clip_max], "*_mask" sets it to 0
+    outside that range (None: no bound on that side). A token without a sampling log-prob (NaN) counts as w = 1."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def off_policy_mask(advantages, logprobs, sampling_logprobs, mask, threshold: float):
+    """DeepSeek-V3.2's off-policy sequence masking (eq. 9; TRL 1.16 `get_off_policy_mask`): a sequence with a negative
+    advantage whose mean per-token KL(sampler || policy), estimated as sampling_logp - logp, exceeds `threshold` is
+    dropped. advantages [B, 1]; returns [B, 1], 1 keep, 0 drop."""
+    kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(advantages, log_ratio, mask, is_ratio=None, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):
+    """VESPO's gamma weights (TRL 1.16 `get_gamma_weights`): phi(w) = e^lambda w^k e^(-lambda w), phi(1) = 1, of the
+    sequence ratio w = exp(sum_t log_ratio_t) (times a token-level correction `is_ratio`), k and lambda by the sign of
+    the advantage; computed in log space with TRL's clamps. No gradient: phi only scales the policy gradient. [B, 1]"""
+    floor = math.log(1e-8)
+    log_w = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.sum(torch.clamp(torch.log(is_ratio), floor, 20.0), dim=-1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, k_pos, k_neg)
+    lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def high_entropy_mask(entropies, mask, quantile: float, pool: torch.Tensor):
+    """ "Beyond the 80/20 rule" (Wang et al. 2025; TRL 1.16 `get_high_entropy_mask`): only the tokens whose entropy is
+    at least the (1 - quantile) quantile of `pool` (the masked entropies of every process) take part in the loss."""
+    if pool.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(pool.float(), 1 - quantile)
+    return ((entropies * mask) >= threshold) & mask.bool()
 
 
 def grpo_loss(
@@ -272,44 +346,83 @@ def grpo_loss(
     max_completion_length,
     importance_sampling_level="token",
     num_items_in_batch=None,
+    *,
+    is_ratio=None,
+    sequence_mask=None,
+    entropy_mask=None,
+    bias_correction_kl=False,
+    delta=None,
+    sapo_temperatures=(1.0, 1.05),
+    vespo_parameters=(2.0, 3.0, 3.0, 2.0),
 ):
-    """The clipped surrogate of GRPO and its successors (TRL 1.x `GRPOTrainer._compute_loss`).
+    """The surrogate of GRPO and its successors (TRL 1.16 `GRPOTrainer._compute_loss`).
 
     logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. The ratio is exp(logp - old_logp) per token,
-    or per sequence from the masked mean log-ratio (GSPO, "sequence"); per-token loss
-    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * (exp(ref - logp) - (ref - logp) - 1) (k3 KL,
-    when beta > 0). Aggregation: grpo (masked mean per sequence, then mean), bnpo (masked mean over all tokens),
-    dr_grpo (sum / (B * max_completion_length)), dapo (sum / num_items_in_batch: the completion tokens of the whole
-    optimizer step divided by the number of processes, which DDP's gradient average turns into the global count).
-    Returns (loss, stats): for the clip fractions (low / high / region) and the KL, their [sum, count] over the masked
-    tokens (over the sequences with GSPO's one ratio each), so that the caller weights them by tokens across
-    mini-batches and processes, as TRL 1.x logs them.
+    or per sequence from the masked mean log-ratio (GSPO, "sequence"). Per-token loss by `loss_type`:
+    grpo / bnpo / dr_grpo / dapo / luspo: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) (Schulman et al.
+    2017, eq. 7; with `delta`, INTELLECT-2's cap of the unclipped ratio); cispo (MiniMax-M1, eq. 4): -sg(min(ratio,
+    eps_high)) * A * logp; sapo (SAPO, eq. 5): -sigmoid(tau (ratio - 1)) * 4 / tau * A, tau by the sign of A; vespo:
+    -sg(phi(w)) * A * logp (`vespo_weights`). Then the off-policy `sequence_mask` [B, 1], the `entropy_mask` [B, T]
+    and the sampler correction `is_ratio` (not for vespo, which folds it into w) multiply it, and beta times the k3
+    KL to the reference is added (times the ratio with `bias_correction_kl`: DeepSeek-V3.2's unbiased KL gradient).
+    Aggregation: grpo and sapo (masked mean per sequence, then mean), bnpo (masked mean over all tokens), dr_grpo (sum
+    / (B * max_completion_length)), dapo, cispo and vespo (sum / num_items_in_batch: the completion tokens of the
+    whole optimizer step divided by the number of processes, which DDP's gradient average turns into the global
+    count), luspo (sum per sequence, then mean: each sequence weighted by its length, LUSPO).
+    Returns (loss, stats): for the clip fractions and the KL, their [sum, count] over the masked tokens (over the
+    sequences with GSPO's one ratio each), so that the caller weights them by tokens across mini-batches and
+    processes, as TRL 1.x logs them.
     """
     log_ratio = logprobs - old_logprobs
     if importance_sampling_level == "sequence":  # GSPO: one ratio per completion, its tokens' mean log-ratio
-        log_ratio = masked_mean(log_ratio, mask, axis=-1).unsqueeze(-1)
-    elif importance_sampling_level != "token":
+        log_weights = masked_mean(log_ratio, mask, axis=-1).unsqueeze(-1)
+    elif importance_sampling_level == "token":
+        log_weights = log_ratio
+    else:
         raise ValueError(f"Unknown importance_sampling_level {importance_sampling_level!r}: choose token or sequence.")
-    ratio = torch.exp(log_ratio)  # [B, T] or [B, 1]
+    ratio = torch.exp(log_weights)  # [B, T] or [B, 1]
     advantages = advantages.unsqueeze(-1)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)  # Schulman et al. 2017, eq. 7
     kl = None
     if beta != 0.0:
         kl = torch.exp(ref_logprobs - logprobs) - (ref_logprobs - logprobs) - 1  # k3, Schulman 2020: unbiased, >= 0
+        if bias_correction_kl:  # the KL's gradient under the sampling distribution: the unbiased reverse-KL gradient
+            kl = kl * ratio
+    stats = {}
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token_loss = -torch.min(unclipped * advantages, clipped * advantages)  # Schulman et al. 2017, eq. 7
+    elif loss_type == "cispo":  # the clipped ratio as a constant weight of REINFORCE's log-prob
+        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs
+    elif loss_type == "sapo":  # a soft gate in place of the clip
+        tau = torch.where(advantages > 0, *sapo_temperatures)
+        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    elif loss_type == "vespo":
+        phi = vespo_weights(advantages, log_ratio, mask, is_ratio, *vespo_parameters)
+        per_token_loss = -phi * advantages * logprobs
+        stats["vespo/phi_seq_mean"] = torch.stack([phi.sum(), torch.tensor(float(len(phi)), device=phi.device)])
+    else:
+        raise ValueError(f"Unknown loss_type {loss_type!r}: choose grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo.")
+    if sequence_mask is not None:
+        per_token_loss = per_token_loss * sequence_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if is_ratio is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
+    if kl is not None:
         per_token_loss = per_token_loss + beta * kl
     per_token_loss = per_token_loss.expand_as(mask)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = masked_mean(per_token_loss, mask, axis=-1).mean()
     elif loss_type == "bnpo":
         loss = masked_mean(per_token_loss, mask)
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.shape[0] * max_completion_length)
-    elif loss_type == "dapo":
+    elif loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean()
+    else:  # dapo, cispo, vespo
         normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
         loss = (per_token_loss * mask).sum() / normalizer.clamp(min=1.0)
-    else:
-        raise ValueError(f"Unknown loss_type {loss_type!r}: choose grpo, bnpo, dr_grpo or dapo.")
     with torch.no_grad():
 
         def sum_count(values):  # TRL's global_masked_mean, before the sum over processes
@@ -317,20 +430,78 @@ def grpo_loss(
                 return torch.stack([values.sum(), torch.tensor(float(len(values)), device=values.device)])
             return torch.stack([(values * mask).sum(), mask.sum()])
 
-        low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
-        high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
-        stats = {
-            "clip_ratio/low_mean": sum_count(low),
-            "clip_ratio/high_mean": sum_count(high),
-            "clip_ratio/region_mean": sum_count(torch.maximum(low, high)),
-        }
+        if loss_type == "cispo":
+            stats["cispo_clip_ratio"] = sum_count(((ratio > epsilon_high) & (advantages > 0)).float())
+        elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
+            high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
+            stats["clip_ratio/low_mean"] = sum_count(low)
+            stats["clip_ratio/high_mean"] = sum_count(high)
+            stats["clip_ratio/region_mean"] = sum_count(torch.maximum(low, high))
         if kl is not None:
             stats["kl"] = sum_count(kl)
     return loss, stats
 
 
+def loss_options(args: Args) -> dict:
+    """grpo_loss's options from the flags."""
+    return dict(
+        bias_correction_kl=args.use_bias_correction_kl,
+        delta=args.delta,
+        sapo_temperatures=(args.sapo_temperature_pos, args.sapo_temperature_neg),
+        vespo_parameters=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+    )
+
+
+def off_policy_terms(args: Args, accelerator, logprobs, old, sampled, advantages, mask, entropy, mb):
+    """A mini-batch's off-policy pieces (TRL 1.16's order of application): the correction of the sampler's drift from
+    `old` (with --max-staleness, unless the ratio is taken against the sampler itself), DeepSeek-V3.2's sequence mask,
+    the high-entropy token mask; and their statistics as [sum, count] pairs."""
+    sampled = sampled[mb] if sampled is not None else None
+    corrections, stats, ones = {}, {}, lambda x: torch.tensor(float(x), device=mask.device)  # noqa: E731
+    if sampled is not None and args.old_logprobs == "recompute" and args.importance_sampling_correction:
+        bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+        is_ratio = importance_sampling_ratio(old, sampled, mask, args.importance_sampling_mode, *bounds)
+        raw = importance_sampling_ratio(old, sampled, mask, args.importance_sampling_mode.split("_")[0] + "_mask", None, None)
+        weight = mask if is_ratio.shape[1] > 1 else torch.ones_like(is_ratio)  # per token, or per sequence
+        stats["importance_sampling/ratio_mean"] = torch.stack([(raw * weight).sum(), weight.sum()])
+        stats["importance_sampling/ratio_min"] = torch.stack([raw.masked_fill(weight == 0, math.inf).min(), ones(1)])
+        stats["importance_sampling/ratio_max"] = torch.stack([raw.masked_fill(weight == 0, -math.inf).max(), ones(1)])
+        stats["importance_sampling/corrected_fraction"] = torch.stack([((raw != is_ratio) * weight).sum(), weight.sum()])
+        corrections["is_ratio"] = is_ratio
+    if args.off_policy_mask_threshold is not None:
+        behaviour = old if sampled is None else sampled  # TRL: the sampler's log-probs where it has them
+        keep = off_policy_mask(advantages[:, None], logprobs, behaviour, mask, args.off_policy_mask_threshold)
+        stats["off_policy/masked_fraction"] = torch.stack([(1 - keep).sum(), ones(len(keep))])
+        corrections["sequence_mask"] = keep
+    if args.top_entropy_quantile < 1.0:  # the quantile over every process's tokens of the mini-batch (TRL)
+        pool = accelerator.gather(accelerator.pad_across_processes(entropy[mask.bool()], dim=0, pad_index=-1e9))
+        corrections["entropy_mask"] = high_entropy_mask(entropy, mask, args.top_entropy_quantile, pool[pool != -1e9])
+    return corrections, stats
+
+
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
+    check_online_args(args, non_negative="overlong_buffer overlong_penalty off_policy_mask_threshold delta")
+    if not 0 <= args.top_entropy_quantile <= 1:
+        raise UsageError(f"--top-entropy-quantile {args.top_entropy_quantile}: it lies in [0, 1].")
+    if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+        raise UsageError(
+            "--loss-type luspo scales GSPO's sequence ratio by its length: add --importance-sampling-level sequence."
+        )
+    if args.loss_type == "vespo" and args.importance_sampling_mode.startswith("sequence") and args.max_staleness > 0:
+        raise UsageError(  # TRL raises too: VESPO folds a token-level correction into its own sequence weight
+            "--loss-type vespo with a sequence-level correction: choose --importance-sampling-mode token_truncate or "
+            "token_mask."
+        )
+    if args.overlong_buffer >= args.max_completion_length:
+        raise UsageError(
+            f"--overlong-buffer {args.overlong_buffer}: it must be below --max-completion-length {args.max_completion_length}."
+        )
+
+
 def main(args: Args) -> None:
-    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
+    """Setup, then the loop in its numbered phases, then the final evaluation, save and summary."""
     check(args)
     # accumulate(): DDP syncs and DeepSpeed steps only at each optimizer step's last mini-batch
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -340,76 +511,32 @@ def main(args: Args) -> None:
     exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    agent = Agent(args, tokenizer) if args.tools or args.environment else None  # multi-turn episodes with tools
-    schemas = agent.schemas if agent else None
-    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
-    if agent and not chat:
-        raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
-    if agent and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise UsageError(  # a sharded forward is a collective: every rank would have to take as many turns
-            "--tools / --environment under FSDP / DeepSpeed: episodes take different numbers of turns on each rank; "
-            "use DDP (configs/multi_gpu.yaml)."
-        )
-    eval_rows = eval_rows[: args.eval_samples]
-    batches_per_epoch = len(train_rows) // (args.batch_size * world)
-    if batches_per_epoch == 0:
-        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
-    reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
-    weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: check()
-    if agent and agent.reward_function():  # the environment's get_reward(), weight 1 (TRL)
-        reward_funcs, weights = reward_funcs + [agent.reward_function()], weights + [1.0]
-    if not reward_funcs:
-        raise UsageError("no reward: give --reward-funcs, --reward-model, or an --environment with get_reward().")
-    weights = torch.tensor(weights, device=device)
-    distinct = len({json.dumps(r["prompt"]) for r in train_rows})
-    accelerator.print(
-        f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "
-        f"training prompts){', rendered by the chat template' if chat else ''}; {num_updates} updates of "
-        f"{args.batch_size * world} prompts x {args.num_generations} completions"
-    )
-    model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    render_ids = functools.partial(prompt_ids, tokenizer, chat=chat, system_prompt=args.system_prompt, tools=schemas)
-    sampler = Sampler(args, tokenizer, unwrapped, accelerator, agent, render_ids)
-    resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights
+    task = load_online_task(args, accelerator, num_updates)  # the tokenizer, the rows, the rewards, the tools
+    optimizer_steps = num_updates * args.num_iterations * per_process // step_size
+    model, ref_model, optimizer, scheduler = load_policy(args, accelerator, optimizer_steps)
+    policy = accelerator.unwrap_model(model, keep_torch_compile=False)  # what samples, evaluates and is saved
+    engine = Engine(args, task, policy, accelerator)
+    resumed = resume(args, accelerator, num_updates)  # after load_policy: the reference keeps the initial weights
     start_update = resumed.get("update", 0)
-
-    def score(rows, rollout):  # rewards [N, F] of the completions (decoded, or the episodes' messages) and their texts
-        completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
-        ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-        if episodes is None:
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
-        environments = rollout.environments if agent.factory else None
-        rewards = score_completions(reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)
-        return rewards, [episode_text(m) for m in episodes.messages]
-
-    first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
-    first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
-    degenerate = resumed.get("degenerate", 0)  # updates whose batch had nothing to learn from
+    first_eval = resumed.get("first_eval", evaluate(args, engine, logger, start_update))  # the run's start, kept
+    stream = RolloutStream(args, task, engine, accelerator, start_update, num_updates)  # on-policy, or stale by k
+    history, degenerate, start_time = resumed.get("history", []), resumed.get("degenerate", 0), time.time()
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
     for update in progress:
         update_start = time.time()
-        # ================================ the algorithm ================================
-        # 1. generate: G completions of each of this rank's prompts, the G of a prompt side by side (group order)
-        epoch, i = divmod(update, batches_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
-        unwrapped.eval()
-        rollout = sampler.rollout(rows)  # completions [N, T], N = batch_size * G; with tools, whole episodes
+        # 1. generate: G completions of each of this rank's prompts, side by side (with tools: whole episodes), by the
+        #    weights of this update, or with --max-staleness by those of an earlier one
+        rows, rollout, staleness = stream.next(update)  # completions [N, T], N = batch_size * G
         prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
-        ended, model_mask = rollout.ended, rollout.model_mask  # model_mask: the policy's own tokens (not a tool's)
+        sampled = rollout.sampling_logprobs  # [N, T], the sampler's own log-probs (--max-staleness, --old-logprobs sampler)
         generate_time = time.time() - update_start
 
         # 2. score: every reward function on every completion, a weighted sum; DAPO's overlong punishment
-        rewards_per_func, completions_text = score(rows, rollout)  # [N, F]
-        rewards = (rewards_per_func * weights).nansum(1)
+        rewards_per_func, completions_text = score(task, rows, rollout)  # [N, F]
+        rewards = (rewards_per_func * task.weights).nansum(1)
         rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.overlong_buffer:
-            lengths = model_mask.sum(1)
-            over = (lengths - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
+            over = (rollout.model_mask.sum(1) - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
 
         # 3. group advantages over every process's groups: A = r - mean(group), / std (group, batch or none)
@@ -417,28 +544,20 @@ def main(args: Args) -> None:
         all_advantages, is_std_zero = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
         local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
         advantages = all_advantages[local]
-        loss_mask = model_mask.clone()  # tool and environment tokens: context, never loss
+        token_mask = rollout.model_mask  # the policy's own tokens: tool and environment tokens are context, never loss
         if args.mask_truncated_completions:  # DAPO: a cut completion's tokens take no part in the loss
-            loss_mask = loss_mask * ended[:, None].float()
-        if args.drop_zero_std_groups:  # DAPO's dynamic sampling: equal rewards in a group carry no gradient
+            token_mask = token_mask * rollout.ended[:, None].float()
+        loss_mask = token_mask
+        if args.drop_zero_std_groups:  # DAPO's dynamic sampling, as a filter: equal rewards in a group carry no gradient
             loss_mask = loss_mask * (~is_std_zero[local])[:, None].float()
 
         # 4. old (and reference) log-probs: the policy that sampled, before any update of this batch. With one pass
         #    and one optimizer step per generation batch (the default) no mini-batch sees an updated policy, so the old
         #    log-probs are the training forward's own, detached (TRL skips this pass too)
-        on_policy = args.num_iterations == 1 and step_size == len(rows)
-        with torch.no_grad():
-            old_logprobs, ref_logprobs = [], []
-            for j in range(0, len(rows), args.mini_batch_size) if not on_policy or args.beta > 0 else ():
-                mb = slice(j, j + args.mini_batch_size)
-                inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature)
-                if not on_policy:
-                    old_logprobs.append(per_token_logprobs(unwrapped, *inputs)[0])
-                if args.beta > 0:
-                    with reference_context(unwrapped, ref_model), accelerator.autocast():
-                        ref_logprobs.append(per_token_logprobs(ref_model or unwrapped, *inputs)[0])
-            old_logprobs = torch.cat(old_logprobs) if old_logprobs else None
-            ref_logprobs = torch.cat(ref_logprobs) if ref_logprobs else None
+        #    (--old-logprobs sampler: the sampler's own, and no forward)
+        recompute = args.old_logprobs == "recompute" and (args.num_iterations > 1 or step_size < len(rows))
+        old_logprobs, ref_logprobs = sampling_logprobs(args, accelerator, policy, ref_model, rollout, recompute, args.beta > 0)
+        old_logprobs = sampled if args.old_logprobs == "sampler" else old_logprobs
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches
         model.train()
@@ -456,61 +575,43 @@ def main(args: Args) -> None:
                         )
                         old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
                         ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
-                        loss, stats = grpo_loss(
-                            logprobs,
-                            old,
-                            ref,
-                            advantages[mb],
-                            loss_mask[mb],
-                            args.beta,
-                            args.epsilon,
-                            args.epsilon_high or args.epsilon,
-                            args.loss_type,
-                            args.max_completion_length,
-                            args.importance_sampling_level,
-                            num_items,
+                        corrections, stats = off_policy_terms(
+                            args, accelerator, logprobs, old, sampled, advantages[mb], loss_mask[mb], entropy, mb
                         )
+                        loss, loss_stats = grpo_loss(
+                            logprobs, old, ref, advantages[mb], loss_mask[mb], args.beta, args.epsilon,
+                            args.epsilon_high or args.epsilon, args.loss_type, args.max_completion_length,
+                            args.importance_sampling_level, num_items, **corrections, **loss_options(args),
+                        )  # fmt: skip
                         # accelerate divides by the accumulation steps (the step's gradient: the mini-batches' mean, for
-                        # grpo / bnpo / dr_grpo); dapo's loss is already per token of the whole step
-                        steps = args.gradient_accumulation_steps
-                        accelerator.backward(loss * steps if args.loss_type == "dapo" else loss)
-                        entropy_stats = torch.stack([(entropy * model_mask[mb]).sum(), model_mask[mb].sum()])
-                        stats_list.append(stats | {"entropy": entropy_stats})
+                        # grpo / bnpo / dr_grpo / luspo / sapo); dapo's, cispo's and vespo's are per token of the step
+                        token_sum = args.loss_type in ("dapo", "cispo", "vespo")
+                        accelerator.backward(loss * args.gradient_accumulation_steps if token_sum else loss)
+                        entropy_stats = torch.stack([(entropy * token_mask[mb]).sum(), token_mask[mb].sum()])
+                        stats_list.append(stats | loss_stats | {"entropy": entropy_stats})
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
 
-        # ================================ bookkeeping ================================
-        all_rewards_per_func = accelerator.gather(rewards_per_func)
-        lengths, all_ended = accelerator.gather(model_mask.sum(1)), accelerator.gather(ended)
-        metrics = {
-            f"rewards/{spec}/{stat}": value
-            for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
-            for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
-        }
-        # each statistic weighted by tokens over the processes, per mini-batch, then the mean over mini-batches (TRL 1.x)
-        totals = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]), "sum")
-        step_stats = (totals[..., 0] / totals[..., 1].clamp(min=1.0)).mean(0)
-        metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
-        metrics |= {
-            "reward": all_rewards.nanmean().item(),
-            "reward_std": nanstd(all_rewards).item(),
-            "frac_reward_zero_std": is_std_zero.float().mean().item(),
-            "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": 1 - all_ended.float().mean().item(),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
-            "time/generate": generate_time,
-            "time/step": time.time() - update_start,
-        }
-        if rollout.episodes is not None:
-            metrics |= episode_metrics(accelerator, rollout)
-        for reason in degenerate_batch(lengths, all_ended, all_rewards, args.mask_truncated_completions):
-            degenerate += 1  # not silent: a warning line and a counter in the logs
+        # 6. bookkeeping: the metrics (TRL 1.x names), samples, evaluation, checkpoints
+        reasons, metrics = rollout_metrics(args, accelerator, task, rollout, rewards_per_func, all_rewards)
+        metrics |= (
+            pooled(accelerator, stats_list)
+            | {  # reward: with DAPO's punishment, a reward function in TRL
+                "reward": all_rewards.nanmean().item(),
+                "reward_std": nanstd(all_rewards).item(),
+                "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
+                "charts/learning_rate": scheduler.get_last_lr()[0],
+                "time/generate": generate_time,
+                "time/step": time.time() - update_start,
+            }
+            | stream.metrics(staleness)
+        )
+        stream.trained(update, policy)
+        for reason in reasons:  # not silent: a warning line each and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
+        degenerate += len(reasons)
         metrics["degenerate_updates"] = degenerate
         check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
         logger.log(metrics, update + 1)
@@ -520,297 +621,19 @@ def main(args: Args) -> None:
             samples = {"prompt": [text_of(r["prompt"]) for r in rows], "completion": completions_text}
             logger.samples("samples", samples | {"reward": rewards.tolist(), "advantage": advantages.tolist()}, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
-            evaluate(args, sampler, eval_rows, score, logger, update + 1)
+            evaluate(args, engine, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             state = {"update": update + 1, "first_eval": first_eval, "history": history, "degenerate": degenerate}
-            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
+            save_checkpoint(accelerator, folder, state, policy, task.tokenizer, total_limit=args.save_total_limit)
 
-    # ---- final evaluation, save (plain from_pretrained format; LoRA merged) and summary ----
-    last_eval = evaluate(args, sampler, eval_rows, score, logger, num_updates)
-    save_final(args, accelerator, unwrapped, tokenizer, last_eval)
-    window, done = max(1, len(history) // 10), num_updates - start_update  # updates this process ran
-    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
-    kl_text = f" (KL per token {last[1]:.3f})" if args.beta > 0 else ""
-    accelerator.print(
-        f"grpo: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
-        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{kl_text}; "
-        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
-        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
-        f"model saved to {args.output_dir}"
-        + (f" ({'sharded over' if sampler.sharded else 'weights identical on'} {world} ranks)" if world > 1 else "")
-    )
-    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
-    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
-        accelerator.print(
-            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
-            "start): the policy collapsed onto a few answers; lower --learning-rate"
-        )
+    # 7. the final evaluation, save (plain from_pretrained format; LoRA merged) and summary
+    stream.close()
+    last_eval = evaluate(args, engine, logger, num_updates)
+    save_policy(args, accelerator, policy, task.tokenizer, last_eval, "grpo")
+    done, seconds = num_updates - start_update, time.time() - start_time  # the updates this process ran
+    summary("grpo", args, accelerator, done, seconds, history, first_eval, last_eval, kl=args.beta > 0)
     end_run(accelerator, logger)  # every rank leaves together
-
-
-# ================================ plumbing: what the loop above calls ================================
-def check(args: Args) -> None:
-    """A one-line error for every flag out of its range, before anything is loaded."""
-    check_args(
-        args,
-        positive=(
-            "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations "
-            "learning_rate max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length "
-            "eval_samples log_freq train_size eval_size tool_timeout"
-        ),
-        non_negative=(
-            "beta weight_decay top_k eval_freq save_freq overlong_buffer overlong_penalty max_tool_calling_iterations"
-        ),
-        fractions="eval_fraction",
-    )
-    if args.num_generations < 2:
-        raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
-    if not 0 < args.top_p <= 1 or args.overlong_buffer >= args.max_completion_length:
-        raise UsageError(
-            f"--top-p {args.top_p} lies in (0, 1]; --overlong-buffer {args.overlong_buffer} must be below "
-            f"--max-completion-length {args.max_completion_length}."
-        )
-    if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
-        warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
-    sources = len(args.reward_funcs) + (args.reward_model is not None)
-    if args.reward_weights and len(args.reward_weights) != sources:
-        raise UsageError(
-            f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
-            "give one weight each."
-        )
-
-
-def load_models(args: Args, accelerator: Accelerator, num_updates: int):
-    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and learning-rate schedule, and the frozen
-    reference (None at beta 0, or with LoRA: the adapter-disabled policy is the reference)."""
-    model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
-    context = context_length(model.config)
-    if context and args.max_prompt_length + args.max_completion_length > context:
-        raise UsageError(
-            f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
-            f"({args.max_completion_length}) exceeds the model's context of {context} tokens."
-        )
-    for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.use_peft:
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    ref_model = create_reference_model(model) if args.beta > 0 else None
-    if ref_model is not None:
-        ref_model = place_frozen(accelerator, ref_model)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    per_process = args.batch_size * args.num_generations
-    steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
-    # accelerate steps a prepared scheduler once per process per optimizer step
-    total_steps = num_updates * steps_per_update * accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
-    return model, ref_model, optimizer, scheduler
-
-
-def resume(args: Args, accelerator: Accelerator, num_updates: int) -> dict:
-    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without)."""
-    if not args.resume_from:
-        return {}
-    resumed = load_checkpoint(accelerator, args.resume_from)
-    if resumed["update"] >= num_updates:
-        raise UsageError(
-            f"--resume-from {args.resume_from}: the checkpoint is at update {resumed['update']}, and this run "
-            f"has {num_updates}: raise --total-prompts to train further."
-        )
-    accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
-    return resumed
-
-
-@dataclass
-class Rollout:
-    """Sampled completions: left-padded prompts [N, P] and their mask, right-padded completions [N, T], their mask (the
-    context), the mask of the policy's own tokens (the loss; tool results excluded), whether each ended with EOS [N];
-    with tools, the episodes (agents.Episodes) and their environments."""
-
-    prompts: torch.Tensor
-    prompt_mask: torch.Tensor
-    completions: torch.Tensor
-    mask: torch.Tensor
-    model_mask: torch.Tensor
-    ended: torch.Tensor
-    episodes: Episodes | None = None
-    environments: list | None = None
-
-
-class Sampler:
-    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator` (the same distribution); with an `agent`, multi-turn episodes with tools (agents.py)."""
-
-    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator, agent=None, render_ids=None):
-        self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
-        self.agent, self.render_ids = agent, render_ids
-        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
-        self.fast = None
-        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        if (
-            args.fast_generation
-            and accelerator.device.type == "cuda"
-            and args.inverse_cdf_sampling
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-        ):
-            self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
-        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
-        if agent:
-            tools = ", ".join(s["function"]["name"] for s in agent.schemas)
-            accelerator.print(f"episodes: tools {tools}; chat template: {agent.template}")
-
-    def pad_left(self, token_lists: list[list[int]]):
-        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
-        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
-
-    def rollout(self, rows: list[dict]) -> Rollout:
-        """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
-        if self.agent is None:
-            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
-            completions, mask, ended = self.generate(prompts, prompt_mask)
-            return Rollout(prompts, prompt_mask, completions, mask, mask, ended)
-
-        def generate(contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-            completions, mask, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
-            return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-
-        episodes, environments = self.agent.run(rows, generate, self.render_ids)
-        device, width = self.accelerator.device, max(1, *map(len, episodes.completion_ids))
-        padded = lambda lists, value: torch.tensor([x + [value] * (width - len(x)) for x in lists], device=device)  # noqa: E731
-        completions = padded(episodes.completion_ids, self.tokenizer.pad_token_id)
-        mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
-        model_mask = padded(episodes.model_mask, 0).float()
-        ended = torch.tensor(episodes.ended, device=device)
-        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, environments)
-
-    @torch.no_grad()
-    def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None):
-        """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
-        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
-        with self.accelerator.autocast():
-            if self.fast is not None:
-                completions = self.fast(prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
-            else:
-                out = self.policy.generate(
-                    input_ids=prompts,
-                    attention_mask=prompt_mask,
-                    **self.sampling,
-                    max_new_tokens=length,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
-                )
-                completions = out[:, prompts.shape[1] :]
-        is_eos = completions == tokenizer.eos_token_id
-        ended = is_eos.any(1)
-        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
-        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
-        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended
-
-
-def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
-    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
-    [N, T] (for the logs; None otherwise)."""
-    input_ids = torch.cat([prompts, completions], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
-    T = completions.shape[1]
-    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
-    logits = logits[:, :-1]
-    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
-    with torch.no_grad():
-        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
-    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
-
-
-@torch.no_grad()
-@torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger, update: int) -> dict[str, float]:
-    """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
-    (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
-    accelerator, device = sampler.accelerator, sampler.accelerator.device
-    torch.manual_seed(args.seed + accelerator.process_index)
-    sampler.policy.eval()
-    totals, tools = torch.zeros(3, device=device), 0
-    table = {"prompt": [], "completion": [], "answer": [], "score": []}
-    for chunk, weight in rank_batches(eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
-        rollout = sampler.rollout(chunk)
-        scores, texts = score(chunk, rollout)
-        scores = scores[:, 0]
-        count = torch.tensor(len(chunk), device=device)
-        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
-        if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks
-            tools = tools + weight * episode_totals(rollout)
-        if weight:  # (not a rank's stand-in)
-            table = {
-                "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
-                "completion": table["completion"] + texts,
-                "answer": table["answer"] + [r["answer"] for r in chunk],
-                "score": table["score"] + scores.tolist(),
-            }
-    totals = accelerator.reduce(totals, "sum")
-    # the share of the most frequent answer among every process's completions (a collapse shows here)
-    completions = gather_object(table["completion"])
-    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in eval_rows))[0]
-    metrics = {
-        "eval/reward": (totals[0] / totals[2]).item(),
-        "eval/completion_length": (totals[1] / totals[2]).item(),
-        "eval/top_answer_share": float(top_share),
-    }
-    if sampler.agent is not None:
-        metrics |= {f"eval/{k}": v for k, v in episode_stats(accelerator.reduce(tools, "sum")).items()}
-    logger.log(metrics, update)
-    logger.samples("eval samples", table, update)
-    return metrics
-
-
-def episode_totals(rollout: Rollout) -> torch.Tensor:
-    """Sums over a rollout's episodes: episodes, tool calls, failed calls, turns, the model's tokens, the tools' tokens."""
-    e = rollout.episodes
-    model_tokens, all_tokens = rollout.model_mask.sum(), rollout.mask.sum()
-    values = [len(e.turns), sum(e.tool_calls), sum(e.failures), sum(e.turns), model_tokens, all_tokens - model_tokens]
-    return torch.tensor([float(v) for v in values], device=rollout.mask.device)
-
-
-def episode_stats(totals: torch.Tensor) -> dict[str, float]:
-    """Per-episode means of `episode_totals` (summed over processes), and the share of the calls that failed."""
-    episodes, calls, failures, turns, model_tokens, tool_tokens = totals.tolist()
-    return {
-        "tools/call_frequency": calls / episodes,  # TRL's name: tool calls per episode
-        "tools/failure_frequency": failures / calls if calls else 0.0,  # TRL's name: the share of calls that failed
-        "episodes/turns": turns / episodes,
-        "episodes/model_tokens": model_tokens / episodes,
-        "episodes/tool_tokens": tool_tokens / episodes,
-    }
-
-
-def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, float]:
-    """The tool-use metrics of an update's episodes, pooled over the processes."""
-    return episode_stats(accelerator.reduce(episode_totals(rollout), "sum"))
-
-
-def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:
-    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
-    atomically; first a check that DDP kept every rank's weights the same."""
-    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
-    if weights is None:  # replicated: every rank holds the same weights
-        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
-        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
-            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
-    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "grpo", metrics)
 
 
 if __name__ == "__main__":

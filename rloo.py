@@ -14,49 +14,38 @@ Usage:
         --reward-funcs verifier format --max-completion-length 256
 """
 
-import functools
-import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
-from accelerate import Accelerator, DistributedType
-from accelerate.utils import gather_object
-from peft import LoraConfig, get_peft_model
+from accelerate import Accelerator
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, get_scheduler
 
-from agents import Agent, Episodes, episode_text
 from common.chat import text_of
-from common.core import UsageError, check_args, exact_div, warn_once, weight_decay_groups
-from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
-from common.run import (
-    atomic_directory,
-    check_finite,
-    cli,
-    end_run,
-    full_weights,
-    load_checkpoint,
-    rank_batches,
-    save_checkpoint,
-    start_run,
-    write_model_card,
+from common.checkpoints import save_checkpoint
+from common.cli import cli
+from common.core import UsageError, exact_div, nanstd
+from common.outputs import check_finite
+from common.rollout import (
+    Engine,
+    RolloutStream,
+    check_online_args,
+    evaluate,
+    load_online_task,
+    load_policy,
+    per_token_logprobs,
+    pooled,
+    resume,
+    rollout_metrics,
+    sampling_logprobs,
+    save_policy,
+    score,
+    summary,
 )
-from fast_paths import FastGenerator, sampling_kwargs
-from rewards import (
-    degenerate_batch,
-    distinct_answers,
-    is_number,
-    load_rewards,
-    load_task,
-    prompt_ids,
-    score_completions,
-)
+from common.run import end_run, start_run
 
 
 @dataclass
@@ -176,6 +165,28 @@ class Args:
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
 
+    # Off-policy: stale rollouts and their corrections (docs/rloo.md#off-policy)
+    max_staleness: int = 0
+    """the rollout of an update may come from weights up to this many updates old (TRL's AsyncGRPO); 0: on-policy"""
+    async_rollouts: bool = False
+    """with --max-staleness > 0, sample in a background thread with its own weights while the trainer trains (older
+    rollouts dropped); else the rollout of update t comes from the weights of update t - k exactly (deterministic)"""
+    weight_sync_steps: int = 1
+    """--async-rollouts: the worker's weights are refreshed from the trainer every this many updates"""
+    rollout_timeout: float = 1800.0
+    """--async-rollouts: seconds the trainer waits for a rollout before the run stops with an error"""
+    old_logprobs: Literal["recompute", "sampler"] = "recompute"
+    """the ratio's denominator: recompute (a forward of the policy at the update's start; the sampler's difference
+    corrected below) or sampler (its own log-probs, TRL's AsyncGRPO: no forward, no correction)"""
+    importance_sampling_correction: bool = True
+    """correct stale rollouts by the ratio of the recomputed to the sampler's sequence probability"""
+    importance_sampling_mode: Literal["sequence_truncate", "sequence_mask"] = "sequence_mask"
+    """the correction truncated into [min, max], or zeroed outside it (a sequence-level loss: no token-level modes)"""
+    importance_sampling_clip_min: float | None = None
+    """the correction's lower bound (None: none)"""
+    importance_sampling_clip_max: float | None = 3.0
+    """the correction's upper bound (None: none)"""
+
     # Tools and environments: multi-turn episodes (agents.py)
     tools: list[str] = field(default_factory=list)
     """functions the model may call: calculator (built-in), or "module:function" / "file.py:function", each with type
@@ -190,7 +201,7 @@ class Args:
     """seconds a tool call may run; a slower one becomes an error message to the model, counted as a failure"""
     chat_template_path: str | None = None
     """a Jinja chat template that renders tools, calls and results (None: the tokenizer's own if it can, else
-    agents.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
+    common.tools.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
 
     # LoRA
     use_peft: bool = False
@@ -235,25 +246,18 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool
     return torch.nan_to_num(advantages, nan=0.0)
 
 
-def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Bessel-corrected standard deviation over the non-NaN values (NaN with fewer than two)."""
-    keep = ~values.isnan()
-    count = keep.sum(dim) if dim is not None else keep.sum()
-    mean = values.nanmean(dim, keepdim=dim is not None)
-    squares = torch.where(keep, (values - mean) ** 2, 0.0)
-    return (squares.sum(dim) if dim is not None else squares.sum()).div(count - 1).sqrt()
-
-
-def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float):
+def rloo_loss(logps, old_logps, advantages, epsilon_low: float, epsilon_high: float, is_ratio=None):
     """PPO's clipped objective with the whole completion as one action (TRL 1.x `RLOOTrainer._compute_loss`).
 
     logps, old_logps, advantages: [B], a sequence log-prob being the masked sum of its tokens' log-probs. Loss
-    mean over sequences of -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old_logp).
-    Returns (loss, stats: for the sequences clipped below, above and in either region, their [count, sequences], so
-    that the caller pools them over mini-batches and processes)."""
+    mean over sequences of -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = exp(logp - old_logp),
+    each sequence's term weighted by `is_ratio` [B] where stale rollouts are corrected (TRL 1.16's sequence-level
+    importance sampling). Returns (loss, stats: for the sequences clipped below, above and in either region, their
+    [count, sequences], so that the caller pools them over mini-batches and processes)."""
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages).mean()  # Schulman et al. 2017, eq. 7, per sequence
+    per_sequence = -torch.min(ratio * advantages, clipped * advantages)  # Schulman et al. 2017, eq. 7, per sequence
+    loss = (per_sequence if is_ratio is None else per_sequence * is_ratio).mean()
     with torch.no_grad():
         low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
@@ -266,8 +270,39 @@ def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Te
     return loss, stats
 
 
+def correction(args: Args, old_logps, sampled_logps):
+    """The sequence-level correction of a stale rollout (TRL 1.16's sequence_truncate / sequence_mask importance
+    sampling): w = exp(log pi_old(y) - log pi_sampler(y)) truncated into [min, max] or zeroed outside it; None (and no
+    statistics) when there is nothing to correct. Returns (w [B], its statistics as [sum, count] / [value, 1] pairs)."""
+    if sampled_logps is None or args.old_logprobs == "sampler" or not args.importance_sampling_correction:
+        return None, {}
+    raw = torch.exp(old_logps - sampled_logps)
+    low, high = args.importance_sampling_clip_min, args.importance_sampling_clip_max
+    if args.importance_sampling_mode == "sequence_truncate":
+        ratio = torch.clamp(raw, min=low, max=high)
+    else:
+        ratio = raw.masked_fill(
+            (raw < (low if low is not None else -math.inf)) | (raw > (high if high is not None else math.inf)), 0.0
+        )
+    n = torch.tensor(float(len(raw)), device=raw.device)
+    one = torch.ones((), device=raw.device)
+    return ratio, {
+        "importance_sampling/ratio_mean": torch.stack([raw.sum(), n]),
+        "importance_sampling/ratio_min": torch.stack([raw.min(), one]),
+        "importance_sampling/ratio_max": torch.stack([raw.max(), one]),
+        "importance_sampling/corrected_fraction": torch.stack([(raw != ratio).float().sum(), n]),
+    }
+
+
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
+    check_online_args(args)
+    if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
+        raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
+
+
 def main(args: Args) -> None:
-    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
+    """Setup, then the loop in its numbered phases, then the final evaluation, save and summary."""
     check(args)
     # accumulate(): DDP syncs and DeepSpeed steps only at each optimizer step's last mini-batch
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -277,96 +312,54 @@ def main(args: Args) -> None:
     exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
     num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
     run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    agent = Agent(args, tokenizer) if args.tools or args.environment else None  # multi-turn episodes with tools
-    schemas = agent.schemas if agent else None
-    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
-    if agent and not chat:
-        raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
-    if agent and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise UsageError(  # a sharded forward is a collective: every rank would have to take as many turns
-            "--tools / --environment under FSDP / DeepSpeed: episodes take different numbers of turns on each rank; "
-            "use DDP (configs/multi_gpu.yaml)."
-        )
-    eval_rows = eval_rows[: args.eval_samples]
-    batches_per_epoch = len(train_rows) // (args.batch_size * world)
-    if batches_per_epoch == 0:
-        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
-    reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
-    weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: check()
-    if agent and agent.reward_function():  # the environment's get_reward(), weight 1 (TRL)
-        reward_funcs, weights = reward_funcs + [agent.reward_function()], weights + [1.0]
-    if not reward_funcs:
-        raise UsageError("no reward: give --reward-funcs, --reward-model, or an --environment with get_reward().")
-    weights = torch.tensor(weights, device=device)
-    distinct = len({json.dumps(r["prompt"]) for r in train_rows})
-    accelerator.print(
-        f"{len(train_rows)} training prompts ({distinct} distinct), {len(eval_rows)} held out (none of them among the "
-        f"training prompts){', rendered by the chat template' if chat else ''}; {num_updates} updates of "
-        f"{args.batch_size * world} prompts x {args.num_generations} completions"
-    )
-    model, ref_model, optimizer, scheduler = load_models(args, accelerator, num_updates)
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    render_ids = functools.partial(prompt_ids, tokenizer, chat=chat, system_prompt=args.system_prompt, tools=schemas)
-    sampler = Sampler(args, tokenizer, unwrapped, accelerator, agent, render_ids)
-    resumed = resume(args, accelerator, num_updates)  # after load_models: the reference keeps the initial weights
+    task = load_online_task(args, accelerator, num_updates)  # the tokenizer, the rows, the rewards, the tools
+    optimizer_steps = num_updates * args.num_iterations * per_process // step_size
+    model, ref_model, optimizer, scheduler = load_policy(args, accelerator, optimizer_steps)
+    policy = accelerator.unwrap_model(model, keep_torch_compile=False)  # what samples, evaluates and is saved
+    engine = Engine(args, task, policy, accelerator)
+    resumed = resume(args, accelerator, num_updates)  # after load_policy: the reference keeps the initial weights
     start_update = resumed.get("update", 0)
-
-    def score(rows, rollout):  # rewards [N, F] of the completions (decoded, or the episodes' messages) and their texts
-        completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
-        ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-        if episodes is None:
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            return score_completions(reward_funcs, rows, texts, ids, ended.tolist(), device), texts
-        environments = rollout.environments if agent.factory else None
-        rewards = score_completions(reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)
-        return rewards, [episode_text(m) for m in episodes.messages]
-
-    first_eval, start_time = evaluate(args, sampler, eval_rows, score, logger, start_update), time.time()
-    first_eval, history = resumed.get("first_eval", first_eval), resumed.get("history", [])  # the run's start, kept
-    degenerate = resumed.get("degenerate", 0)  # updates whose batch had nothing to learn from
+    first_eval = resumed.get("first_eval", evaluate(args, engine, logger, start_update))  # the run's start, kept
+    stream = RolloutStream(args, task, engine, accelerator, start_update, num_updates)  # on-policy, or stale by k
+    history, degenerate, start_time = resumed.get("history", []), resumed.get("degenerate", 0), time.time()
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
     for update in progress:
         update_start = time.time()
-        # ================================ the algorithm ================================
-        # 1. generate: k completions of each of this rank's prompts, the k of a prompt side by side (group order)
-        epoch, i = divmod(update, batches_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
-        unwrapped.eval()
-        rollout = sampler.rollout(rows)  # completions [N, T], N = batch_size * k; with tools, whole episodes
+        # 1. generate: k completions of each of this rank's prompts, side by side (with tools: whole episodes), by the
+        #    weights of this update, or with --max-staleness by those of an earlier one
+        rows, rollout, staleness = stream.next(update)  # completions [N, T], N = batch_size * k
         prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
-        ended, model_mask = rollout.ended, rollout.model_mask  # model_mask: the policy's own tokens (not a tool's)
         generate_time = time.time() - update_start
-
-        # the tokens the loss reads; `mask` stays the completion's tokens (what is scored and attended to), model_mask
-        # the policy's own (the lengths); tool results and cut completions (with the flag) take no part in loss and KL
-        loss_mask = model_mask * ended[:, None].float() if args.mask_truncated_completions else model_mask
+        # the tokens the loss and the KL read: the policy's own (tool results are context), less cut ones with the flag
+        loss_mask = rollout.model_mask
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask * rollout.ended[:, None].float()
+        sampled = (rollout.sampling_logprobs * loss_mask).sum(1) if rollout.sampling_logprobs is not None else None
 
         # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
         #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
         #    policy: the old log-probs are then the training forward's own, detached, and this pass is skipped
-        on_policy = args.num_iterations == 1 and step_size == len(rows)
-        old_logps = ref_logps = None
-        if not on_policy or args.beta > 0:
-            with torch.no_grad():
-                old_logps, ref_logps = torch.zeros(len(rows), device=device), torch.zeros(len(rows), device=device)
-                for mb in torch.arange(len(rows), device=device).split(args.mini_batch_size):
-                    inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature)
-                    old_logps[mb] = (per_token_logprobs(unwrapped, *inputs)[0] * loss_mask[mb]).sum(1)
-                    if args.beta > 0:
-                        with reference_context(unwrapped, ref_model), accelerator.autocast():
-                            ref_logps[mb] = (per_token_logprobs(ref_model or unwrapped, *inputs)[0] * loss_mask[mb]).sum(1)
+        #    (--old-logprobs sampler: the sampler's own, and no forward)
+        on_policy, beta, recompute = (
+            args.num_iterations == 1 and step_size == len(rows),
+            args.beta > 0,
+            args.old_logprobs == "recompute",
+        )
+        old_logprobs, ref_logprobs = sampling_logprobs(
+            args, accelerator, policy, ref_model, rollout, recompute and (not on_policy or beta), beta
+        )
+        old_logps = (old_logprobs * loss_mask).sum(1) if old_logprobs is not None else None  # [N]
+        old_logps = sampled if not recompute else old_logps
+        ref_logps = (ref_logprobs * loss_mask).sum(1) if ref_logprobs is not None else None
 
         # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
         #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
-        rewards_per_func, completions_text = score(rows, rollout)  # [N, F]
-        scores = (rewards_per_func * weights).nansum(1)
+        rewards_per_func, completions_text = score(task, rows, rollout)  # [N, F]
+        scores = (rewards_per_func * task.weights).nansum(1)
         scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.reward_clip_range is not None:
             scores = scores.clamp(*args.reward_clip_range)
-        kl = old_logps - ref_logps if args.beta > 0 else torch.zeros_like(scores)  # [N], first-order, per sequence
+        kl = old_logps - ref_logps if beta else torch.zeros_like(scores)  # [N], first-order, per sequence
         rewards = scores - args.beta * kl
 
         # 4. leave-one-out advantages over every process's groups: A_i = r_i - mean of the other k - 1 rewards
@@ -388,50 +381,37 @@ def main(args: Args) -> None:
                         )
                         logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
                         old = logps.detach() if old_logps is None else old_logps[mb]
-                        loss, stats = rloo_loss(logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon)
-                        accelerator.backward(loss)  # accelerate divides by the steps: the gradient is their mean
-                        stats_list.append(
-                            stats | {"entropy": torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])}
+                        is_ratio, is_stats = correction(args, old, sampled[mb] if sampled is not None else None)
+                        loss, stats = rloo_loss(
+                            logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon, is_ratio
                         )
+                        accelerator.backward(loss)  # accelerate divides by the steps: the gradient is their mean
+                        entropy_stats = torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])
+                        stats_list.append(stats | is_stats | {"entropy": entropy_stats})
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
 
-        # ================================ bookkeeping ================================
-        all_rewards_per_func, all_scores, all_kl = accelerator.gather((rewards_per_func, scores, kl))
-        lengths, all_ended, loss_tokens = accelerator.gather((model_mask.sum(1), ended, loss_mask.sum()[None]))
-        is_std_zero = nanstd(all_scores.view(-1, args.num_generations), 1) == 0  # all k rewards equal: no signal
-        metrics = {
-            f"rewards/{spec}/{stat}": value
-            for (spec, _), values in zip(reward_funcs, all_rewards_per_func.T)
-            for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
-        }
-        # each statistic over the processes per mini-batch (clip fractions per sequence, the entropy per token, TRL
-        # 1.x), then the mean over mini-batches
-        totals = accelerator.reduce(torch.stack([torch.stack(list(s.values())) for s in stats_list]), "sum")
-        step_stats = (totals[..., 0] / totals[..., 1].clamp(min=1.0)).mean(0)
-        metrics |= {k: v for k, v in zip(stats_list[0], step_stats.tolist())}
-        metrics |= {
-            "reward": all_scores.nanmean().item(),
-            "reward_std": nanstd(all_scores).item(),
-            "frac_reward_zero_std": is_std_zero.float().mean().item(),
-            "kl": (all_kl.sum() / loss_tokens.sum().clamp(min=1)).item(),  # per token of the loss, as TRL logs it
-            "rewards/kl_penalized": all_rewards.nanmean().item(),
-            "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": 1 - all_ended.float().mean().item(),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
-            "time/generate": generate_time,
-            "time/step": time.time() - update_start,
-        }
-        if rollout.episodes is not None:
-            metrics |= episode_metrics(accelerator, rollout)
-        for reason in degenerate_batch(lengths, all_ended, all_scores, args.mask_truncated_completions):
-            degenerate += 1  # not silent: a warning line and a counter in the logs
+        # 6. bookkeeping: the metrics (TRL 1.x names), samples, evaluation, checkpoints
+        reasons, metrics = rollout_metrics(args, accelerator, task, rollout, rewards_per_func, all_rewards)
+        all_kl, loss_tokens = accelerator.gather((kl, loss_mask.sum()[None]))
+        metrics |= (
+            pooled(accelerator, stats_list)
+            | {
+                "kl": (all_kl.sum() / loss_tokens.sum().clamp(min=1)).item(),  # per token of the loss, as TRL logs it
+                "rewards/kl_penalized": all_rewards.nanmean().item(),
+                "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
+                "charts/learning_rate": scheduler.get_last_lr()[0],
+                "time/generate": generate_time,
+                "time/step": time.time() - update_start,
+            }
+            | stream.metrics(staleness)
+        )
+        stream.trained(update, policy)
+        for reason in reasons:  # not silent: a warning line each and a counter in the logs
             accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
+        degenerate += len(reasons)
         metrics["degenerate_updates"] = degenerate
         check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
         logger.log(metrics, update + 1)
@@ -441,295 +421,19 @@ def main(args: Args) -> None:
             samples = {"prompt": [text_of(r["prompt"]) for r in rows], "completion": completions_text}
             logger.samples("samples", samples | {"reward": scores.tolist(), "advantage": advantages.tolist()}, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
-            evaluate(args, sampler, eval_rows, score, logger, update + 1)
+            evaluate(args, engine, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             state = {"update": update + 1, "first_eval": first_eval, "history": history, "degenerate": degenerate}
-            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
+            save_checkpoint(accelerator, folder, state, policy, task.tokenizer, total_limit=args.save_total_limit)
 
-    # ---- final evaluation, save (plain from_pretrained format; LoRA merged) and summary ----
-    last_eval = evaluate(args, sampler, eval_rows, score, logger, num_updates)
-    save_final(args, accelerator, unwrapped, tokenizer, last_eval)
-    window, done = max(1, len(history) // 10), num_updates - start_update  # updates this process ran
-    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
-    accelerator.print(
-        f"rloo: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
-        f"{time.time() - start_time:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f} (KL per token {last[1]:.3f}); "
-        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
-        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
-        f"model saved to {args.output_dir}"
-        + (f" ({'sharded over' if sampler.sharded else 'weights identical on'} {world} ranks)" if world > 1 else "")
-    )
-    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
-    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
-        accelerator.print(
-            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
-            "start): the policy collapsed onto a few answers; lower --learning-rate"
-        )
+    # 7. the final evaluation, save (plain from_pretrained format; LoRA merged) and summary
+    stream.close()
+    last_eval = evaluate(args, engine, logger, num_updates)
+    save_policy(args, accelerator, policy, task.tokenizer, last_eval, "rloo")
+    done, seconds = num_updates - start_update, time.time() - start_time  # the updates this process ran
+    summary("rloo", args, accelerator, done, seconds, history, first_eval, last_eval, kl=True)
     end_run(accelerator, logger)  # every rank leaves together
-
-
-# ================================ plumbing: what the loop above calls ================================
-def check(args: Args) -> None:
-    """A one-line error for every flag out of its range, before anything is loaded."""
-    check_args(
-        args,
-        positive=(
-            "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations "
-            "learning_rate max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length "
-            "eval_samples log_freq train_size eval_size tool_timeout"
-        ),
-        non_negative="beta weight_decay top_k eval_freq save_freq max_tool_calling_iterations",
-        fractions="eval_fraction",
-    )
-    if args.num_generations < 2:
-        raise UsageError(
-            f"--num-generations {args.num_generations}: a leave-one-out baseline needs at least 2 completions per prompt."
-        )
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
-    if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
-        raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
-    if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
-        warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
-    sources = len(args.reward_funcs) + (args.reward_model is not None)
-    if args.reward_weights and len(args.reward_weights) != sources:
-        raise UsageError(
-            f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
-            "give one weight each."
-        )
-
-
-def load_models(args: Args, accelerator: Accelerator, num_updates: int):
-    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and learning-rate schedule, and the frozen
-    reference (None at beta 0, or with LoRA: the adapter-disabled policy is the reference)."""
-    model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
-    context = context_length(model.config)
-    if context and args.max_prompt_length + args.max_completion_length > context:
-        raise UsageError(
-            f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
-            f"({args.max_completion_length}) exceeds the model's context of {context} tokens."
-        )
-    for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.use_peft:
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    ref_model = create_reference_model(model) if args.beta > 0 else None  # the KL penalty needs one
-    if ref_model is not None:
-        ref_model = place_frozen(accelerator, ref_model)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    per_process = args.batch_size * args.num_generations
-    steps_per_update = args.num_iterations * per_process // (args.mini_batch_size * args.gradient_accumulation_steps)
-    # accelerate steps a prepared scheduler once per process per optimizer step
-    total_steps = num_updates * steps_per_update * accelerator.num_processes
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
-    return model, ref_model, optimizer, scheduler
-
-
-def resume(args: Args, accelerator: Accelerator, num_updates: int) -> dict:
-    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without)."""
-    if not args.resume_from:
-        return {}
-    resumed = load_checkpoint(accelerator, args.resume_from)
-    if resumed["update"] >= num_updates:
-        raise UsageError(
-            f"--resume-from {args.resume_from}: the checkpoint is at update {resumed['update']}, and this run "
-            f"has {num_updates}: raise --total-prompts to train further."
-        )
-    accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
-    return resumed
-
-
-@dataclass
-class Rollout:
-    """Sampled completions: left-padded prompts [N, P] and their mask, right-padded completions [N, T], their mask (the
-    context), the mask of the policy's own tokens (the loss; tool results excluded), whether each ended with EOS [N];
-    with tools, the episodes (agents.Episodes) and their environments."""
-
-    prompts: torch.Tensor
-    prompt_mask: torch.Tensor
-    completions: torch.Tensor
-    mask: torch.Tensor
-    model_mask: torch.Tensor
-    ended: torch.Tensor
-    episodes: Episodes | None = None
-    environments: list | None = None
-
-
-class Sampler:
-    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator` (the same distribution); with an `agent`, multi-turn episodes with tools (agents.py)."""
-
-    def __init__(self, args: Args, tokenizer, policy, accelerator: Accelerator, agent=None, render_ids=None):
-        self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
-        self.agent, self.render_ids = agent, render_ids
-        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
-        self.fast = None
-        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        if (
-            args.fast_generation
-            and accelerator.device.type == "cuda"
-            and args.inverse_cdf_sampling
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-        ):
-            self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
-        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
-        if agent:
-            tools = ", ".join(s["function"]["name"] for s in agent.schemas)
-            accelerator.print(f"episodes: tools {tools}; chat template: {agent.template}")
-
-    def pad_left(self, token_lists: list[list[int]]):
-        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
-        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
-
-    def rollout(self, rows: list[dict]) -> Rollout:
-        """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
-        if self.agent is None:
-            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
-            completions, mask, ended = self.generate(prompts, prompt_mask)
-            return Rollout(prompts, prompt_mask, completions, mask, mask, ended)
-
-        def generate(contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-            completions, mask, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
-            return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
-
-        episodes, environments = self.agent.run(rows, generate, self.render_ids)
-        device, width = self.accelerator.device, max(1, *map(len, episodes.completion_ids))
-        padded = lambda lists, value: torch.tensor([x + [value] * (width - len(x)) for x in lists], device=device)  # noqa: E731
-        completions = padded(episodes.completion_ids, self.tokenizer.pad_token_id)
-        mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
-        model_mask = padded(episodes.model_mask, 0).float()
-        ended = torch.tensor(episodes.ended, device=device)
-        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, environments)
-
-    @torch.no_grad()
-    def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None):
-        """Completions [N, T] cut after the first EOS, their mask [N, T] and whether each ended with EOS [N]."""
-        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
-        with self.accelerator.autocast():
-            if self.fast is not None:
-                completions = self.fast(prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
-            else:
-                out = self.policy.generate(
-                    input_ids=prompts,
-                    attention_mask=prompt_mask,
-                    **self.sampling,
-                    max_new_tokens=length,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
-                )
-                completions = out[:, prompts.shape[1] :]
-        is_eos = completions == tokenizer.eos_token_id
-        ended = is_eos.any(1)
-        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
-        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
-        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended
-
-
-def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
-    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
-    [N, T] (for the logs; None otherwise)."""
-    input_ids = torch.cat([prompts, completions], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
-    T = completions.shape[1]
-    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
-    logits = logits[:, :-1]
-    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
-    with torch.no_grad():
-        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
-    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
-
-
-@torch.no_grad()
-@torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, sampler: Sampler, eval_rows: list[dict], score, logger, update: int) -> dict[str, float]:
-    """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
-    (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function."""
-    accelerator, device = sampler.accelerator, sampler.accelerator.device
-    torch.manual_seed(args.seed + accelerator.process_index)
-    sampler.policy.eval()
-    totals, tools = torch.zeros(3, device=device), 0
-    table = {"prompt": [], "completion": [], "answer": [], "score": []}
-    for chunk, weight in rank_batches(eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
-        rollout = sampler.rollout(chunk)
-        scores, texts = score(chunk, rollout)
-        scores = scores[:, 0]
-        count = torch.tensor(len(chunk), device=device)
-        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
-        if sampler.agent is not None:  # tool use on the held-out prompts, pooled over the chunks
-            tools = tools + weight * episode_totals(rollout)
-        if weight:  # (not a rank's stand-in)
-            table = {
-                "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
-                "completion": table["completion"] + texts,
-                "answer": table["answer"] + [r["answer"] for r in chunk],
-                "score": table["score"] + scores.tolist(),
-            }
-    totals = accelerator.reduce(totals, "sum")
-    # the share of the most frequent answer among every process's completions (a collapse shows here)
-    completions = gather_object(table["completion"])
-    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in eval_rows))[0]
-    metrics = {
-        "eval/reward": (totals[0] / totals[2]).item(),
-        "eval/completion_length": (totals[1] / totals[2]).item(),
-        "eval/top_answer_share": float(top_share),
-    }
-    if sampler.agent is not None:
-        metrics |= {f"eval/{k}": v for k, v in episode_stats(accelerator.reduce(tools, "sum")).items()}
-    logger.log(metrics, update)
-    logger.samples("eval samples", table, update)
-    return metrics
-
-
-def episode_totals(rollout: Rollout) -> torch.Tensor:
-    """Sums over a rollout's episodes: episodes, tool calls, failed calls, turns, the model's tokens, the tools' tokens."""
-    e = rollout.episodes
-    model_tokens, all_tokens = rollout.model_mask.sum(), rollout.mask.sum()
-    values = [len(e.turns), sum(e.tool_calls), sum(e.failures), sum(e.turns), model_tokens, all_tokens - model_tokens]
-    return torch.tensor([float(v) for v in values], device=rollout.mask.device)
-
-
-def episode_stats(totals: torch.Tensor) -> dict[str, float]:
-    """Per-episode means of `episode_totals` (summed over processes), and the share of the calls that failed."""
-    episodes, calls, failures, turns, model_tokens, tool_tokens = totals.tolist()
-    return {
-        "tools/call_frequency": calls / episodes,  # TRL's name: tool calls per episode
-        "tools/failure_frequency": failures / calls if calls else 0.0,  # TRL's name: the share of calls that failed
-        "episodes/turns": turns / episodes,
-        "episodes/model_tokens": model_tokens / episodes,
-        "episodes/tool_tokens": tool_tokens / episodes,
-    }
-
-
-def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, float]:
-    """The tool-use metrics of an update's episodes, pooled over the processes."""
-    return episode_stats(accelerator.reduce(episode_totals(rollout), "sum"))
-
-
-def save_final(args: Args, accelerator: Accelerator, policy, tokenizer, metrics: dict) -> None:
-    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
-    atomically; first a check that DDP kept every rank's weights the same."""
-    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
-    if weights is None:  # replicated: every rank holds the same weights
-        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
-        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
-            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
-    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "rloo", metrics)
 
 
 if __name__ == "__main__":

@@ -45,11 +45,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from accelerate import Accelerator  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import grpo  # noqa: E402
-from agents import Agent  # noqa: E402
+from common.cli import cli  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
-from common.run import cli  # noqa: E402
+from common.rollout import Engine, Task, per_token_logprobs  # noqa: E402
+from common.tools import Toolset  # noqa: E402
 from presets.agents import PRODUCTS, guess_progress  # noqa: E402
 from rewards import distinct_answers, extract_answer, load_task, verifier  # noqa: E402
 
@@ -122,8 +124,8 @@ def run(command: list[str], threads: int) -> float:
 
 @torch.no_grad()
 def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: str | None = None, episodes: int = 1) -> dict:
-    """`episodes` sampled episodes per held-out problem (grpo.py's Sampler and agents.Agent), scored by the verifier (or
-    the environment's reward)."""
+    """`episodes` sampled episodes per held-out problem (the rollout engine grpo.py samples with), scored by the verifier
+    (or the environment's reward)."""
     flags = dict(model_name=folder, max_prompt_length=400, max_completion_length=96, eval_size=eval_size, train_size=64)
     if environment:
         dataset, tokens = GAMES[environment]
@@ -133,11 +135,11 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
     args = grpo.Args(**flags)
     accelerator = Accelerator()
     tokenizer = load_tokenizer(folder, padding_side="left")
-    agent = Agent(args, tokenizer) if tools or environment else None
+    agent = Toolset(args, tokenizer) if tools or environment else None
     _, rows, chat = load_task(args, tokenizer, "prompt", args.max_prompt_length, agent.schemas if agent else None)
     rows = [row for row in rows for _ in range(episodes)]
-    policy = load_pretrained(folder, grpo.AutoModelForCausalLM).eval()
-    sampler = grpo.Sampler(args, tokenizer, policy, accelerator, agent, None)
+    policy = load_pretrained(folder, AutoModelForCausalLM).eval()
+    sampler = Engine(args, Task(tokenizer, [], rows, chat, [], torch.ones(0), agent), policy, accelerator)
     torch.manual_seed(args.seed)
     scores, calls, failures, turns, tokens, formed, kls, texts, states, progress = [], [], [], [], [], [], [], [], [], []
     for i in range(0, len(rows), 32):
@@ -153,8 +155,8 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
             turns += rollout.episodes.turns
             formed += [any(m.get("tool_calls") for m in e) for e in messages]
         if environment:
-            scores += [e.get_reward() for e in rollout.environments]
-            progress += guess_progress(messages, rollout.environments)
+            scores += [e.get_reward() for e in rollout.episodes.environments]
+            progress += guess_progress(messages, rollout.episodes.environments)
             states += [guess_states(episode) for episode in messages]
         else:
             scores += verifier(None, messages, [r["answer"] for r in chunk], rg_entry=[r["rg_entry"] for r in chunk])
@@ -162,7 +164,7 @@ def evaluate(folder: str, tools: bool, eval_size: int, base=None, environment: s
         tokens += rollout.model_mask.sum(1).tolist()
         if base is not None:  # sum over the model's own tokens of log pi - log pi_base, on the model's samples
             inputs = (rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask, 1.0)
-            ratio = grpo.per_token_logprobs(policy, *inputs)[0] - grpo.per_token_logprobs(base, *inputs)[0]
+            ratio = per_token_logprobs(policy, *inputs)[0] - per_token_logprobs(base, *inputs)[0]
             kls += (ratio * rollout.model_mask).sum(1).tolist()
     n = len(scores)
     result = {
@@ -223,7 +225,7 @@ def search_figures(episodes: list[list[tuple[int, int, int]]], scores: list[floa
 
 def main(args: Args) -> None:
     results = json.load(open(args.results)) if os.path.exists(args.results) else {}
-    base_model = load_pretrained(BASE, grpo.AutoModelForCausalLM).eval()
+    base_model = load_pretrained(BASE, AutoModelForCausalLM).eval()
 
     def save():
         with open(args.results + ".tmp", "w") as f:
@@ -406,7 +408,7 @@ def main(args: Args) -> None:
 def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     """TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start and at the same settings (4 problems x 4
     episodes per step, 96 tokens, lr 1e-5, beta 0, temperature 1, float32, the verifier's reward). TRL parses tool calls
-    with a response template it knows by the chat template; ours (agents.TOOL_TEMPLATE) is not among them, so the
+    with a response template it knows by the chat template; ours (common.tools.TOOL_TEMPLATE) is not among them, so the
     tokenizer gets TRL's Qwen3 one, which reads the same <tool_call> JSON. Returns the median step time."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", ".trl-current"))  # benchmarks/setup.sh installs it there
     import trl
@@ -420,7 +422,7 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     args_.dataset_name, args_.task_config = "reasoning-gym:products", json.dumps(PRODUCTS)
     tokenizer = load_tokenizer(warm_start, padding_side="left")
     tokenizer.response_template = qwen3_template
-    train, _, _ = load_task(args_, tokenizer, "prompt", 400, Agent(args_, tokenizer).schemas)
+    train, _, _ = load_task(args_, tokenizer, "prompt", 400, Toolset(args_, tokenizer).schemas)
     rows = [dict(prompt=r["prompt"], answer=r["answer"], rg_entry=r["rg_entry"]) for r in train]
     times = []
 
@@ -451,7 +453,7 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
         seed=1,
     )
     trainer = trl.GRPOTrainer(
-        model=load_pretrained(warm_start, grpo.AutoModelForCausalLM),
+        model=load_pretrained(warm_start, AutoModelForCausalLM),
         reward_funcs=verifier,
         args=config,
         train_dataset=Dataset.from_list(rows),

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 
 import pytest
@@ -14,16 +15,17 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from conftest import read_scalars, run_failing, run_script
 
-from agents import (
+from common.core import UsageError
+from common.loading import load_tokenizer
+from common.rollout import Engine, run_episodes
+from common.tools import (
     TOOL_TEMPLATE,
-    parse_tool_calls,
+    HermesFormat,
     run_calls,
-    run_episodes,
     supports_tools,
     tool_suffix_ids,
     use_tool_template,
 )
-from common.loading import load_tokenizer
 from presets.agents import GuessInRange, GuessTheNumber, calculator, guess_progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +42,8 @@ def tokenizer(chat_llama):
 
 
 def test_tool_calls_are_parsed_one_or_several_and_malformed_ones_are_failures():
-    assert parse_tool_calls("The answer is 6.") == ("The answer is 6.", [])
-    content, calls = parse_tool_calls(f"Let me compute. {CALL}\n{CALL.replace('2 * 3', '4 + 5')}")
+    assert HermesFormat().parse("The answer is 6.") == ("The answer is 6.", [])
+    content, calls = HermesFormat().parse(f"Let me compute. {CALL}\n{CALL.replace('2 * 3', '4 + 5')}")
     assert content == "Let me compute."
     assert calls == [
         {"name": "calculator", "arguments": {"expression": "2 * 3"}},
@@ -49,14 +51,14 @@ def test_tool_calls_are_parsed_one_or_several_and_malformed_ones_are_failures():
     ]
     # arguments written as a JSON string are accepted
     quoted = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
-    assert parse_tool_calls(quoted)[1] == [{"name": "f", "arguments": {"x": 1}}]
+    assert HermesFormat().parse(quoted)[1] == [{"name": "f", "arguments": {"x": 1}}]
     for bad, why in [
         ("<tool_call>{name: f}</tool_call>", "not JSON"),
         ('<tool_call>{"arguments": {}}</tool_call>', '{"name"'),
         ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '{"name"'),
         ('<tool_call>{"name": "f", "arguments": {}}', "closing"),
     ]:
-        (call,) = parse_tool_calls(bad)[1]
+        (call,) = HermesFormat().parse(bad)[1]
         assert why in call["error"], (bad, call)
 
 
@@ -109,6 +111,87 @@ def test_failing_tools_become_error_messages_and_never_stop_or_hang_the_run():
     assert "TypeError" in results[5][0][1] and results[5][0][2]
     assert json.loads(results[6][0][1]) == {"error": "the tool call is not JSON"}
     assert results[7] == []
+
+
+def test_a_tool_that_exits_or_interrupts_is_a_failed_call_with_its_reason(tmp_path):
+    """SystemExit, sys.exit and KeyboardInterrupt inside a tool end neither the run nor the episode: each is a failed
+    call saying what happened (never a timeout), and the episode's other calls still run. os._exit ends the round's
+    process: its call, and any call of the round still running, fail saying so."""
+
+    def exits(code: int) -> str:
+        sys.exit(code)
+
+    def interrupts(x: int) -> str:
+        raise KeyboardInterrupt
+
+    def hard_exit(code: int) -> str:
+        os._exit(code)
+
+    tools = {"exits": exits, "interrupts": interrupts, "hard_exit": hard_exit, "calculator": calculator}
+    calls = [
+        [{"name": "exits", "arguments": {"code": 3}}, {"name": "calculator", "arguments": {"expression": "1 + 1"}}],
+        [{"name": "interrupts", "arguments": {"x": 1}}],
+    ]
+    results = run_calls(calls, [tools] * len(calls), timeout=30)
+    assert results[0] == [("exits", '{"error": "SystemExit: 3"}', True), ("calculator", "2", False)]
+    assert results[1] == [("interrupts", '{"error": "KeyboardInterrupt"}', True)]
+    calls = [[{"name": "hard_exit", "arguments": {"code": 5}}, {"name": "calculator", "arguments": {"expression": "1"}}]]
+    assert run_calls(calls, [tools], timeout=30) == [
+        [
+            ("hard_exit", '{"error": "the tool ended its process (exit status 5)"}', True),
+            ("calculator", '{"error": "not run: an earlier call of this turn failed to return"}', True),
+        ]
+    ]
+
+
+class Counter:  # an environment whose second tool is slow (module-level: environments pickle by name)
+    def reset(self, marker: str = "", **row):
+        self.count, self.marker = 0, marker
+
+    def add(self, n: int) -> str:
+        """Add to the count.
+
+        Args:
+            n: how much
+        """
+        self.count += n
+        return str(self.count)
+
+    def slow_add(self, n: int) -> str:
+        """Add, slowly.
+
+        Args:
+            n: how much
+        """
+        time.sleep(1.0)
+        self.count += n
+        open(self.marker, "w").write("ran after its timeout")
+        return str(self.count)
+
+
+def test_a_timed_out_tool_is_stopped_and_nothing_it_does_later_reaches_the_episode(tmp_path):
+    """A call past --tool-timeout is stopped: what it would have done after the timeout (here: write a file, change the
+    environment) never happens, the episode's later calls do not run, and the environment keeps the state its earlier
+    calls left."""
+    marker = tmp_path / "after-timeout"
+
+    environment = Counter()
+    environment.reset(marker=str(marker))
+    tools = {"add": environment.add, "slow_add": environment.slow_add}
+    calls = [
+        [
+            {"name": "add", "arguments": {"n": 2}},
+            {"name": "slow_add", "arguments": {"n": 5}},
+            {"name": "add", "arguments": {"n": 1}},
+        ]
+    ]
+    start = time.monotonic()
+    results = run_calls(calls, [tools], timeout=0.3)
+    assert time.monotonic() - start < 1.0  # stopped at its timeout, not run to its end
+    time.sleep(1.5)
+    assert not marker.exists() and environment.count == 2  # the first call's effect came back, the second's never
+    assert results[0][0] == ("add", "2", False) and "--tool-timeout 0.3 s" in results[0][1][1]
+    assert results[0][2] == ("add", '{"error": "not run: an earlier call of this turn failed to return"}', True)
 
 
 def scripted(tokenizer, answers):
@@ -165,8 +248,8 @@ def test_an_episode_masks_exactly_the_tool_tokens_and_stops_at_each_limit(tokeni
 
 
 def test_the_guessing_game_rewards_fewer_guesses():
-    from agents import ENVIRONMENTS, TOOLS
     from common.loading import load_function
+    from common.tools import ENVIRONMENTS, TOOLS
 
     assert load_function("guess_number", ENVIRONMENTS, "--environment") is GuessTheNumber  # built-ins by name
     assert load_function("calculator", TOOLS, "--tools") is calculator
@@ -310,28 +393,72 @@ def agent_args(script, chat_llama, tmp_path, *extra):
     ]
 
 
-@pytest.mark.parametrize("script", ["grpo", "rloo"])
-def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, chat_llama, tmp_path, monkeypatch):
-    """The whole loop with the calculator: the loss mask of every mini-batch is exactly the policy's turns (a tool
-    token in the loss fails), reward functions receive the episodes as messages, and the tool metrics are logged."""
+# Llama 3.1's form of tool calls on ChatML turns: a call is the whole assistant turn, one JSON object {"name": ...,
+# "parameters": {...}}; results come back in an "ipython" turn
+JSON_TOOL_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system = 'You are a helpful AI assistant.' %}{%- set rest = messages %}{%- endif %}
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}{{- '\\n\\nTo call a function, respond with JSON {"name": its name, "parameters": its arguments}:' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in rest %}
+{%- if message.role == 'tool' %}{{- '<|im_start|>ipython\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{%- set call = message.tool_calls[0].function if message.tool_calls[0].function is defined else message.tool_calls[0] %}
+{{- '<|im_start|>assistant\\n{"name": "' + call.name + '", "parameters": ' + (call.arguments | tojson) + '}<|im_end|>\\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+JSON_CALL = '{"name": "calculator", "parameters": {"expression": "2 * 3"}}'
+
+
+def test_each_template_family_has_its_call_format_and_an_unreadable_one_is_refused(chat_llama):
+    """The format is read off the template by a probe call rendered and parsed back: Hermes tags for TOOL_TEMPLATE,
+    Llama 3.1's JSON for the JSON template; a template whose calls no format reads is a one-line error."""
+    from common.tools import JsonFormat, tool_call_format
+
+    tokenizer = load_tokenizer(chat_llama)
+    tokenizer.chat_template = JSON_TOOL_TEMPLATE
+    assert isinstance(tool_call_format(tokenizer), JsonFormat)
+    assert JsonFormat().parse(JSON_CALL) == ("", [{"name": "calculator", "arguments": {"expression": "2 * 3"}}])
+    assert JsonFormat().parse("The answer is 6.") == ("The answer is 6.", [])
+    assert "error" in JsonFormat().parse('{"name": "calculator", "parameters": {')[1][0]
+    assert HermesFormat().parse(JSON_CALL) == (JSON_CALL, [])  # the Hermes reader finds no call there: the template decides
+    tokenizer.chat_template = JSON_TOOL_TEMPLATE.replace('{"name": "', "CALL ").replace(', "parameters": ', "(")
+    with pytest.raises(UsageError, match="writes tool calls in a form this codebase cannot read"):
+        tool_call_format(tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, form", [("grpo", "hermes"), ("rloo", "hermes"), ("grpo", "llama3_json")])
+def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, form, chat_llama, tmp_path, monkeypatch):
+    """The whole loop with the calculator, in each template family's call format: the loss mask of every mini-batch is
+    exactly the policy's turns (a tool token in the loss fails), reward functions receive the episodes as messages,
+    and the tool metrics are logged."""
     module = importlib.import_module(script)
     tokenizer = load_tokenizer(chat_llama, padding_side="left")
-    use_tool_template(tokenizer, None)
+    template = []
+    if form == "llama3_json":
+        (tmp_path / "template.jinja").write_text(JSON_TOOL_TEMPLATE)
+        template = ["--chat-template-path", str(tmp_path / "template.jinja")]
+    use_tool_template(tokenizer, template[1] if template else None)
+    call, result = (CALL, "<tool_response>") if form == "hermes" else (JSON_CALL, "ipython")
     answers, count = ["6", "7"], itertools.count()  # alternate answers: the rewards of a group differ
 
-    def generate(self, prompts, prompt_mask, max_new_tokens=None):
-        """The scripted policy's turns for Sampler.rollout: a calculator call, then after its result an answer."""
+    def generate(self, prompts, prompt_mask, max_new_tokens=None, logprobs=False):
+        """The scripted policy's turns for Engine.rollout: a calculator call, then after its result an answer."""
         turns = []
         for p, m in zip(prompts, prompt_mask):
-            text = CALL if "<tool_response>" not in tokenizer.decode(p[m.bool()]) else answers[next(count) % 2]
+            text = call if result not in tokenizer.decode(p[m.bool()]) else answers[next(count) % 2]
             turns.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
         width = max(map(len, turns))
         completions = torch.tensor([t + [tokenizer.pad_token_id] * (width - len(t)) for t in turns])
         mask = torch.tensor([[1.0] * len(t) + [0.0] * (width - len(t)) for t in turns])
-        return completions, mask, torch.ones(len(turns), dtype=torch.bool)
+        return completions, mask, torch.ones(len(turns), dtype=torch.bool), None
 
-    monkeypatch.setattr(module.Sampler, "generate", generate)
-    call_ids = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    monkeypatch.setattr(Engine, "generate", generate)
+    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     model_turns = {
         tuple(call_ids + tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for a in answers
     }
@@ -346,9 +473,8 @@ def test_a_run_with_a_tool_trains_on_the_models_tokens_only(script, chat_llama, 
 
     monkeypatch.setattr(module, "per_token_logprobs", recording)
     (tmp_path / "recorder.py").write_text(RECORDER)
-    args = agent_args(
-        f"{script}.py", chat_llama, tmp_path, "--tools", "calculator", "--reward-funcs", f"{tmp_path}/recorder.py:final_answer"
-    )
+    recorder = f"{tmp_path}/recorder.py:final_answer"
+    args = agent_args(f"{script}.py", chat_llama, tmp_path, "--tools", "calculator", "--reward-funcs", recorder, *template)
     monkeypatch.setattr("sys.argv", [str(a) for a in args])
     monkeypatch.chdir(ROOT)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -395,19 +521,70 @@ def test_an_environment_run_resets_per_episode_and_its_reward_is_scored(chat_lla
     assert read_scalars(run_dir, "episodes/turns") == [1.0, 1.0] and read_scalars(run_dir, "eval/reward") == [1.0, 1.0]
 
 
+BAD_TOOLS = """
+import threading
+
+
+def variadic(*numbers: int) -> str:
+    \"""Sum.
+
+    Args:
+        numbers: the numbers
+    \"""
+    return str(sum(numbers))
+
+
+def keywords(x: int, **options: int) -> str:
+    \"""Echo.
+
+    Args:
+        x: a number
+    \"""
+    return str(x)
+
+
+def positional(x: int, /) -> str:
+    \"""Echo.
+
+    Args:
+        x: a number
+    \"""
+    return str(x)
+
+
+class Unpicklable:
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def reset(self, **row):
+        pass
+
+    def ping(self) -> str:
+        \"""Answer.\"""
+        return "pong"
+"""
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file"),
-        (["--tools", "agents:run_calls"], "has no schema"),
+        (["--tools", "common.tools:run_calls"], "has no schema"),
         (["--environment", "presets.agents:calculator"], "creating an instance raised TypeError"),
         (["--tools", "calculator", "--tool-timeout", "0"], "--tool-timeout 0"),
         (["--tools", "calculator", "--reward-funcs"], "no reward"),
         (["--tools", "calculator", "--max-prompt-length", "32"], "raise it"),
         (["--tools", "calculator", "--chat-template-path", "missing.jinja"], "--chat-template-path missing.jinja"),
+        (["--tools", "calculator", "--max-tool-calling-iterations", "0"], "no tool call would ever run"),
+        (["--tools", "TOOLS:variadic"], "the tool 'variadic' takes *args, which a call by named arguments cannot fill"),
+        (["--tools", "TOOLS:keywords"], "the tool 'keywords' takes **kwargs"),
+        (["--tools", "TOOLS:positional"], "the tool 'positional' takes positional-only arguments"),
+        (["--environment", "TOOLS:Unpicklable"], "an instance cannot be pickled"),
     ],
 )
 def test_bad_tools_are_one_line_errors_before_any_model_loads(extra, message, chat_llama, tmp_path):
+    (tmp_path / "tools.py").write_text(BAD_TOOLS)
+    extra = [e.replace("TOOLS", str(tmp_path / "tools.py")) for e in extra]
     error = run_failing(agent_args("grpo.py", chat_llama, tmp_path, *extra), ROOT)
     assert error.startswith("UsageError") and message in error, error
 

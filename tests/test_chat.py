@@ -151,7 +151,7 @@ def test_rl_scripts_on_chat_prompts(chat_llama, chat_data):
 def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama):
     """pad == EOS: a completion's first <|im_end|> ends it and is part of its mask (trained and scored); what follows is
     padding. The same holds for ppo.py's truncation."""
-    from grpo import Sampler
+    from common.rollout import Engine, Task
     from ppo import truncate_responses
 
     tokenizer = AutoTokenizer.from_pretrained(chat_llama, padding_side="left")
@@ -168,8 +168,9 @@ def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama
         autocast=lambda: torch.autocast("cpu", enabled=False),
         distributed_type="NO",
     )
-    sampler = Sampler(SimpleNamespace(**vars(args), max_completion_length=4), tokenizer, Policy(), accelerator)
-    completions, mask, ended = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long))
+    task = Task(tokenizer, [], [], True, [], torch.ones(0), None)
+    sampler = Engine(SimpleNamespace(**vars(args), max_completion_length=4), task, Policy(), accelerator)
+    completions, mask, ended, _ = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long))
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and ended.tolist() == [True, False]
     responses, mask, ended = truncate_responses(torch.tensor([[5, eos, eos, eos]]), eos, eos)
     assert mask.tolist() == [[1, 1, 0, 0]] and ended.tolist() == [True]

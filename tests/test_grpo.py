@@ -7,7 +7,8 @@ import torch
 from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from grpo import group_advantages, grpo_loss, nanstd
+from common.core import nanstd
+from grpo import group_advantages, grpo_loss
 from rewards import reward_model_function
 
 GRPO = os.path.join(ROOT, "grpo.py")
@@ -226,6 +227,7 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
 
 
+@pytest.mark.slow
 def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question):
     measured, the held-out reward rises 0.078 -> 0.750 in 40 updates. With the advantage sign flipped it falls to
@@ -280,6 +282,7 @@ def test_reward_plugins_that_fail_are_named_with_their_line(tmp_path):
     assert read_scalars(str(tmp_path / "unscored"), "degenerate_updates") == [1, 2]
 
 
+@pytest.mark.slow
 def test_eval_statistics_pool_every_process(tmp_path):
     """With --top-k 1 the completions are the same under 1 and 2 processes, so the held-out statistics must be too (the
     share of the most frequent answer was a mean of per-process shares: 33% on one process, 75% on two)."""
@@ -289,3 +292,290 @@ def test_eval_statistics_pool_every_process(tmp_path):
     for tag in ("eval/top_answer_share", "eval/reward", "eval/completion_length"):
         one, two = (read_scalars(str(tmp_path / d), tag)[0] for d in ("one", "two"))
         assert one == pytest.approx(two), (tag, one, two)
+
+
+# ---------------------------------------------------------------- off-policy losses, masks and corrections: TRL 1.16
+def trl_compute_loss(loss_type, logprobs, old, advantages, mask, ref=None, beta=0.0, entropies=None, **options):
+    """TRL 1.16's own `GRPOTrainer._compute_loss` on these tensors: its method called with a stand-in trainer whose
+    forward returns `logprobs` (and `entropies`), in eval mode on one process (no accumulation scaling)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    entropies = torch.ones_like(logprobs) if entropies is None else entropies
+    accelerator = SimpleNamespace(
+        num_processes=1,
+        reduce=lambda x, reduction: x,
+        gather=lambda x: x,
+        pad_across_processes=lambda x, dim, pad_index: x,
+        gather_for_metrics=lambda x: x,
+    )
+    args = SimpleNamespace(
+        use_bias_correction_kl=options.get("bias_correction_kl", False),
+        delta=options.get("delta"),
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        steps_per_generation=1,
+    )
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, entropies, None),
+        aux_loss_enabled=False,
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        importance_sampling_level=options.get("importance_sampling_level", "token"),
+        beta=beta,
+        args=args,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=options.get("epsilon_high", 0.28),
+        use_vllm=options.get("is_ratio") is not None,
+        vllm_importance_sampling_correction=True,
+        model=SimpleNamespace(training=False),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=mask.shape[1],
+        accelerator=accelerator,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _entropy_bonus_enabled=False,
+    )
+    trainer.get_high_entropy_mask = lambda e, m, t: GRPOTrainer.get_high_entropy_mask(trainer, e, m, t)
+    B, T = mask.shape
+    inputs = dict(
+        prompt_ids=torch.zeros(B, 1, dtype=torch.long),
+        prompt_mask=torch.ones(B, 1, dtype=torch.long),
+        completion_ids=torch.zeros(B, T, dtype=torch.long),
+        completion_mask=mask,
+        advantages=advantages,
+        old_per_token_logps=old,
+        num_items_in_batch=mask.sum(),
+    )
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    if options.get("sampling") is not None:
+        inputs["sampling_per_token_logps"] = options["sampling"]
+    if options.get("is_ratio") is not None:
+        inputs["importance_sampling_ratio"] = options["is_ratio"]
+    return GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
+def off_policy_batch(seed: int = 0):
+    """Log-probs of a batch whose sampler lagged the policy: current, old (the start of the update), sampler, reference."""
+    generator = torch.Generator().manual_seed(seed)
+    B, T = 6, 5
+    logprobs = -torch.rand(B, T, generator=generator) * 3
+    old = logprobs - 0.4 * torch.randn(B, T, generator=generator)
+    sampling = old - 0.5 * torch.randn(B, T, generator=generator)
+    ref = logprobs - 0.3 * torch.rand(B, T, generator=generator)
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    mask[4, 1:] = 0
+    advantages = torch.tensor([1.5, -1.0, 0.5, -2.0, 0.0, 1.0])
+    return logprobs, old, sampling, ref, mask, advantages
+
+
+@pytest.mark.parametrize(
+    "loss_type, options",
+    [
+        ("cispo", dict(epsilon_high=1.3)),
+        ("sapo", {}),
+        ("luspo", dict(importance_sampling_level="sequence")),
+        ("vespo", dict(is_ratio=True)),
+        ("dapo", dict(off_policy_mask_threshold=0.1)),
+        ("grpo", dict(bias_correction_kl=True, beta=0.05)),
+        ("dapo", dict(top_entropy_quantile=0.4)),
+        ("dapo", dict(delta=1.2, is_ratio=True)),
+        ("bnpo", dict(is_ratio=True, off_policy_mask_threshold=0.2, beta=0.1, bias_correction_kl=True)),
+    ],
+)
+def test_off_policy_losses_and_masks_equal_trls_own_code(loss_type, options):
+    """Each new loss, mask and correction in value and gradient against TRL 1.16's `_compute_loss` run on the same
+    tensors (its own method, not a copy)."""
+    from grpo import high_entropy_mask, importance_sampling_ratio, off_policy_mask
+
+    logprobs, old, sampling, ref, mask, advantages = off_policy_batch()
+    options = dict(options)
+    beta = options.pop("beta", 0.0)
+    is_ratio = (
+        importance_sampling_ratio(old, sampling, mask, "token_truncate", None, 3.0) if options.pop("is_ratio", 0) else None
+    )
+    entropies = torch.rand(logprobs.shape, generator=torch.Generator().manual_seed(1)) * 4
+    ours_input = logprobs.clone().requires_grad_()
+    theirs_input = logprobs.clone().requires_grad_()
+    theirs = trl_compute_loss(
+        loss_type, theirs_input, old, advantages, mask, ref, beta, entropies, sampling=sampling, is_ratio=is_ratio, **options
+    )
+    theirs.backward()
+    sequence_mask = entropy_mask = None
+    if options.get("off_policy_mask_threshold") is not None:
+        sequence_mask = off_policy_mask(advantages[:, None], ours_input, sampling, mask, options["off_policy_mask_threshold"])
+        assert 0 < sequence_mask.sum() < len(mask)  # the case tests something: some sequences dropped, not all
+    if options.get("top_entropy_quantile", 1.0) < 1.0:
+        entropy_mask = high_entropy_mask(entropies, mask, options["top_entropy_quantile"], entropies[mask.bool()])
+    ours, _ = grpo_loss(
+        ours_input, old, ref, advantages, mask, beta, 0.2, options.get("epsilon_high", 0.28), loss_type, mask.shape[1],
+        options.get("importance_sampling_level", "token"), mask.sum(), is_ratio=is_ratio, sequence_mask=sequence_mask,
+        entropy_mask=entropy_mask, bias_correction_kl=options.get("bias_correction_kl", False), delta=options.get("delta"),
+    )  # fmt: skip
+    ours.backward()
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours.item(), theirs.item())
+    assert torch.allclose(ours_input.grad, theirs_input.grad, atol=1e-6)
+    assert ours_input.grad.abs().sum() > 0
+
+
+def test_importance_sampling_ratio_truncates_and_masks_by_hand():
+    """w = exp(old - sampling): per token, or per sequence from the summed log-ratio; truncated into [C_min, C_max] or
+    zeroed outside it. A flipped bound (masking below C_max, or truncating from below) fails here."""
+    from grpo import importance_sampling_ratio
+
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    sampling = torch.tensor([[-1.5, 0.5, 0.0], [-0.2, -0.3, 9.0]])  # row 2, token 3: padding
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    e = math.exp
+    token = importance_sampling_ratio(old, sampling, mask, "token_truncate", 0.5, 3.0)
+    assert token.flatten().tolist() == pytest.approx([3.0, e(-0.5), 1.0, e(0.2), e(0.3), 1.0])
+    token = importance_sampling_ratio(old, sampling, mask, "token_mask", 0.7, 3.0)
+    assert token.flatten().tolist() == pytest.approx([0.0, 0.0, 1.0, e(0.2), e(0.3), 1.0])
+    sequence = importance_sampling_ratio(old, sampling, mask, "sequence_truncate", None, 1.5)
+    assert sequence.flatten().tolist() == pytest.approx([1.5, 1.5])  # exp(1.0), exp(0.5): both above 1.5
+    sequence = importance_sampling_ratio(old, sampling, mask, "sequence_mask", None, 2.0)
+    assert sequence.flatten().tolist() == pytest.approx([0.0, e(0.5)])
+
+
+def test_off_policy_mask_drops_only_negative_advantages_that_drifted():
+    """A sequence goes only if its advantage is negative and its mean KL to the sampler is above the threshold: a mask
+    applied to the positive advantages, or to the low-KL sequences, fails here."""
+    from grpo import off_policy_mask
+
+    logprobs = torch.zeros(4, 2)
+    sampling = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.1, 0.1], [0.1, 0.1]])  # KL 1.0, 1.0, 0.1, 0.1
+    advantages = torch.tensor([[1.0], [-1.0], [1.0], [-1.0]])
+    assert off_policy_mask(advantages, logprobs, sampling, torch.ones(4, 2), 0.5).flatten().tolist() == [1, 0, 1, 1]
+
+
+def test_cispo_and_sapo_gradients_by_hand():
+    """CISPO: the gradient per token is -clip(ratio, max=eps_high) * A (times logp's own gradient), the ratio a
+    constant, so a token far past the bound still moves; SAPO: -sigmoid'(tau (r - 1)) * 4 * A * r (d ratio / d logp)."""
+    logprobs = torch.tensor([[0.5, -0.5]], requires_grad=True)  # ratio exp(0.5) = 1.65 and exp(-0.5) = 0.61
+    old = torch.zeros(1, 2)
+    loss, stats = grpo_loss(
+        logprobs, old, old, torch.tensor([2.0]), torch.ones(1, 2), 0.0, 0.2, 1.2, "cispo", 2, num_items_in_batch=2
+    )
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.2 * 2 / 2, -math.exp(-0.5) * 2 / 2])
+    assert stats["cispo_clip_ratio"].tolist() == [1.0, 2.0]
+    logprobs = torch.tensor([[0.5, -0.5]], requires_grad=True)
+    loss, _ = grpo_loss(logprobs, old, old, torch.tensor([2.0]), torch.ones(1, 2), 0.0, 0.2, 0.28, "sapo", 2)
+    loss.backward()
+    for r, g in zip((math.exp(0.5), math.exp(-0.5)), logprobs.grad[0].tolist()):
+        s = 1 / (1 + math.exp(-(r - 1)))
+        assert g == pytest.approx(-s * (1 - s) * 4 * 2 * r / 2)  # tau 1 for A > 0; the mean over 2 tokens
+
+
+def test_stale_rollouts_come_from_the_weights_k_updates_back_and_repeat_exactly(tmp_path, monkeypatch):
+    """--max-staleness 2 (deterministic): the rollout trained at update t was sampled by the weights the policy had at
+    the start of update max(0, t - 2), and two runs give the same weights bit for bit; the staleness is logged."""
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+
+    import grpo
+    from common.rollout import Engine, RolloutStream
+
+    weights_at, rollout, next_ = {}, Engine.rollout, RolloutStream.next
+
+    def checksum(model):
+        return sum(p.detach().double().sum().item() for p in model.parameters())
+
+    def tagged_rollout(self, rows):
+        out = rollout(self, rows)
+        out.sampled_by = checksum(self.policy)
+        return out
+
+    def recorded_next(self, update):
+        weights_at[update] = checksum(self.engine.policy)
+        rows, out, staleness = next_(self, update)
+        assert out.sampled_by == weights_at[max(0, update - 2)] and staleness == min(update, 2), update
+        return rows, out, staleness
+
+    monkeypatch.setattr(Engine, "rollout", tagged_rollout)
+    monkeypatch.setattr(RolloutStream, "next", recorded_next)
+    flags = ["--total-prompts", "40", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
+    flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--max-staleness", "2", "--learning-rate", "1e-3"]
+    for name in ("a", "b"):
+        args = [GRPO, *flags, "--output-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"{name}_runs")]
+        monkeypatch.setattr("sys.argv", args)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        grpo.main(grpo.cli(grpo.Args))
+    assert sorted(weights_at) == [0, 1, 2, 3, 4] and len(set(weights_at.values())) == 5  # the weights moved each update
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_scalars(str(tmp_path / "a_runs"), "staleness/mean") == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(0 <= v <= 1 for v in read_scalars(str(tmp_path / "a_runs"), "importance_sampling/corrected_fraction"))
+
+
+def test_the_asynchronous_worker_keeps_the_bound_and_its_failure_is_one_line(tmp_path, monkeypatch):
+    """--async-rollouts: no rollout older than --max-staleness is trained on (older ones are dropped and counted); a
+    worker that fails ends the run with one line naming the cause, and never hangs the trainer."""
+    flags = [GRPO, "--total-prompts", "48", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
+    flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--max-staleness", "1", "--async-rollouts"]
+    run_script([*flags, "--log-dir", "runs"], tmp_path)
+    staleness = read_scalars(str(tmp_path / "runs"), "staleness/max")
+    assert len(staleness) == 6 and max(staleness) <= 1
+    from common.rollout import RolloutWorker
+
+    rollout = RolloutWorker._run
+
+    def failing(self, update):
+        self.engine.rollout = lambda rows: (_ for _ in ()).throw(RuntimeError("the sampler crashed"))
+        rollout(self, update)
+
+    monkeypatch.setattr(RolloutWorker, "_run", failing)
+    error = run_failing([*flags, "--output-dir", "failed"], tmp_path)
+    assert error == "UsageError: the rollout worker failed: RuntimeError: the sampler crashed", error
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--loss-type", "luspo"], "add --importance-sampling-level sequence"),
+        (["--loss-type", "vespo", "--max-staleness", "2"], "choose --importance-sampling-mode token_truncate"),
+        (["--max-staleness", "1", "--tools", "calculator"], "not kept over multi-turn episodes"),
+        (["--max-staleness", "1", "--resume-from", "checkpoint"], "could not continue as it would have"),
+        (["--importance-sampling-clip-min", "2", "--importance-sampling-clip-max", "1"], "the lower below the upper"),
+        (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: it lies in [0, 1]"),
+        (["--max-staleness", "-1"], "--max-staleness -1: it must be >= 0"),
+    ],
+)
+def test_off_policy_flags_that_cannot_work_are_one_line_errors(tmp_path, flags, message):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text('{"update": 1, "script": "grpo.py"}')
+    error = run_failing([GRPO, *flags], tmp_path)
+    assert error.startswith("UsageError") and message in error, error
+
+
+def test_a_stale_run_without_a_correction_warns_naming_it(tmp_path):
+    out = run_script(
+        [GRPO, "--total-prompts", "32", "--eval-samples", "8", "--max-staleness", "1", "--no-importance-sampling-correction"],
+        tmp_path,
+    )
+    assert "warning: --max-staleness 1 with --no-importance-sampling-correction: nothing corrects" in out
+
+
+@pytest.mark.slow
+def test_grpo_learns_from_rollouts_two_updates_stale(tmp_path):
+    """The learning test's reward with every rollout sampled by the weights of two updates back, corrected as TRL does
+    (the ratio to the sampler, sequence_mask): the held-out reward still rises."""
+    (tmp_path / "rewards.py").write_text(
+        "def seven(prompts, completions, **columns):\n    return [float(c.strip() == '7') for c in completions]\n"
+    )
+    flags = ["--reward-funcs", "rewards.py:seven", "--total-prompts", "320", "--batch-size", "8", "--mini-batch-size"]
+    flags += ["32", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-4", "--eval-samples", "64"]
+    out = run_script([GRPO, *flags, "--eval-freq", "0", "--log-freq", "1000", "--max-staleness", "2"], tmp_path)
+    first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
+    assert first < 0.25 and last > first + 0.25, out[-1500:]

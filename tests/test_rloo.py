@@ -165,6 +165,7 @@ def test_reward_model_is_one_more_reward_function(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
     out = run_script(
         [*ddp_launch(), RLOO, *TINY, "--total-prompts", "16", "--normalize-advantages"], tmp_path, timeout=300, **DDP_ENV
@@ -172,6 +173,7 @@ def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
     assert "rloo: 2 updates" in out and "weights identical on 2 ranks" in out
 
 
+@pytest.mark.slow
 def test_rloo_learns_a_reward_it_can_reach(tmp_path):
     """A plug-in reward the warm-started policy rarely earns at first (1 for answering "7", whatever the question): the
     held-out reward rises 0.078 -> 0.578 in 40 updates (measured). With the advantage sign flipped it falls to 0.000;

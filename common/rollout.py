@@ -1,0 +1,753 @@
+"""The rollout engine of the online scripts (grpo.py, rloo.py): the task and its rewards, the policy and its reference,
+sampling completions (HF `generate` or `FastGenerator`) or whole multi-turn episodes with tools, log-probs over
+completions, held-out evaluation, resuming and the final save. Written once here; each script keeps its algorithm
+(losses, advantages) and its loop.
+
+An episode (`run_episodes`): the model generates until its turn ends (EOS); each tool call in the turn (in the chat
+template's format, common/tools.py) is run and its result appended as a tool message rendered by the template;
+generation continues. It ends at a turn without a call, after `max_iterations` rounds of calls, or when the completion
+(the model's tokens and the tools' together, as TRL counts) would pass `max_completion_length`. All episodes of a batch
+advance together, turn by turn. The model's own tokens are marked 1 in `model_mask`, the tools' 0: the loss, the
+importance ratio, the KL and the lengths read the model's tokens only, while the tool tokens stay in the context.
+"""
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from accelerate import Accelerator, DistributedType
+from accelerate.utils import gather_object
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, get_scheduler
+
+from common.chat import text_of
+from common.checkpoints import full_weights, load_checkpoint
+from common.core import UsageError, check_args, nanstd, warn_once, weight_decay_groups
+from common.loading import context_length, load_pretrained, load_tokenizer
+from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
+from common.outputs import atomic_directory, write_model_card
+from common.run import rank_batches
+from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
+from fast_paths import FastGenerator, sampling_kwargs
+from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, prompt_ids, score_completions
+
+# ================================ the flags every online script shares ================================
+SHARED_POSITIVE = (
+    "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations learning_rate "
+    "max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length eval_samples log_freq "
+    "train_size eval_size tool_timeout"
+)
+
+
+def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
+    """A one-line error for each shared flag out of its range (and the script's own `positive` / `non_negative`
+    fields), before anything is loaded; a warning for tool flags without tools."""
+    check_args(
+        args,
+        positive=f"{SHARED_POSITIVE} {positive}",
+        non_negative=f"beta weight_decay top_k eval_freq save_freq max_tool_calling_iterations {non_negative}",
+        fractions="eval_fraction",
+    )
+    if args.num_generations < 2:
+        raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
+    if (args.tools or args.environment) and args.max_tool_calling_iterations == 0:
+        raise UsageError(
+            "--max-tool-calling-iterations 0 with --tools / --environment: no tool call would ever run; allow at least 1 "
+            "round, or drop the tools."
+        )
+    if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
+        warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
+    check_off_policy_args(args)
+    sources = len(args.reward_funcs) + (args.reward_model is not None)
+    if args.reward_weights and len(args.reward_weights) != sources:
+        raise UsageError(
+            f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
+            "give one weight each."
+        )
+
+
+def check_off_policy_args(args) -> None:
+    """The flags of stale rollouts and their corrections: ranges, and the combinations that cannot work."""
+    check_args(args, positive="weight_sync_steps rollout_timeout", non_negative="max_staleness")
+    off_policy = args.max_staleness > 0
+    bounds = (args.importance_sampling_clip_min, args.importance_sampling_clip_max)
+    if (
+        all(b is None for b in bounds)
+        or (None not in bounds and bounds[0] >= bounds[1])
+        or any(b is not None and b < 0 for b in bounds)
+    ):
+        raise UsageError(
+            f"--importance-sampling-clip-min {bounds[0]} --importance-sampling-clip-max {bounds[1]}: give at least one "
+            "bound, each >= 0, the lower below the upper."
+        )
+    if args.async_rollouts and not off_policy:
+        warn_once("--async-rollouts takes effect with --max-staleness > 0 (at 0 every rollout is the current policy's)")
+    if off_policy and (args.tools or args.environment):
+        raise UsageError(
+            "--max-staleness with --tools / --environment: the sampler's log-probs are not kept over multi-turn episodes "
+            "yet; train on-policy (--max-staleness 0)."
+        )
+    if off_policy and args.resume_from and not args.async_rollouts:
+        raise UsageError(
+            "--resume-from with --max-staleness > 0: the rollouts sampled ahead are not in the checkpoint, so the run "
+            "could not continue as it would have; resume on-policy, or start the stale run afresh."
+        )
+    if off_policy and args.old_logprobs == "recompute" and not args.importance_sampling_correction:
+        warn_once(
+            f"--max-staleness {args.max_staleness} with --no-importance-sampling-correction: nothing corrects for the "
+            "stale samples (the ratio is taken against the current policy); use --importance-sampling-correction or "
+            "--old-logprobs sampler"
+        )
+
+
+# ================================ the task, the policy, resuming ================================
+@dataclass
+class Task:
+    """What an online run trains on: the tokenizer (left padding), the training and held-out rows (each with its
+    `prompt_ids`), whether prompts are chats, the reward functions (name, function) with their weights [F], and the
+    tools (None without --tools / --environment)."""
+
+    tokenizer: object
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    chat: bool
+    reward_funcs: list[tuple[str, object]]
+    weights: torch.Tensor
+    toolset: Toolset | None
+
+
+def load_online_task(args, accelerator: Accelerator, num_updates: int) -> Task:
+    """The task of --dataset-name with its rewards and tools, every mistake a one-line error before any model loads; a
+    line saying what the run of `num_updates` updates will train on."""
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    toolset = Toolset(args, tokenizer) if args.tools or args.environment else None
+    schemas = toolset.schemas if toolset else None
+    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)
+    if toolset and not chat:
+        raise UsageError("--tools / --environment need chat prompts: drop --no-chat-template.")
+    if toolset and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UsageError(  # a sharded forward is a collective: every rank would have to take as many turns
+            "--tools / --environment under FSDP / DeepSpeed: episodes take different numbers of turns on each rank; "
+            "use DDP (configs/multi_gpu.yaml)."
+        )
+    world = accelerator.num_processes
+    if len(train_rows) < args.batch_size * world:
+        raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
+    device = accelerator.device
+    reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
+    weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: checked with the flags
+    if toolset and toolset.reward_function():  # the environment's get_reward(), weight 1 (TRL)
+        reward_funcs, weights = reward_funcs + [toolset.reward_function()], weights + [1.0]
+    if not reward_funcs:
+        raise UsageError("no reward: give --reward-funcs, --reward-model, or an --environment with get_reward().")
+    eval_rows = eval_rows[: args.eval_samples]
+    accelerator.print(
+        f"{len(train_rows)} training prompts, {len(eval_rows)} held out (none of them among the training prompts)"
+        f"{', rendered by the chat template' if chat else ''}; {num_updates} updates of {args.batch_size * world} "
+        f"prompts x {args.num_generations} completions"
+    )
+    return Task(tokenizer, train_rows, eval_rows, chat, reward_funcs, torch.tensor(weights, device=device), toolset)
+
+
+def batch_rows(args, task: Task, accelerator: Accelerator, update: int) -> list[dict]:
+    """This rank's prompts of an update, each repeated num_generations times side by side (group order): a seeded
+    shuffle of the training rows per epoch, the same on every rank, each rank taking its own slice."""
+    world = accelerator.num_processes
+    epoch, i = divmod(update, len(task.train_rows) // (args.batch_size * world))
+    order = torch.randperm(len(task.train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+    start = (i * world + accelerator.process_index) * args.batch_size
+    return [task.train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
+
+
+def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
+    """The policy (LoRA with --use-peft) prepared with its AdamW optimizer and a learning-rate schedule over
+    `optimizer_steps` steps, and the frozen reference (None at beta 0, or with LoRA: the adapter-disabled policy)."""
+    model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
+    context = context_length(model.config)
+    if context and args.max_prompt_length + args.max_completion_length > context:
+        raise UsageError(
+            f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
+            f"({args.max_completion_length}) exceeds the model's context of {context} tokens."
+        )
+    for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.use_peft:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
+    ref_model = create_reference_model(model) if args.beta > 0 else None
+    if ref_model is not None:
+        ref_model = place_frozen(accelerator, ref_model)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    ticks = optimizer_steps * accelerator.num_processes  # accelerate steps a prepared scheduler once per process
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=ticks)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
+    return model, ref_model, optimizer, scheduler
+
+
+def resume(args, accelerator: Accelerator, num_updates: int) -> dict:
+    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without)."""
+    if not args.resume_from:
+        return {}
+    resumed = load_checkpoint(accelerator, args.resume_from)
+    if resumed["update"] >= num_updates:
+        raise UsageError(
+            f"--resume-from {args.resume_from}: the checkpoint is at update {resumed['update']}, and this run "
+            f"has {num_updates}: raise --total-prompts to train further."
+        )
+    accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
+    return resumed
+
+
+def save_policy(args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str) -> None:
+    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
+    atomically; first a check that DDP kept every rank's weights the same."""
+    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
+    if weights is None:  # replicated: every rank holds the same weights
+        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
+        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
+            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
+    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            policy.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, algorithm, metrics)
+
+
+# ================================ episodes ================================
+@dataclass
+class Episodes:
+    """A batch of finished episodes. prompt_ids: each episode's prompt; completion_ids: every token after the prompt,
+    the model's and the tools'; model_mask: 1 for the model's own tokens; messages: the completion as chat messages
+    (assistant turns with their tool_calls, tool messages), as reward functions receive it; ended: the last turn ended
+    with EOS; environments: each episode's environment (None without --environment)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    model_mask: list[list[int]]
+    messages: list[list[dict]]
+    ended: list[bool]
+    tool_calls: list[int] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    environments: list = field(default_factory=list)
+
+
+def run_episodes(
+    generate, tokenizer, prompt_ids, toolboxes, max_completion_length: int, max_iterations, timeout: float, form=FORMATS[0]
+) -> Episodes:
+    """Every episode of a batch, advanced together turn by turn. `generate(contexts, max_new_tokens)` samples one turn
+    for each context (token lists) and returns its tokens, cut after the first EOS; `toolboxes[i]` maps the tool names of
+    episode i to their functions; `form` reads the calls in a turn (the template's `ToolCallFormat`)."""
+    n = len(prompt_ids)
+    out = Episodes(prompt_ids, [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n)
+    max_iterations = math.inf if max_iterations is None else max_iterations
+    out.tool_calls, out.failures, out.turns = [0] * n, [0] * n, [0] * n
+    active, iteration = list(range(n)), 0
+    while active:
+        # 1. a turn of every active episode, each within its own budget of tokens
+        budget = {i: max_completion_length - len(out.completion_ids[i]) for i in active}
+        turns = generate([prompt_ids[i] + out.completion_ids[i] for i in active], max(budget.values()))
+        calling, calls = [], []
+        for i, turn in zip(active, turns):
+            turn = turn[: budget[i]]
+            out.completion_ids[i] += turn
+            out.model_mask[i] += [1] * len(turn)  # the policy's tokens: in the loss
+            out.ended[i] = bool(turn) and turn[-1] == tokenizer.eos_token_id
+            out.turns[i] += 1
+            # 2. the turn's tool calls, read in the template's format
+            content, turn_calls = form.parse(tokenizer.decode(turn, skip_special_tokens=True))
+            valid = [{"type": "function", "function": c} for c in turn_calls if "error" not in c]
+            out.messages[i].append({"role": "assistant", "content": content} | ({"tool_calls": valid} if valid else {}))
+            if turn_calls and out.ended[i] and iteration < max_iterations:
+                calling.append(i)
+                calls.append(turn_calls)
+        # 3. run them (a failing tool: {"error": ...}, never a crash), 4. append the results, rendered by the template
+        results = run_calls(calls, [toolboxes[i] for i in calling], timeout)
+        active = []
+        for i, episode_results in zip(calling, results):
+            tool_messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in episode_results]
+            out.tool_calls[i] += len(episode_results)
+            out.failures[i] += sum(failed for _, _, failed in episode_results)
+            suffix = tool_suffix_ids(tokenizer, tool_messages)
+            if len(out.completion_ids[i]) + len(suffix) >= max_completion_length:
+                continue  # no room for the results and a reply: the episode ends with its last turn (TRL)
+            out.messages[i] += tool_messages
+            out.completion_ids[i] += suffix
+            out.model_mask[i] += [0] * len(suffix)  # the tools' tokens: context only
+            active.append(i)
+        iteration += 1
+    return out
+
+
+def episode_text(messages: list[dict]) -> str:
+    """An episode for the sample tables: each turn on its line, tool calls and results included."""
+    lines = []
+    for m in messages:
+        calls = " ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls", []))
+        lines.append(f"[{m['role']}] {m['content']}" + (f" -> {calls}" if calls else ""))
+    return "\n".join(lines)
+
+
+# ================================ sampling ================================
+@dataclass
+class Rollout:
+    """Sampled completions: left-padded prompts [N, P] and their mask, right-padded completions [N, T], their mask (the
+    context), the mask of the policy's own tokens (the loss; tool results excluded), whether each ended with EOS [N];
+    with tools, the episodes (their environments among them)."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    completions: torch.Tensor
+    mask: torch.Tensor
+    model_mask: torch.Tensor
+    ended: torch.Tensor
+    episodes: Episodes | None = None
+    sampling_logprobs: torch.Tensor | None = None  # [N, T]: log-probs under the policy that sampled (--max-staleness)
+    version: int = 0  # the update whose weights sampled it
+
+
+class Engine:
+    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
+    `FastGenerator` (the same distribution); with tools, multi-turn episodes (`run_episodes`)."""
+
+    def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False):
+        self.args, self.task, self.tokenizer, self.policy, self.accelerator = args, task, task.tokenizer, policy, accelerator
+        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
+        # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler)
+        self.keep_logprobs = getattr(args, "max_staleness", 0) > 0 or getattr(args, "old_logprobs", "") == "sampler"
+        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.fast = None
+        if (
+            args.fast_generation
+            and accelerator.device.type == "cuda"
+            and args.inverse_cdf_sampling
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        ):
+            self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
+        if quiet:
+            return
+        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+        if task.toolset:
+            tools = ", ".join(s["function"]["name"] for s in task.toolset.schemas)
+            accelerator.print(f"episodes: tools {tools}; chat template: {task.toolset.template}")
+
+    def pad_left(self, token_lists: list[list[int]]):
+        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
+        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
+
+    def rollout(self, rows: list[dict]) -> Rollout:
+        """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
+        toolset = self.task.toolset
+        if toolset is None:
+            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
+            completions, mask, ended, logprobs = self.generate(prompts, prompt_mask, logprobs=self.keep_logprobs)
+            return Rollout(prompts, prompt_mask, completions, mask, mask, ended, sampling_logprobs=logprobs)
+        environments, contexts, toolboxes = [], [], []
+        for row in rows:  # each episode's environment, reset with its row; what reset() returns ends the prompt
+            environment, tools, observation = toolset.start(row)
+            ids = row["prompt_ids"]
+            if observation is not None:
+                prompt = row["prompt"][:-1] + [row["prompt"][-1] | {"content": row["prompt"][-1]["content"] + observation}]
+                ids = prompt_ids(self.tokenizer, prompt, True, self.args.system_prompt, tools=toolset.schemas)
+            environments.append(environment)
+            contexts.append(ids)
+            toolboxes.append(tools)
+        args = self.args
+        episodes = run_episodes(
+            self.generate_turns,
+            self.tokenizer,
+            contexts,
+            toolboxes,
+            args.max_completion_length,
+            toolset.max_iterations,
+            toolset.timeout,
+            toolset.format,
+        )
+        episodes.environments = environments
+        device, width = self.accelerator.device, max(1, *map(len, episodes.completion_ids))
+        padded = lambda lists, value: torch.tensor([x + [value] * (width - len(x)) for x in lists], device=device)  # noqa: E731
+        completions = padded(episodes.completion_ids, self.tokenizer.pad_token_id)
+        mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
+        model_mask = padded(episodes.model_mask, 0).float()
+        ended = torch.tensor(episodes.ended, device=device)
+        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes)
+
+    def generate_turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """A turn for each context (token lists): its tokens, cut after the first EOS."""
+        completions, mask, _, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
+        return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+
+    @torch.no_grad()
+    def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None, logprobs: bool = False):
+        """Completions [N, T] cut after the first EOS, their mask [N, T], whether each ended with EOS [N] and, with
+        `logprobs`, each token's log-prob under the sampling policy [N, T] (log_softmax(logits / temperature), read off
+        the decoding steps: no extra forward), else None."""
+        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
+        sampled = None
+        with self.accelerator.autocast():
+            if self.fast is not None:
+                completions, sampled = self.fast(
+                    prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id, return_logprobs=logprobs
+                )
+            else:
+                out = self.policy.generate(
+                    input_ids=prompts,
+                    attention_mask=prompt_mask,
+                    **self.sampling,
+                    max_new_tokens=length,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
+                    **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
+                )
+                completions = (out.sequences if logprobs else out)[:, prompts.shape[1] :]
+                if logprobs:  # the raw logits of each step, at the sampling temperature
+                    steps = [torch.log_softmax(step.float() / self.args.temperature, -1) for step in out.logits]
+                    sampled = torch.stack([s.gather(-1, t[:, None])[:, 0] for s, t in zip(steps, completions.T)], 1)
+        is_eos = completions == tokenizer.eos_token_id
+        ended = is_eos.any(1)
+        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
+        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
+        sampled = sampled.masked_fill(~mask, 0.0) if sampled is not None else None
+        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended, sampled
+
+
+class RolloutStream:
+    """The rollouts the loop trains on, with bounded staleness (--max-staleness k; TRL's AsyncGRPO semantics): the
+    rollout of update t may come from the weights of an earlier update, never more than k updates old.
+
+    - k = 0: each update's rollout is sampled at its start, by the weights it trains: the on-policy loop.
+    - deterministic (the default for k > 0): the rollout of update t is sampled by the weights of update t - k exactly
+      (the first k by the initial weights), one after the other in this process; two runs are identical, so a curve
+      over k is a controlled experiment.
+    - asynchronous (--async-rollouts): a background thread holds its own copy of the policy, refreshed from the trainer
+      every --weight-sync-steps updates, and samples ahead while the trainer trains; a rollout more than k updates old
+      when the trainer takes it is dropped and counted, as TRL does. Each process runs its own worker on its own share
+      of the prompts; every process trains on one rollout per update, so their collectives stay in step.
+    """
+
+    def __init__(self, args, task: Task, engine: Engine, accelerator: Accelerator, start: int, num_updates: int):
+        self.args, self.task, self.engine, self.accelerator = args, task, engine, accelerator
+        self.k, self.num_updates, self.queue, self.dropped = args.max_staleness, num_updates, [], 0
+        self.waited = 0.0  # seconds the trainer waited for rollouts (the asynchronous worker's: for the trainer)
+        self.worker = None
+        if getattr(args, "async_rollouts", False) and self.k > 0:
+            self.worker = RolloutWorker(args, task, engine, accelerator, start)
+        for update in range(start, min(start + self.k, num_updates)) if self.worker is None else ():
+            self.queue.append(self._sample(update, version=start))  # the first k: sampled by the initial weights
+
+    def _sample(self, update: int, version: int):
+        rows = batch_rows(self.args, self.task, self.accelerator, update)
+        self.engine.policy.eval()
+        rollout = self.engine.rollout(rows)
+        rollout.version = version
+        return rows, rollout
+
+    def next(self, update: int):
+        """The rows and rollout to train update `update` on, and the rollout's staleness (updates since its weights)."""
+        start = time.time()
+        if self.worker is not None:
+            while True:
+                rows, rollout = self.worker.take(self.args.rollout_timeout)
+                if update - rollout.version <= self.k:
+                    break
+                self.dropped += 1  # older than the bound: dropped, as TRL's AsyncGRPO drops it
+        else:
+            if update + self.k < self.num_updates:  # sampled now, by the weights of update `update`, for update + k
+                self.queue.append(self._sample(update + self.k, version=update))
+            rows, rollout = self.queue.pop(0)
+        self.waited += time.time() - start
+        return rows, rollout, update - rollout.version
+
+    def trained(self, update: int, policy) -> None:
+        """After update `update`'s optimizer steps: the worker's weights refreshed every --weight-sync-steps updates."""
+        if self.worker is not None and (update + 1) % self.args.weight_sync_steps == 0:
+            self.worker.sync(policy, update + 1)
+
+    def metrics(self, staleness: int) -> dict[str, float]:
+        """The update's staleness (mean and max over the processes), the rollouts dropped so far, and the seconds the
+        trainer waited for rollouts and (asynchronous) the worker for the trainer, so far ({} when on-policy)."""
+        if self.k == 0:
+            return {}
+        device = self.accelerator.device
+        every = self.accelerator.gather(torch.tensor([float(staleness), float(self.dropped)], device=device)[None])
+        return {
+            "staleness/mean": every[:, 0].mean().item(),
+            "staleness/max": every[:, 0].max().item(),
+            "staleness/dropped": every[:, 1].sum().item(),
+            "time/waited_for_rollouts": self.waited,
+            "time/worker_waited": self.worker.idle if self.worker is not None else 0.0,
+        }
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+
+class RolloutWorker:
+    """The asynchronous sampler: a thread with its own copy of the policy and its own engine, sampling the rollouts of
+    the coming updates into a queue of at most max_staleness + 1 while the trainer trains. Its failure ends the run
+    with one line naming the cause, and a worker that produces nothing within --rollout-timeout seconds does too."""
+
+    def __init__(self, args, task: Task, engine: Engine, accelerator: Accelerator, start: int):
+        import copy
+        import queue
+        import threading
+
+        self.args, self.task, self.accelerator = args, task, accelerator
+        self.policy = copy.deepcopy(engine.policy).eval().requires_grad_(False)
+        self.engine = Engine(args, task, self.policy, accelerator, quiet=True)
+        self.version, self.lock, self.error, self.idle = start, threading.Lock(), None, 0.0
+        self.queue, self.stopping = queue.Queue(maxsize=args.max_staleness + 1), threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True, name="rollout-worker")
+        self.thread.start()
+
+    def _run(self, update: int) -> None:
+        try:
+            while not self.stopping.is_set():
+                rows = batch_rows(self.args, self.task, self.accelerator, update)
+                with self.lock:
+                    rollout, version = self.engine.rollout(rows), self.version
+                rollout.version = version
+                start = time.time()
+                while not self.stopping.is_set():  # the queue is full: the worker waits for the trainer
+                    try:
+                        self.queue.put((rows, rollout), timeout=0.1)
+                        break
+                    except Exception:  # noqa: BLE001 - queue.Full
+                        continue
+                self.idle += time.time() - start
+                update += 1
+        except BaseException as error:  # noqa: BLE001 - reported by the trainer, in one line
+            self.error = error
+
+    def take(self, timeout: float):
+        import queue
+
+        deadline = time.time() + timeout
+        while True:
+            try:
+                return self.queue.get(timeout=0.5)
+            except queue.Empty:
+                if self.error is not None:  # set before its thread ends
+                    raise UsageError(f"the rollout worker failed: {type(self.error).__name__}: {self.error}") from None
+                if not self.thread.is_alive():
+                    raise UsageError("the rollout worker ended without a rollout or an error") from None
+                if time.time() > deadline:
+                    raise UsageError(
+                        f"the rollout worker produced nothing in {timeout:g} s (--rollout-timeout): it hangs"
+                    ) from None
+
+    def sync(self, policy, version: int) -> None:
+        """The trainer's weights into the worker's copy, between two of its rollouts."""
+        with self.lock, torch.no_grad():
+            for mine, theirs in zip(self.policy.parameters(), policy.parameters()):
+                mine.copy_(theirs)
+            self.version = version
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=60)
+
+
+def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
+    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
+    [N, T] (for the logs; None otherwise)."""
+    input_ids = torch.cat([prompts, completions], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
+    T = completions.shape[1]
+    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
+    logits = logits[:, :-1]
+    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
+    with torch.no_grad():
+        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
+    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
+
+
+@torch.no_grad()
+def sampling_logprobs(args, accelerator: Accelerator, policy, ref_model, rollout: Rollout, old: bool, ref: bool):
+    """Per-token log-probs [N, T] of the completions, by mini-batches: under the policy as it sampled (`old`: before any
+    update of this batch) and under the reference (`ref`: the frozen copy, or the policy with its adapter off); None
+    for what is not asked."""
+    old_logprobs, ref_logprobs = [], []
+    for j in range(0, len(rollout.completions), args.mini_batch_size) if old or ref else ():
+        mb = slice(j, j + args.mini_batch_size)
+        inputs = (rollout.prompts[mb], rollout.prompt_mask[mb], rollout.completions[mb], rollout.mask[mb], args.temperature)
+        if old:
+            old_logprobs.append(per_token_logprobs(policy, *inputs)[0])
+        if ref:
+            with reference_context(policy, ref_model), accelerator.autocast():
+                ref_logprobs.append(per_token_logprobs(ref_model or policy, *inputs)[0])
+    return (torch.cat(old_logprobs) if old else None), (torch.cat(ref_logprobs) if ref else None)
+
+
+# ================================ scoring and evaluation ================================
+def score(task: Task, rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor, list[str]]:
+    """Rewards [N, F] of the completions (decoded, or the episodes' messages) by every reward function, and their texts."""
+    completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
+    ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+    device = completions.device
+    if episodes is None:
+        texts = task.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return score_completions(task.reward_funcs, rows, texts, ids, ended.tolist(), device), texts
+    environments = episodes.environments if task.toolset.factory else None
+    rewards = score_completions(task.reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)
+    return rewards, [episode_text(m) for m in episodes.messages]
+
+
+@torch.no_grad()
+@torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
+def evaluate(args, engine: Engine, logger, update: int) -> dict[str, float]:
+    """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
+    (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function; the completion
+    length, the share of the most frequent answer, and with tools the episodes' metrics."""
+    accelerator, device, task = engine.accelerator, engine.accelerator.device, engine.task
+    torch.manual_seed(args.seed + accelerator.process_index)
+    engine.policy.eval()
+    totals, tools = torch.zeros(3, device=device), 0
+    table = {"prompt": [], "completion": [], "answer": [], "score": []}
+    for chunk, weight in rank_batches(task.eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
+        rollout = engine.rollout(chunk)
+        scores, texts = score(task, chunk, rollout)
+        scores = scores[:, 0]
+        count = torch.tensor(len(chunk), device=device)
+        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
+        if task.toolset is not None:  # tool use on the held-out prompts, pooled over the chunks
+            tools = tools + weight * episode_totals(rollout)
+        if weight:  # (not a rank's stand-in)
+            table = {
+                "prompt": table["prompt"] + [text_of(r["prompt"]) for r in chunk],
+                "completion": table["completion"] + texts,
+                "answer": table["answer"] + [r["answer"] for r in chunk],
+                "score": table["score"] + scores.tolist(),
+            }
+    totals = accelerator.reduce(totals, "sum")
+    # the share of the most frequent answer among every process's completions (a collapse shows here)
+    completions = gather_object(table["completion"])
+    top_share = distinct_answers(completions, all(is_number(r["answer"]) for r in task.eval_rows))[0]
+    metrics = {
+        "eval/reward": (totals[0] / totals[2]).item(),
+        "eval/completion_length": (totals[1] / totals[2]).item(),
+        "eval/top_answer_share": float(top_share),
+    }
+    if task.toolset is not None:
+        metrics |= {f"eval/{k}": v for k, v in episode_stats(accelerator.reduce(tools, "sum")).items()}
+    logger.log(metrics, update)
+    logger.samples("eval samples", table, update)
+    return metrics
+
+
+def episode_totals(rollout: Rollout) -> torch.Tensor:
+    """Sums over a rollout's episodes: episodes, tool calls, failed calls, turns, the model's tokens, the tools' tokens."""
+    e = rollout.episodes
+    model_tokens, all_tokens = rollout.model_mask.sum(), rollout.mask.sum()
+    values = [len(e.turns), sum(e.tool_calls), sum(e.failures), sum(e.turns), model_tokens, all_tokens - model_tokens]
+    return torch.tensor([float(v) for v in values], device=rollout.mask.device)
+
+
+def episode_stats(totals: torch.Tensor) -> dict[str, float]:
+    """Per-episode means of `episode_totals` (summed over processes), and the share of the calls that failed."""
+    episodes, calls, failures, turns, model_tokens, tool_tokens = totals.tolist()
+    return {
+        "tools/call_frequency": calls / episodes,  # TRL's name: tool calls per episode
+        "tools/failure_frequency": failures / calls if calls else 0.0,  # TRL's name: the share of calls that failed
+        "episodes/turns": turns / episodes,
+        "episodes/model_tokens": model_tokens / episodes,
+        "episodes/tool_tokens": tool_tokens / episodes,
+    }
+
+
+def episode_metrics(accelerator: Accelerator, rollout: Rollout) -> dict[str, float]:
+    """The tool-use metrics of an update's episodes, pooled over the processes ({} without tools)."""
+    if rollout.episodes is None:
+        return {}
+    return episode_stats(accelerator.reduce(episode_totals(rollout), "sum"))
+
+
+def rollout_metrics(args, accelerator: Accelerator, task: Task, rollout: Rollout, rewards_per_func, all_rewards):
+    """What every online script logs of an update's completions, over every process's (TRL 1.x's names): each reward
+    function's mean and std, `reward` (the weighted sum of the reward functions, the task's reward, before any shaping
+    by the algorithm), `frac_reward_zero_std` (the share of groups whose rewards, as the advantages read them, are all
+    equal: no signal), the completions' lengths in the policy's own tokens and the share cut by the length limit, and
+    with tools the episodes' metrics. `all_rewards` [world * N] are every process's rewards as the advantages read
+    them. Also returns why the update had nothing to learn from, if it had nothing (`rewards.degenerate_batch`)."""
+    task_rewards = (rewards_per_func * task.weights).nansum(1)
+    task_rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
+    all_rewards_per_func, all_task_rewards = accelerator.gather((rewards_per_func, task_rewards))
+    lengths, ended = accelerator.gather((rollout.model_mask.sum(1), rollout.ended))
+    metrics = {
+        f"rewards/{spec}/{stat}": value
+        for (spec, _), values in zip(task.reward_funcs, all_rewards_per_func.T)
+        for stat, value in (("mean", values.nanmean().item()), ("std", nanstd(values).item()))
+    }
+    reasons = degenerate_batch(lengths, ended, all_task_rewards, args.mask_truncated_completions)
+    return reasons, metrics | {
+        "reward": all_task_rewards.nanmean().item(),
+        "reward_std": nanstd(all_task_rewards).item(),
+        "frac_reward_zero_std": zero_std_groups(all_rewards, args.num_generations).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": 1 - ended.float().mean().item(),
+    } | episode_metrics(accelerator, rollout)
+
+
+def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[groups]: whether a group's rewards are all equal (std 0), or fewer than two are scorable (TRL 1.x: isclose)."""
+    std = nanstd(rewards.view(-1, num_generations), dim=1)
+    return torch.isclose(std, torch.zeros_like(std)) | std.isnan()
+
+
+def pooled(accelerator: Accelerator, stats_list: list[dict]) -> dict[str, float]:
+    """The loss's statistics of an update, each a [sum, count] per mini-batch: weighted by their counts over the
+    processes per mini-batch, then the mean over mini-batches (TRL 1.x); a name ending in _min or _max is a [value, 1]
+    pair whose least or largest value over the mini-batches and processes is kept."""
+    names = list(stats_list[0])
+    values = torch.stack([torch.stack([s[k] for k in names]) for s in stats_list])  # [mini-batches, stats, 2]
+    totals = accelerator.reduce(values, "sum")
+    every = accelerator.gather(values[None])  # [processes, mini-batches, stats, 2]
+    out = {}
+    for i, name in enumerate(names):
+        if name.endswith("_min"):
+            out[name] = every[..., i, 0].min().item()
+        elif name.endswith("_max"):
+            out[name] = every[..., i, 0].max().item()
+        else:
+            out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()
+    return out
+
+
+def summary(algorithm: str, args, accelerator: Accelerator, done: int, seconds: float, history, first_eval, last_eval, kl):
+    """The run's last line: updates, prompts and time, the training reward's first and last tenth (with `kl`, the KL
+    per token at the end), the held-out reward and the share of its most frequent answer; then a warning if the policy
+    collapsed onto a few answers."""
+    window, world = max(1, len(history) // 10), accelerator.num_processes
+    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    accelerator.print(
+        f"{algorithm}: {done} updates, {done * args.batch_size * world} prompts x {args.num_generations} in "
+        f"{seconds:.0f}s; train reward {first[0]:.3f} -> {last[0]:.3f}{f' (KL per token {last[1]:.3f})' if kl else ''}; "
+        f"eval reward {first_eval['eval/reward']:.3f} -> {last_eval['eval/reward']:.3f} (most frequent answer "
+        f"{first_eval['eval/top_answer_share']:.0%} -> {last_eval['eval/top_answer_share']:.0%} of them); "
+        f"model saved to {args.output_dir}"
+        + (f" ({'sharded over' if sharded else 'weights identical on'} {world} ranks)" if world > 1 else "")
+    )
+    first_top, last_top = first_eval["eval/top_answer_share"], last_eval["eval/top_answer_share"]
+    if last_top > max(0.2, 2 * first_top):  # a reward won by answering the same thing everywhere is not learning
+        accelerator.print(
+            f"warning: one answer fills {last_top:.0%} of the held-out completions ({first_top:.0%} at the "
+            "start): the policy collapsed onto a few answers; lower --learning-rate"
+        )
