@@ -14,6 +14,7 @@ Usage:
         --train-batch-size 4 --train-gradient-accumulation-steps 2 --mixed-precision fp16
 """
 
+import importlib.util
 import io
 import json
 import math
@@ -295,8 +296,8 @@ def image_samples_hook(images: torch.Tensor, prompts: list[str], rewards: list[f
     return grid
 
 
-if __name__ == "__main__":
-    args = cli(Args)
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
@@ -307,138 +308,118 @@ if __name__ == "__main__":
         ),
         non_negative="eval_samples save_freq train_adam_weight_decay",
     )
-    num_train_timesteps = max(1, int(args.sample_num_steps * args.train_timestep_fraction))
-    # one optimizer step per train_gradient_accumulation_steps batches x their timesteps (ddpo-pytorch)
-    accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.train_gradient_accumulation_steps * num_train_timesteps,
-    )
-
-    # ---- sizes and settings, checked before anything expensive ----
     if args.sample_eta <= 0:
         raise UsageError("--sample-eta must be > 0: with eta = 0 DDIM is deterministic and a step has no log-prob.")
     if not 0 < args.train_timestep_fraction <= 1:
         raise UsageError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
     exact_div(args.sample_batch_size, args.train_batch_size, "sample_batch_size / train_batch_size")
-    samples_per_epoch = args.sample_batch_size * args.sample_num_batches_per_epoch  # on each process
     exact_div(
-        samples_per_epoch,
+        args.sample_batch_size * args.sample_num_batches_per_epoch,
         args.train_batch_size * args.train_gradient_accumulation_steps,
         "sample_batch_size * sample_num_batches_per_epoch / (train_batch_size * train_gradient_accumulation_steps)",
     )
-    device = accelerator.device
-    prompt_fn = load_function(args.prompt_fn, PROMPT_FNS, "--prompt-fn")
-    reward_fn = load_function(args.reward_fn, REWARD_FNS, "--reward-fn")
-    if args.train_use_8bit_adam:
-        try:
-            import bitsandbytes
-        except ImportError as e:
-            raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.") from e
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    run_name, logger = start_run(args, accelerator)
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # LoRA's few MB: no gain
-        raise UsageError(
-            f"ddpo.py under {accelerator.distributed_type.value} is not supported: the UNet's LoRA save needs whole "
-            "weights; use DDP."
-        )
 
-    # ---- pipeline ----
-    pipeline = load_pipeline(args.pretrained_model, seed=0)
-    pipeline.set_progress_bar_config(disable=True)
-    if not isinstance(pipeline.scheduler, DDIMScheduler):
-        pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)  # DDPO's policy is the DDIM sampler
-    scheduler, unet = pipeline.scheduler, pipeline.unet
-    resolution = args.resolution or unet.config.sample_size * pipeline.vae_scale_factor
-    inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-    # frozen parts in the inference dtype (only cast when it is not fp32: diffusers warns about any cast)
-    for frozen in (pipeline.vae, pipeline.text_encoder) + ((unet,) if args.use_lora else ()):
-        frozen.requires_grad_(False).to(device)
-        if inference_dtype != torch.float32:
-            frozen.to(inference_dtype)
-    if args.use_lora:
-        unet.add_adapter(
-            LoraConfig(
-                r=args.lora_rank,
-                lora_alpha=args.lora_rank,
-                init_lora_weights="gaussian",
-                target_modules=["to_k", "to_q", "to_v", "to_out.0"],
+
+class Plugins:
+    """The prompt and reward functions of --prompt-fn / --reward-fn, called with their output checked: what they raise
+    or return wrongly is one line naming the user's file."""
+
+    def __init__(self, args: Args):
+        self.args = args
+        self.prompt_fn = load_function(args.prompt_fn, PROMPT_FNS, "--prompt-fn")
+        self.reward_fn = load_function(args.reward_fn, REWARD_FNS, "--reward-fn")
+
+    def prompt(self) -> tuple[str, dict]:
+        try:
+            out = self.prompt_fn()
+        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+            raise UsageError(f"--prompt-fn {self.args.prompt_fn} raised {plugin_error(error)}") from None
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict)):
+            raise UsageError(f"--prompt-fn {self.args.prompt_fn} returned {str(out)[:80]!r}: return (prompt, metadata dict).")
+        return out
+
+    def reward(self, images, prompts, metadata):
+        """The scores as a checked [B] tensor (one finite float per image) and the function's info dict."""
+        try:
+            out = self.reward_fn(images, prompts, metadata)
+        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
+            raise UsageError(f"--reward-fn {self.args.reward_fn} raised {plugin_error(error)}") from None
+        rewards, info = out if isinstance(out, tuple) else (out, {})
+        return check_scores(rewards, len(images), f"--reward-fn {self.args.reward_fn}"), info
+
+
+class Diffusion:
+    """The pipeline as DDPO's policy: its DDIM sampler (every latent and every step's log-prob kept), the UNet's noise
+    prediction with classifier-free guidance, the frozen parts in the inference dtype, LoRA on the UNet (or the whole
+    UNet trained)."""
+
+    def __init__(self, args: Args, accelerator: Accelerator):
+        self.args, self.accelerator, device = args, accelerator, accelerator.device
+        pipeline = load_pipeline(args.pretrained_model, seed=0)
+        pipeline.set_progress_bar_config(disable=True)
+        if not isinstance(pipeline.scheduler, DDIMScheduler):
+            pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)  # DDPO's policy is the DDIM sampler
+        self.pipeline, self.scheduler, self.unet = pipeline, pipeline.scheduler, pipeline.unet
+        self.resolution = args.resolution or self.unet.config.sample_size * pipeline.vae_scale_factor
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+        # frozen parts in the inference dtype (only cast when it is not fp32: diffusers warns about any cast)
+        for frozen in (pipeline.vae, pipeline.text_encoder) + ((self.unet,) if args.use_lora else ()):
+            frozen.requires_grad_(False).to(device)
+            if self.dtype != torch.float32:
+                frozen.to(self.dtype)
+        if args.use_lora:
+            targets = ["to_k", "to_q", "to_v", "to_out.0"]
+            lora = LoraConfig(
+                r=args.lora_rank, lora_alpha=args.lora_rank, init_lora_weights="gaussian", target_modules=targets
             )
-        )
-        for p in unet.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # trainable LoRA weights stay fp32 under mixed precision
-    unet.to(device)
-    trainable = [p for p in unet.parameters() if p.requires_grad]
-    accelerator.print(
-        f"pipeline {args.pretrained_model}: {resolution}x{resolution}, {sum(p.numel() for p in trainable):,} "
-        f"trainable of {sum(p.numel() for p in unet.parameters()):,} UNet parameters "
-        f"({'LoRA' if args.use_lora else 'full fine-tuning'})"
-    )
+            self.unet.add_adapter(lora)
+            for p in self.unet.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()  # trainable LoRA weights stay fp32 under mixed precision
+        self.unet.to(device)
+        self.negative_embeds = self.embed([args.negative_prompt])  # [1, 77, D]
 
     @torch.no_grad()
-    def embed(prompts: list[str]) -> torch.Tensor:
+    def embed(self, prompts: list[str]) -> torch.Tensor:
         """Text-encoder hidden states [B, 77, D] of prompts padded to the tokenizer's max length."""
-        ids = pipeline.tokenizer(
-            prompts, padding="max_length", truncation=True, return_tensors="pt", max_length=pipeline.tokenizer.model_max_length
-        ).input_ids.to(device)
-        return pipeline.text_encoder(ids)[0]
+        tokenizer = self.pipeline.tokenizer
+        ids = tokenizer(
+            prompts, padding="max_length", truncation=True, return_tensors="pt", max_length=tokenizer.model_max_length
+        )
+        return self.pipeline.text_encoder(ids.input_ids.to(self.accelerator.device))[0]
 
-    negative_embeds = embed([args.negative_prompt])  # [1, 77, D]
-
-    def predict_noise(model, latents, timesteps, prompt_embeds, guidance_scale):
+    def predict_noise(self, model, latents, timesteps, prompt_embeds, guidance_scale):
         """The UNet's output with classifier-free guidance: uncond + scale * (cond - uncond)."""
         if guidance_scale == 1.0:
             return model(latents, timesteps, encoder_hidden_states=prompt_embeds).sample
-        embeds = torch.cat([negative_embeds.expand_as(prompt_embeds), prompt_embeds])
+        embeds = torch.cat([self.negative_embeds.expand_as(prompt_embeds), prompt_embeds])
         out = model(torch.cat([latents] * 2), torch.cat([timesteps] * 2), encoder_hidden_states=embeds).sample
         uncond, cond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
 
-    def call_prompt_fn() -> tuple[str, dict]:
-        """prompt_fn's (prompt, metadata), checked: what it raises or returns wrongly is one line naming your file."""
-        try:
-            out = prompt_fn()
-        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
-            raise UsageError(f"--prompt-fn {args.prompt_fn} raised {plugin_error(error)}") from None
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict)):
-            raise UsageError(f"--prompt-fn {args.prompt_fn} returned {str(out)[:80]!r}: return (prompt, metadata dict).")
-        return out
-
-    def call_reward_fn(images, prompts, metadata):
-        """reward_fn's scores as a checked [B] tensor (one finite float per image) and its info dict."""
-        try:
-            out = reward_fn(images, prompts, metadata)
-        except Exception as error:  # noqa: BLE001 - the user's code: report it, whatever it raised
-            raise UsageError(f"--reward-fn {args.reward_fn} raised {plugin_error(error)}") from None
-        rewards, info = out if isinstance(out, tuple) else (out, {})
-        return check_scores(rewards, len(images), f"--reward-fn {args.reward_fn}"), info
-
-    # The reward function is checked on two grey images before any sampling: a wrong length or NaN fails fast
-    call_reward_fn(torch.full((2, 3, resolution, resolution), 0.5), [call_prompt_fn()[0] for _ in range(2)], [{}, {}])
-
     @torch.no_grad()
-    def sample(model, prompts: list[str], generator: torch.Generator | None) -> dict:
+    def sample(self, model, prompts: list[str], generator: torch.Generator | None) -> dict:
         """Denoise from Gaussian latents, keeping every latent and every step's log-prob; decode to images in [0, 1]."""
-        prompt_embeds = embed(prompts)
+        args, accelerator, scheduler, device = self.args, self.accelerator, self.scheduler, self.accelerator.device
+        prompt_embeds = self.embed(prompts)
         scheduler.set_timesteps(args.sample_num_steps, device=device)
-        side = resolution // pipeline.vae_scale_factor
-        shape = (len(prompts), accelerator.unwrap_model(unet).config.in_channels, side, side)
-        latents = randn_tensor(shape, generator=generator, device=device, dtype=inference_dtype) * scheduler.init_noise_sigma
+        side = self.resolution // self.pipeline.vae_scale_factor
+        shape = (len(prompts), accelerator.unwrap_model(self.unet).config.in_channels, side, side)
+        latents = randn_tensor(shape, generator=generator, device=device, dtype=self.dtype) * scheduler.init_noise_sigma
         all_latents, log_probs = [latents], []
         with accelerator.autocast():
             for t in scheduler.timesteps:
                 model_input = scheduler.scale_model_input(latents, t)
-                noise_pred = predict_noise(
+                noise_pred = self.predict_noise(
                     model, model_input, t.expand(len(prompts)), prompt_embeds, args.sample_guidance_scale
                 )
                 latents, log_prob = ddim_step_with_logprob(
                     scheduler, noise_pred.float(), t, latents.float(), args.sample_eta, generator=generator
                 )
-                latents = latents.to(inference_dtype)
+                latents = latents.to(self.dtype)
                 all_latents.append(latents)
                 log_probs.append(log_prob)
-            images = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor).sample
+            images = self.pipeline.vae.decode(latents / self.pipeline.vae.config.scaling_factor).sample
         return dict(
             prompt_embeds=prompt_embeds,
             latents=torch.stack(all_latents, 1),  # [B, T+1, C, h, w]
@@ -447,27 +428,113 @@ if __name__ == "__main__":
             images=(images.float() / 2 + 0.5).clamp(0, 1).cpu(),
         )
 
-    @torch.no_grad()
-    def evaluate() -> float:
-        """Mean reward of `eval_samples` images from fixed prompts and noise: the same before and after training."""
-        unet.eval()
-        set_seed(10**6 + accelerator.process_index)  # the training loop reseeds every epoch, so nothing is disturbed
-        prompts = [call_prompt_fn()[0] for _ in range(args.eval_samples)]
-        images = torch.cat(
-            [
-                sample(unet, prompts[i : i + args.sample_batch_size], None)["images"]
-                for i in range(0, len(prompts), args.sample_batch_size)
-            ]
-        )
-        rewards = call_reward_fn(images, prompts, [{}] * len(prompts))[0].to(device)
-        return accelerator.gather(rewards).mean().item()
 
-    # ---- optimizer, checkpoints ----
-    optimizer_class = bitsandbytes.optim.AdamW8bit if args.train_use_8bit_adam else torch.optim.AdamW
+@torch.no_grad()
+def evaluate(args: Args, accelerator: Accelerator, policy: Diffusion, unet, plugins: Plugins) -> float:
+    """Mean reward of `eval_samples` images from fixed prompts and noise: the same before and after training."""
+    unet.eval()
+    set_seed(10**6 + accelerator.process_index)  # the training loop reseeds every epoch, so nothing is disturbed
+    prompts = [plugins.prompt()[0] for _ in range(args.eval_samples)]
+    size = args.sample_batch_size
+    images = torch.cat([policy.sample(unet, prompts[i : i + size], None)["images"] for i in range(0, len(prompts), size)])
+    rewards = plugins.reward(images, prompts, [{}] * len(prompts))[0].to(accelerator.device)
+    return accelerator.gather(rewards).mean().item()
+
+
+def sample_epoch(
+    args: Args, policy: Diffusion, unet, plugins: Plugins, executor
+) -> tuple[dict, list[str], torch.Tensor, list]:
+    """An epoch's samples (prompt embeddings, latents, log-probs, timesteps), their prompts and rewards (computed in a
+    thread pool beside the sampling with --async-reward-computation), and the sampled batches (for the image grid)."""
+    batches, pending = [], []  # pending: reward futures (or results without a pool)
+    for _ in range(args.sample_num_batches_per_epoch):
+        prompts, metadata = zip(*(plugins.prompt() for _ in range(args.sample_batch_size)))
+        sampled = policy.sample(unet, list(prompts), generator=None)
+        sampled.update(prompts=list(prompts))
+        batches.append(sampled)
+        reward_inputs = (sampled["images"], list(prompts), list(metadata))
+        pending.append(executor.submit(plugins.reward, *reward_inputs) if executor else plugins.reward(*reward_inputs))
+    rewards = torch.cat([(r.result() if executor else r)[0] for r in pending]).to(policy.accelerator.device)
+    samples = {k: torch.cat([b[k] for b in batches]) for k in ("prompt_embeds", "latents", "log_probs", "timesteps")}
+    return samples, sum((b["prompts"] for b in batches), []), rewards, batches
+
+
+def save_state(args: Args, accelerator: Accelerator, unet, optimizer, trainable_names, state: dict) -> None:
+    """A resumable checkpoint: the trainable weights, the optimizer and the loop's `state` (epoch, step, stat tracker,
+    the run's first evaluation and per-epoch rewards), atomically; the oldest beyond --num-checkpoint-limit go."""
+    folder = f"{args.output_dir}_checkpoints"
+    if accelerator.is_main_process:
+        params = dict(accelerator.unwrap_model(unet).named_parameters())
+        with atomic_directory(os.path.join(folder, f"epoch_{state['epoch']}")) as tmp:
+            save_file(
+                {n: params[n].detach().cpu().contiguous() for n in trainable_names}, os.path.join(tmp, "trainable.safetensors")
+            )
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+        checkpoints = sorted((d for d in os.listdir(folder) if d.startswith("epoch_")), key=lambda d: int(d[6:]))
+        for old in checkpoints[: -args.num_checkpoint_limit]:
+            shutil.rmtree(os.path.join(folder, old))
+    accelerator.wait_for_everyone()
+
+
+def save(args: Args, accelerator: Accelerator, policy: Diffusion, unet, metrics: dict) -> None:
+    """LoRA weights in diffusers format (with the built-in base pipeline beside them), or the whole pipeline."""
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(unet, keep_torch_compile=False)
+    with atomic_directory(args.output_dir) as tmp:
+        if args.use_lora:
+            lora_state = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
+            StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=lora_state)
+            if args.pretrained_model.startswith("builtin:"):  # no hub copy of the base: save it beside the LoRA
+                load_pipeline(args.pretrained_model, seed=0).save_pretrained(tmp)
+        else:
+            policy.pipeline.unet = unwrapped
+            policy.pipeline.save_pretrained(tmp)
+        write_model_card(tmp, args, "ddpo", metrics, library="diffusers")
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop of sampling and PPO epochs, then the final evaluation, save and summary."""
+    check(args)
+    num_train_timesteps = max(1, int(args.sample_num_steps * args.train_timestep_fraction))
+    # one optimizer step per train_gradient_accumulation_steps batches x their timesteps (ddpo-pytorch)
+    steps = args.train_gradient_accumulation_steps * num_train_timesteps
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=steps)
+    device, samples_per_epoch = accelerator.device, args.sample_batch_size * args.sample_num_batches_per_epoch
+    plugins = Plugins(args)
+    if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.")
+    if args.allow_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    run_name, logger = start_run(args, accelerator)
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # LoRA's few MB: no gain
+        raise UsageError(
+            f"ddpo.py under {accelerator.distributed_type.value} is not supported: the UNet's LoRA save needs whole "
+            "weights; use DDP."
+        )
+    policy = Diffusion(args, accelerator)
+    unet, resolution = policy.unet, policy.resolution
+    trainable = [p for p in unet.parameters() if p.requires_grad]
+    accelerator.print(
+        f"pipeline {args.pretrained_model}: {resolution}x{resolution}, {sum(p.numel() for p in trainable):,} "
+        f"trainable of {sum(p.numel() for p in unet.parameters()):,} UNet parameters "
+        f"({'LoRA' if args.use_lora else 'full fine-tuning'})"
+    )
+    # the reward function is checked on two grey images before any sampling: a wrong length or NaN fails fast
+    plugins.reward(torch.full((2, 3, resolution, resolution), 0.5), [plugins.prompt()[0] for _ in range(2)], [{}, {}])
+    optimizer_class = torch.optim.AdamW
+    if args.train_use_8bit_adam:
+        import bitsandbytes
+
+        optimizer_class = bitsandbytes.optim.AdamW8bit
+    betas = (args.train_adam_beta1, args.train_adam_beta2)
     optimizer = optimizer_class(
         trainable,
         lr=args.train_learning_rate,
-        betas=(args.train_adam_beta1, args.train_adam_beta2),
+        betas=betas,
         weight_decay=args.train_adam_weight_decay,
         eps=args.train_adam_epsilon,
     )
@@ -483,82 +550,42 @@ if __name__ == "__main__":
                 f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
                 f"has {args.num_epochs}: raise --num-epochs to train further."
             )
-        trained = load_file(os.path.join(args.resume_from, "trainable.safetensors"))
-        accelerator.unwrap_model(unet).load_state_dict(trained, strict=False)
+        accelerator.unwrap_model(unet).load_state_dict(
+            load_file(os.path.join(args.resume_from, "trainable.safetensors")), strict=False
+        )
         optimizer_file = os.path.join(args.resume_from, "optimizer.pt")  # tensors and numbers only: no pickled code runs
         optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
         stat_tracker.load_state_dict(resumed["stat_tracker"])
         accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
-
-    def save_checkpoint(epoch: int) -> None:
-        """Trainable weights, optimizer, stat tracker, counters and the run's first evaluation and per-epoch rewards
-        (the summary reads from the run's start), atomically; RNGs are reseeded per epoch."""
-        folder = f"{args.output_dir}_checkpoints"
-        if accelerator.is_main_process:
-            params = dict(accelerator.unwrap_model(unet).named_parameters())
-            with atomic_directory(os.path.join(folder, f"epoch_{epoch}")) as tmp:
-                weights = {n: params[n].detach().cpu().contiguous() for n in trainable_names}
-                save_file(weights, os.path.join(tmp, "trainable.safetensors"))
-                torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump(
-                        {
-                            "epoch": epoch,
-                            "global_step": global_step,
-                            "stat_tracker": stat_tracker.state_dict(),
-                            "first_eval": first_eval,
-                            "epoch_rewards": epoch_rewards,
-                        },
-                        f,
-                    )
-            checkpoints = sorted((d for d in os.listdir(folder) if d.startswith("epoch_")), key=lambda d: int(d[6:]))
-            for old in checkpoints[: -args.num_checkpoint_limit]:
-                shutil.rmtree(os.path.join(folder, old))
-        accelerator.wait_for_everyone()
-
     executor = futures.ThreadPoolExecutor(max_workers=args.max_workers) if args.async_reward_computation else None
     if "first_eval" in resumed:  # the run's start, kept in its checkpoints
         first_eval = resumed["first_eval"]
     else:
-        first_eval = evaluate() if args.eval_samples else float("nan")
+        first_eval = evaluate(args, accelerator, policy, unet, plugins) if args.eval_samples else float("nan")
     epoch_rewards, start_time = resumed.get("epoch_rewards", []), time.time()  # mean sampled reward per epoch
     progress = tqdm(range(start_epoch, args.num_epochs), disable=not accelerator.is_local_main_process, desc="ddpo")
     for epoch in progress:
         set_seed(args.seed + accelerator.process_index + 10_000 * epoch)  # a resumed epoch draws the same numbers
-
-        # ---- sample ----
+        # 1. sample: images by DDIM, every step's latent and log-prob kept; rewards (in a thread pool, with the flag)
         unet.eval()
-        epoch_start, batches, pending = time.time(), [], []  # pending: reward futures (or results without a pool)
-        for _ in range(args.sample_num_batches_per_epoch):
-            prompts, metadata = zip(*(call_prompt_fn() for _ in range(args.sample_batch_size)))
-            sampled = sample(unet, list(prompts), generator=None)
-            sampled.update(prompts=list(prompts))
-            batches.append(sampled)
-            reward_inputs = (sampled["images"], list(prompts), list(metadata))
-            pending.append(executor.submit(call_reward_fn, *reward_inputs) if executor else call_reward_fn(*reward_inputs))
-        rewards = torch.cat([(r.result() if executor else r)[0] for r in pending]).to(device)  # [samples_per_epoch]
-        samples = {k: torch.cat([b[k] for b in batches]) for k in ("prompt_embeds", "latents", "log_probs", "timesteps")}
-        prompts = sum((b["prompts"] for b in batches), [])
+        epoch_start = time.time()
+        samples, prompts, rewards, batches = sample_epoch(args, policy, unet, plugins, executor)
         sample_time = time.time() - epoch_start
 
-        # ---- advantages: over all processes, per prompt ----
+        # 2. advantages: over all processes, per prompt (DDPO's per-prompt stat tracking) or over the batch
         all_rewards = accelerator.gather(rewards).cpu().numpy()
         if args.per_prompt_stat_tracking:
             all_advantages = stat_tracker.update(gather_object(prompts), all_rewards)
         else:
             all_advantages = (all_rewards - all_rewards.mean()) / (all_rewards.std() + 1e-8)
-        samples["advantages"] = (
-            torch.as_tensor(all_advantages, dtype=torch.float32)
-            .reshape(accelerator.num_processes, -1)[accelerator.process_index]
-            .to(device)
-        )
+        mine = torch.as_tensor(all_advantages, dtype=torch.float32).reshape(accelerator.num_processes, -1)
+        samples["advantages"] = mine[accelerator.process_index].to(device)
         epoch_rewards.append(float(all_rewards.mean()))
 
-        # ---- optimise: PPO over (sample, timestep) pairs ----
+        # 3. optimise: PPO over (sample, timestep) pairs, each sample's timesteps shuffled independently (ddpo-pytorch)
         unet.train()
         infos = {"train/loss": [], "train/approx_kl": [], "train/clipfrac": [], "train/grad_norm": []}
         for _ in range(args.train_num_inner_epochs):
-            # shuffle the samples, then each sample's timesteps independently (ddpo-pytorch)
             perm = torch.randperm(samples_per_epoch, device=device)
             shuffled = {k: v[perm] for k, v in samples.items()}
             time_perms = torch.stack([torch.randperm(args.sample_num_steps, device=device) for _ in range(samples_per_epoch)])
@@ -572,17 +599,12 @@ if __name__ == "__main__":
                 for j in range(num_train_timesteps):
                     with accelerator.accumulate(unet), accelerator.autocast():
                         guidance = args.sample_guidance_scale if args.train_cfg else 1.0
-                        noise_pred = predict_noise(
-                            unet, batch["latents"][:, j], batch["timesteps"][:, j], batch["prompt_embeds"], guidance
-                        )
+                        latents, timesteps = batch["latents"][:, j], batch["timesteps"][:, j]
+                        noise_pred = policy.predict_noise(unet, latents, timesteps, batch["prompt_embeds"], guidance)
                         _, log_prob = ddim_step_with_logprob(
-                            scheduler,
-                            noise_pred.float(),
-                            batch["timesteps"][:, j],
-                            batch["latents"][:, j].float(),
-                            args.sample_eta,
+                            policy.scheduler, noise_pred.float(), timesteps, latents.float(), args.sample_eta,
                             prev_sample=batch["next_latents"][:, j].float(),
-                        )
+                        )  # fmt: skip
                         ratio = torch.exp(log_prob - batch["log_probs"][:, j])
                         loss = ddpo_loss(advantages, args.train_clip_range, ratio)
                         accelerator.backward(loss)
@@ -599,7 +621,7 @@ if __name__ == "__main__":
                     if accelerator.sync_gradients:
                         global_step += 1
 
-        # ---- log ----
+        # 4. bookkeeping: metrics, an image grid, checkpoints
         train_metrics = accelerator.reduce(torch.stack([torch.stack(v).mean() for v in infos.values()]), "mean").tolist()
         metrics = dict(zip(infos, train_metrics)) | {
             "reward/mean": all_rewards.mean(),
@@ -618,33 +640,18 @@ if __name__ == "__main__":
                 logger.writer.add_image("samples", np.asarray(grid.convert("RGB")), epoch + 1, dataformats="HWC")
                 grid.save(os.path.join(logger.writer.log_dir, f"samples_{epoch + 1}.png"))
         if args.save_freq and (epoch + 1) % args.save_freq == 0 and epoch + 1 < args.num_epochs:
-            save_checkpoint(epoch + 1)
+            state = dict(epoch=epoch + 1, global_step=global_step, stat_tracker=stat_tracker.state_dict())
+            state |= dict(first_eval=first_eval, epoch_rewards=epoch_rewards)
+            save_state(args, accelerator, unet, optimizer, trainable_names, state)
     if executor:
         executor.shutdown()
-    last_eval = evaluate() if args.eval_samples else float("nan")
+
+    # 5. the final evaluation, save (LoRA weights in diffusers format, or the whole pipeline) and summary
+    last_eval = evaluate(args, accelerator, policy, unet, plugins) if args.eval_samples else float("nan")
     logger.log({"eval/reward": first_eval}, 0)
     logger.log({"eval/reward": last_eval}, args.num_epochs)
-
-    # ---- save: LoRA weights in diffusers format (or the whole pipeline) ----
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(unet, keep_torch_compile=False)
-        with atomic_directory(args.output_dir) as tmp:
-            if args.use_lora:
-                lora_state = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
-                StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=lora_state)
-                if args.pretrained_model.startswith("builtin:"):  # no hub copy of the base: save it beside the LoRA
-                    load_pipeline(args.pretrained_model, seed=0).save_pretrained(tmp)
-            else:
-                pipeline.unet = unwrapped
-                pipeline.save_pretrained(tmp)
-            write_model_card(
-                tmp,
-                args,
-                "ddpo",
-                {"eval/reward": last_eval, "train/reward (last epoch)": (epoch_rewards or [math.nan])[-1]},
-                library="diffusers",
-            )
+    metrics = {"eval/reward": last_eval, "train/reward (last epoch)": (epoch_rewards or [math.nan])[-1]}
+    save(args, accelerator, policy, unet, metrics)
     elapsed = time.time() - start_time
     accelerator.print(
         f"ddpo: {args.num_epochs - start_epoch} epochs in {elapsed:.0f}s; sampled reward "
@@ -653,3 +660,7 @@ if __name__ == "__main__":
         f"{'LoRA weights' if args.use_lora else 'pipeline'} saved to {args.output_dir}"
     )
     end_run(accelerator, logger)  # every rank leaves together
+
+
+if __name__ == "__main__":
+    main(cli(Args))

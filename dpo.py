@@ -308,8 +308,8 @@ def tokenize_pair_seq2seq(
     return out
 
 
-if __name__ == "__main__":
-    args = cli(Args)
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
@@ -324,20 +324,28 @@ if __name__ == "__main__":
             f"--label-smoothing {args.label_smoothing}, --warmup-ratio {args.warmup_ratio}: label smoothing "
             "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1)."
         )
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    device = accelerator.device
     if args.label_smoothing and args.loss_type != "sigmoid":
         raise UsageError("--label-smoothing applies to the sigmoid loss only.")
-    run_name, logger = start_run(args, accelerator)
 
-    # ---- data (checked before any model is built or loaded) ----
+
+@dataclass
+class Pairs:
+    """The tokenised preference pairs, the held-out rows (for the samples), the model's config, whether it is an
+    encoder-decoder and whether the chat template renders the pairs."""
+
+    train: list[dict]
+    eval: list[dict]
+    eval_rows: object
+    model_config: object
+    is_encoder_decoder: bool
+    chat: bool
+
+
+def load_pairs(args: Args, tokenizer) -> Pairs:
+    """The preference dataset, checked, split and tokenised (TRL 0.8's `tokenize_row`; chats rendered)."""
     dataset = load_data(args.dataset_name, args.dataset_split)
-    check_columns(
-        dataset,
-        [args.prompt_column, args.chosen_column, args.rejected_column],
-        "--prompt-column / --chosen-column / --rejected-column",
-    )
+    columns = (args.prompt_column, args.chosen_column, args.rejected_column)
+    check_columns(dataset, list(columns), "--prompt-column / --chosen-column / --rejected-column")
     model_config = load_config(args.model_name)
     is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
     context = context_length(model_config)
@@ -348,86 +356,68 @@ if __name__ == "__main__":
             f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
             "or no response token would be left."
         )
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    columns = (args.prompt_column, args.chosen_column, args.rejected_column)
-    chat = (
-        use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns], args.system_prompt)
-        and not is_encoder_decoder
-    )
+    chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns], args.system_prompt)
+    chat = chat and not is_encoder_decoder
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
 
-    def tokenize(row: dict) -> dict:
-        """A pair's token ids and labels: TRL 0.8's `tokenize_row`, decoder-only or encoder-decoder."""
+    def tokenize(row: dict) -> dict:  # text: TRL 0.8 joins prompt and answer with a space; a chat renders both
         prompt, chosen, rejected = row[args.prompt_column], row[args.chosen_column], row[args.rejected_column]
         if is_encoder_decoder:
             return tokenize_pair_seq2seq(
                 tokenizer, prompt, chosen, rejected, args.max_prompt_length, args.max_target_length, args.truncation_mode
             )
-        # text: TRL 0.8 joins prompt and answer with a space; a chat renders both (common/chat.py)
+        prompt = prompt if chat else prompt + " "
         return tokenize_pair(
-            tokenizer,
-            prompt if chat else prompt + " ",
-            chosen,
-            rejected,
-            args.max_length,
-            args.max_prompt_length,
-            args.truncation_mode,
-            chat,
+            tokenizer, prompt, chosen, rejected, args.max_length, args.max_prompt_length, args.truncation_mode, chat,
             args.system_prompt,
-        )
+        )  # fmt: skip
 
-    train_pairs, eval_pairs = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
-    pairs_per_step = args.batch_size * accelerator.num_processes
-    steps_per_epoch = len(train_pairs) // pairs_per_step
-    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
-    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
-    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
-        raise UsageError(
-            f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
-            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
-        )
-    accelerator.print(
-        f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
-        f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs"
-    )
+    train, eval_ = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
+    return Pairs(train, eval_, eval_dataset, model_config, is_encoder_decoder, chat)
 
-    def collate(pairs: list[dict]) -> dict:
-        """Chosen then rejected, right-padded into one [2B, T] batch: one forward pass for both. Encoder-decoder: the
-        prompt twice as encoder input, the answers as labels, and the decoder input <start> + labels[:-1]."""
-        sources = ("prompt_input_ids",) * 2 if is_encoder_decoder else ("chosen_input_ids", "rejected_input_ids")
+
+class Batches:
+    """Pairs as one right-padded [2B, T] batch, chosen then rejected (one forward for both; encoder-decoder: the prompt
+    twice as encoder input, the answers as labels, the decoder input <start> + labels[:-1]); a rank's micro-batch of a
+    step from a seeded reshuffle per epoch, so that a resume continues exactly."""
+
+    def __init__(self, args: Args, accelerator: Accelerator, tokenizer, pairs: Pairs, steps_per_epoch: int):
+        self.args, self.accelerator, self.tokenizer, self.pairs = args, accelerator, tokenizer, pairs
+        self.steps_per_epoch = steps_per_epoch
+
+    def collate(self, pairs: list[dict]) -> dict:
+        seq2seq, pad = self.pairs.is_encoder_decoder, self.tokenizer.pad_token_id
+        sources = ("prompt_input_ids",) * 2 if seq2seq else ("chosen_input_ids", "rejected_input_ids")
         sequences = [p[sources[0]] for p in pairs] + [p[sources[1]] for p in pairs]
         batch = dict(
-            input_ids=pad_right(sequences, tokenizer.pad_token_id),
+            input_ids=pad_right(sequences, pad),
             attention_mask=pad_right([[1] * len(s) for s in sequences], 0),
             labels=pad_right([p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs], -100),
         )
-        if is_encoder_decoder:
-            shifted = batch["labels"][:, :-1].masked_fill(batch["labels"][:, :-1] == -100, tokenizer.pad_token_id)
-            start = torch.full_like(shifted[:, :1], model_config.decoder_start_token_id)
+        if seq2seq:
+            shifted = batch["labels"][:, :-1].masked_fill(batch["labels"][:, :-1] == -100, pad)
+            start = torch.full_like(shifted[:, :1], self.pairs.model_config.decoder_start_token_id)
             batch["decoder_input_ids"] = torch.cat([start, shifted], 1)
         if "reference_chosen_logps" in pairs[0]:
             batch["reference_logps"] = torch.tensor(
                 [p["reference_chosen_logps"] for p in pairs] + [p["reference_rejected_logps"] for p in pairs]
             )
-        return {k: v.to(device) for k, v in batch.items()}
+        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
-    def batch_of(examples: list[dict], step: int) -> dict:
-        """This rank's pairs for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
-        epoch, i = divmod(step, steps_per_epoch)
+    def micro_batch(self, examples: list[dict], step: int) -> dict:
+        args, accelerator = self.args, self.accelerator
+        epoch, i = divmod(step, self.steps_per_epoch)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
+        return self.collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
 
-    # ---- models ----
-    model = load_pretrained(
-        args.model_name,
-        AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM,
-        dtype=args.dtype,
-        **quantization,
-    )
+
+def load_models(args: Args, accelerator: Accelerator, pairs: Pairs, quantization: dict):
+    """The policy (LoRA with --use-peft) and its frozen reference (None for LoRA: the adapter disabled), on the device."""
+    auto_class = AutoModelForSeq2SeqLM if pairs.is_encoder_decoder else AutoModelForCausalLM
+    model = load_pretrained(args.model_name, auto_class, dtype=args.dtype, **quantization)
     if args.disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -438,29 +428,36 @@ if __name__ == "__main__":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
         check_lora_targets(model, args.lora_target_modules)
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout,
-                target_modules=args.lora_target_modules,
-                task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
-            ),
+        task_type = "SEQ_2_SEQ_LM" if pairs.is_encoder_decoder else "CAUSAL_LM"
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type=task_type,
         )
+        model = get_peft_model(model, lora)
     ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
     if ref_model is not None:
         ref_model = place_frozen(accelerator, ref_model)
-    model = model.to(device)
+    return model.to(accelerator.device), ref_model
 
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    chunked = args.chunked_logps and not is_encoder_decoder and chunkable_head(model, sharded) is not None
 
-    def sequence_logps(policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+class Scorer:
+    """The DPO loss of a batch and TRL's metrics, from the policy's and the reference's sequence log-probs."""
+
+    def __init__(self, args: Args, accelerator: Accelerator, model, ref_model, pairs: Pairs):
+        self.args, self.accelerator, self.model, self.ref_model = args, accelerator, model, ref_model
+        self.is_encoder_decoder = pairs.is_encoder_decoder
+        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.chunked = args.chunked_logps and not self.is_encoder_decoder and chunkable_head(model, self.sharded) is not None
+
+    def sequence_logps(self, policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
-        if chunked:
-            head = accelerator.unwrap_model(policy).get_output_embeddings()
-            with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
+        args = self.args
+        if self.chunked:
+            head = self.accelerator.unwrap_model(policy).get_output_embeddings()
+            with self.accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
                 per_token, mask, hidden = lm_token_logprobs(
                     policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
                 )
@@ -469,73 +466,32 @@ if __name__ == "__main__":
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
                 mean_logits += 0 if head.bias is None else head.bias.float().mean()
             return logps, mean_logits
-        decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if is_encoder_decoder else {}
+        decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if self.is_encoder_decoder else {}
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
         logps = get_batch_logps(
-            logits, batch["labels"], average_log_prob=args.loss_type == "ipo", is_encoder_decoder=is_encoder_decoder
+            logits, batch["labels"], average_log_prob=args.loss_type == "ipo", is_encoder_decoder=self.is_encoder_decoder
         )
         return logps, logits.detach().float().mean((1, 2))
 
     @torch.no_grad()
-    def reference_logps(batch: dict) -> torch.Tensor:
+    def reference_logps(self, batch: dict) -> torch.Tensor:
         """Reference log-probs [2B]: precomputed, the frozen copy, or the policy with its adapter disabled."""
-        if "reference_logps" in batch or args.reference_free:
-            return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=device))
-        policy = accelerator.unwrap_model(model)
-        with reference_context(policy, ref_model):
-            return sequence_logps(ref_model if ref_model is not None else policy, batch)[0]
+        if "reference_logps" in batch or self.args.reference_free:
+            return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=self.accelerator.device))
+        policy = self.accelerator.unwrap_model(self.model)
+        with reference_context(policy, self.ref_model):
+            return self.sequence_logps(self.ref_model if self.ref_model is not None else policy, batch)[0]
 
-    if args.precompute_ref_log_probs and not args.reference_free:
-        for examples in (train_pairs, eval_pairs):
-            for i in tqdm(
-                range(0, len(examples), args.batch_size),
-                desc="reference log-probs",
-                disable=not accelerator.is_local_main_process,
-            ):
-                chunk = examples[i : i + args.batch_size]
-                chosen, rejected = reference_logps(collate(chunk)).cpu().chunk(2)
-                for example, c, r in zip(chunk, chosen.tolist(), rejected.tolist()):
-                    example.update(reference_chosen_logps=c, reference_rejected_logps=r)
-        ref_model = None  # the frozen copy is no longer needed
-        gc.collect()
-
-    # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
-    ticks = accelerator.num_processes
-    scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-        num_training_steps=total_steps * ticks,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    start_step, resumed = 0, {}
-    if args.resume_from:
-        resumed = load_checkpoint(accelerator, args.resume_from)
-        start_step = resumed["step"]
-        if start_step >= total_steps:
-            raise UsageError(
-                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
-                f"{total_steps}: raise --max-steps or --num-epochs to train further."
-            )
-        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-
-    def pair_metrics(batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
+    def pair_metrics(self, batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
         """The DPO loss of a batch and TRL's metrics (rewards/, logps/, logits/)."""
-        logps, mean_logits = sequence_logps(model, batch)
+        args = self.args
+        logps, mean_logits = self.sequence_logps(self.model, batch)
         policy_chosen, policy_rejected = logps.chunk(2)
-        ref_chosen, ref_rejected = reference_logps(batch).chunk(2)
+        ref_chosen, ref_rejected = self.reference_logps(batch).chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy_chosen,
-            policy_rejected,
-            ref_chosen,
-            ref_rejected,
-            args.beta,
-            args.loss_type,
-            args.label_smoothing,
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
             args.reference_free,
-        )
+        )  # fmt: skip
         metrics = {
             "loss": losses.mean().detach(),
             "rewards/chosen": chosen_rewards.mean(),
@@ -549,72 +505,145 @@ if __name__ == "__main__":
         }
         return losses.mean(), {f"{prefix}/{k}": v for k, v in metrics.items()}
 
-    @torch.no_grad()
-    def evaluate(step: int) -> dict[str, float]:
-        """Metrics over the whole eval split, averaged over batches and ranks."""
-        model.eval()
-        sums, count = {}, 0
-        for chunk, weight in rank_batches(eval_pairs, args.batch_size, accelerator):  # as many on every rank
-            _, metrics = pair_metrics(collate(chunk), "eval")
-            n = len(chunk) * weight
-            sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
-            count += n
-        total = accelerator.reduce(torch.tensor(float(count), device=device), "sum")
-        results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
-        logger.log(results, step)
-        if args.generate_during_eval and (accelerator.is_main_process or sharded):  # sharded: every rank decodes
-            raw = eval_dataset[args.prompt_column][:4]
-            prompts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] if chat else p + " " for p in raw]
-            policy = accelerator.unwrap_model(model)
-            # prompts cut as in training (truncation_mode), leaving a causal model room for the 24 new tokens
-            keep = args.max_prompt_length if is_encoder_decoder else max(1, min(args.max_prompt_length, args.max_length - 24))
-            ids = [
-                (i[-keep:] if args.truncation_mode == "keep_end" else i[:keep])
-                for i in tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
-            ]
-            inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(device)
-            samplers = {"policy": (policy, contextlib.nullcontext())}
-            if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
-                samplers["reference"] = (ref_model if ref_model is not None else policy, reference_context(policy, ref_model))
-            texts = {}
-            for name, (sampler, context) in samplers.items():
-                with context:
-                    out = sampler.generate(
-                        **inputs,
-                        max_new_tokens=24,
-                        do_sample=True,
-                        top_k=50,
-                        pad_token_id=tokenizer.pad_token_id,
-                        synced_gpus=sharded,
-                    )
-                new = out[:, 1:] if is_encoder_decoder else out[:, inputs["input_ids"].shape[1] :]  # no start / prompt
-                texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
-            logger.samples("eval samples", {"prompt": [text_of(p) for p in raw], **texts}, step)
-        model.train()
-        return results
+    def precompute_reference(self, pairs: Pairs, batches: Batches) -> None:
+        """--precompute-ref-log-probs: every pair's reference log-probs stored with it, then the frozen copy freed."""
+        for examples in (pairs.train, pairs.eval):
+            starts = range(0, len(examples), self.args.batch_size)
+            for i in tqdm(starts, desc="reference log-probs", disable=not self.accelerator.is_local_main_process):
+                chunk = examples[i : i + self.args.batch_size]
+                chosen, rejected = self.reference_logps(batches.collate(chunk)).cpu().chunk(2)
+                for example, c, r in zip(chunk, chosen.tolist(), rejected.tolist()):
+                    example.update(reference_chosen_logps=c, reference_rejected_logps=r)
+        self.ref_model = None  # the frozen copy is no longer needed
+        gc.collect()
 
-    # ---- train ----
-    first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
-    first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
+
+@torch.no_grad()
+def evaluate(args: Args, scorer: Scorer, pairs: Pairs, batches: Batches, tokenizer, logger, step: int) -> dict[str, float]:
+    """Metrics over the whole eval split, averaged over batches and ranks; with --generate-during-eval, samples of the
+    policy and the reference on held-out prompts."""
+    accelerator, model = scorer.accelerator, scorer.model
+    model.eval()
+    sums, count = {}, 0
+    for chunk, weight in rank_batches(pairs.eval, args.batch_size, accelerator):  # as many on every rank
+        _, metrics = scorer.pair_metrics(batches.collate(chunk), "eval")
+        n = len(chunk) * weight
+        sums = {k: sums.get(k, 0) + v * n for k, v in metrics.items()}
+        count += n
+    total = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
+    results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
+    logger.log(results, step)
+    if args.generate_during_eval and (accelerator.is_main_process or scorer.sharded):  # sharded: every rank decodes
+        raw = pairs.eval_rows[args.prompt_column][:4]
+        chat, seq2seq = pairs.chat, pairs.is_encoder_decoder
+        prompts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] if chat else p + " " for p in raw]
+        policy, ref_model = accelerator.unwrap_model(model), scorer.ref_model
+        # prompts cut as in training (truncation_mode), leaving a causal model room for the 24 new tokens
+        keep = args.max_prompt_length if seq2seq else max(1, min(args.max_prompt_length, args.max_length - 24))
+        ids = [
+            (i[-keep:] if args.truncation_mode == "keep_end" else i[:keep])
+            for i in tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
+        ]
+        inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+        samplers = {"policy": (policy, contextlib.nullcontext())}
+        if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
+            samplers["reference"] = (ref_model if ref_model is not None else policy, reference_context(policy, ref_model))
+        texts = {}
+        for name, (sampler, context) in samplers.items():
+            with context:
+                out = sampler.generate(
+                    **inputs, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id,
+                    synced_gpus=scorer.sharded,
+                )  # fmt: skip
+            new = out[:, 1:] if seq2seq else out[:, inputs["input_ids"].shape[1] :]  # no start token / prompt
+            texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
+        logger.samples("eval samples", {"prompt": [text_of(p) for p in raw], **texts}, step)
+    model.train()
+    return results
+
+
+def save(args: Args, accelerator: Accelerator, model, tokenizer, metrics: dict) -> None:
+    """The policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, atomically."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if peft_model_of(unwrapped) is not None:
+        unwrapped = unwrapped.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "dpo", metrics)
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop, then the final evaluation, save and summary."""
+    check(args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    pairs = load_pairs(args, tokenizer)  # checked before any model is built or loaded
+    pairs_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(pairs.train) // pairs_per_step
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
+        raise UsageError(
+            f"{len(pairs.train)} training pairs make no optimizer step of {pairs_per_step} x "
+            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
+        )
+    accelerator.print(
+        f"{len(pairs.train)} training / {len(pairs.eval)} eval pairs; {total_steps} optimizer steps; each "
+        f"epoch reshuffles and leaves out {len(pairs.train) % pairs_per_step} pairs"
+    )
+    batches = Batches(args, accelerator, tokenizer, pairs, steps_per_epoch)
+    model, ref_model = load_models(args, accelerator, pairs, quantization)
+    scorer = Scorer(args, accelerator, model, ref_model, pairs)
+    if args.precompute_ref_log_probs and not args.reference_free:
+        scorer.precompute_reference(pairs, batches)
+    # fused: one kernel over all parameters, several times faster than the per-tensor update
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
+    warmup = int(args.warmup_ratio * total_steps) * ticks
+    scheduler = get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps * ticks
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    scorer.model = model
+    start_step, resumed = 0, {}
+    if args.resume_from:
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_step = resumed["step"]
+        if start_step >= total_steps:
+            raise UsageError(
+                f"--resume-from {args.resume_from}: the checkpoint is at step {start_step}, and this run has "
+                f"{total_steps}: raise --max-steps or --num-epochs to train further."
+            )
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
+    first_eval, start_time = evaluate(args, scorer, pairs, batches, tokenizer, logger, start_step), time.time()
+    first_eval = resumed.get("first_eval", first_eval)  # after a resume the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="dpo")
     for step in progress:
         step_start = time.time()
+        # 1. the DPO loss of each micro-batch of pairs, accumulated into one optimizer step
         for micro in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
-                loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro), "train")
+                batch = batches.micro_batch(pairs.train, step * args.gradient_accumulation_steps + micro)
+                loss, metrics = scorer.pair_metrics(batch, "train")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        # one collective and one device sync for all the metrics
-        metrics["train/grad_norm"] = torch.as_tensor(
-            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
-        ).float()
-        values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
-        metrics = dict(zip(metrics, values))
+
+        # 2. bookkeeping: one collective and one device sync for all the metrics
+        norm = plain(grad_norm) if grad_norm is not None else 0.0
+        metrics["train/grad_norm"] = torch.as_tensor(norm, device=accelerator.device).float()
+        metrics = dict(zip(metrics, accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()))
         check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         step_time = time.time() - step_start
         logger.log(
@@ -628,25 +657,15 @@ if __name__ == "__main__":
         )
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/rewards/accuracies']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            evaluate(step + 1)
+            evaluate(args, scorer, pairs, batches, tokenizer, logger, step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(
-                accelerator, folder, {"step": step + 1, "first_eval": first_eval}, total_limit=args.save_total_limit
-            )
-    last_eval = evaluate(total_steps)
+            state = {"step": step + 1, "first_eval": first_eval}
+            save_checkpoint(accelerator, folder, state, total_limit=args.save_total_limit)
 
-    # ---- save (plain from_pretrained format; LoRA merged) ----
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if peft_model_of(unwrapped) is not None:
-        unwrapped = unwrapped.merge_and_unload()
-    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "dpo", last_eval)
+    # 3. the final evaluation, save (plain from_pretrained format; LoRA merged) and summary
+    last_eval = evaluate(args, scorer, pairs, batches, tokenizer, logger, total_steps)
+    save(args, accelerator, model, tokenizer, last_eval)
     elapsed = time.time() - start_time
     accelerator.print(
         f"dpo: {total_steps - start_step} steps in {elapsed:.0f}s ({(total_steps - start_step) / max(elapsed, 1e-9):.2f} "
@@ -655,3 +674,7 @@ if __name__ == "__main__":
         f"{last_eval['eval/rewards/margins']:.3f}; model saved to {args.output_dir}"
     )
     end_run(accelerator, logger)  # every rank leaves together
+
+
+if __name__ == "__main__":
+    main(cli(Args))

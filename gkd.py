@@ -188,142 +188,6 @@ def reverse_kl_pg_loss(student_logprobs, teacher_logprobs, mask):
     return -masked_mean(advantages * student_logprobs, mask), masked_mean(advantages, mask)
 
 
-def main(args: Args) -> None:
-    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
-    check(args)
-    accelerator = Accelerator()
-    device, world = accelerator.device, accelerator.num_processes
-    run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    if len(tokenizer) != len(load_tokenizer(args.teacher_name)):
-        raise UsageError(
-            f"the student {args.model_name} and the teacher {args.teacher_name} have different vocabularies "
-            f"({len(tokenizer)} and {len(load_tokenizer(args.teacher_name))} tokens): GKD compares their next-token "
-            "distributions token by token, so both need the same tokenizer"
-        )
-    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
-    eval_rows = eval_rows[: args.eval_samples]
-    student, teacher, optimizer, scheduler = load_models(args, accelerator)
-    unwrapped = accelerator.unwrap_model(student, keep_torch_compile=False)
-    answer_ids = {r["answer"]: tokenize_answer(tokenizer, r, chat) for r in train_rows}
-    accelerator.print(
-        f"{len(train_rows)} training prompts, {len(eval_rows)} held out (none of them among the training prompts); "
-        f"{args.total_steps} steps of {args.batch_size * world} prompts, {args.lmbda:.0%} of them on-policy"
-    )
-    start_step, resumed = 0, {}
-    if args.resume_from:
-        resumed = load_checkpoint(accelerator, args.resume_from)
-        start_step = resumed["step"]
-        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-    teacher_eval = evaluate(args, teacher, tokenizer, eval_rows, accelerator, logger, 0, "teacher", chat)
-    first_eval = resumed.get("first_eval") or evaluate(
-        args, unwrapped, tokenizer, eval_rows, accelerator, logger, 0, "eval", chat, teacher
-    )
-    history, start_time = resumed.get("history", []), time.time()
-    progress = tqdm(range(start_step, args.total_steps), disable=not accelerator.is_local_main_process, desc="gkd")
-    for step in progress:
-        step_start = time.time()
-        # ================================ the algorithm ================================
-        # 1. completions: the student's own (with probability lmbda: on-policy), else the teacher's (--seq-kd) or the
-        #    dataset's; the same choice on every process, drawn from the seed and the step (a resume draws the same)
-        epoch, i = divmod(step, max(1, len(train_rows) // (args.batch_size * world)))
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist()]
-        prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in rows], device)
-        on_policy = random.Random(args.seed * 1_000_003 + step).random() < args.lmbda
-        source = "student" if on_policy else "teacher" if args.seq_kd else "dataset"
-        if source == "dataset":
-            completions = pad_completions(tokenizer, [answer_ids[r["answer"]] for r in rows], device)
-        else:
-            completions = sample(
-                teacher if source == "teacher" else unwrapped, tokenizer, prompts, prompt_mask, args, accelerator
-            )
-        mask = completion_mask(completions, tokenizer.eos_token_id)  # [B, T]: up to and including the first EOS
-
-        # 2. optimise: the student's divergence from the teacher at each completion token, the teacher's logits computed
-        #    without gradients in chunks of rows, accumulated over mini-batches
-        student.train()
-        stats = []
-        for j in range(0, len(rows), args.mini_batch_size):
-            mb = slice(j, j + args.mini_batch_size)
-            inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
-            with torch.no_grad():
-                chunks = torch.arange(len(inputs[0]), device=device).split(args.teacher_chunk_size)
-                teacher_logits = torch.cat([token_logits(teacher, *(x[c] for x in inputs)) for c in chunks])
-            logits = token_logits(student, *inputs)
-            teacher_logprobs = logprobs_from_logits(teacher_logits, completions[mb])
-            with torch.set_grad_enabled(args.objective != "gkd"):  # the JSD needs no gradient through these
-                student_logprobs = logprobs_from_logits(logits, completions[mb])
-            if args.objective == "gkd":
-                loss = generalized_jsd_loss(logits, teacher_logits, mask[mb], args.beta, args.loss_temperature)
-            else:
-                loss, _ = reverse_kl_pg_loss(student_logprobs, teacher_logprobs, mask[mb])
-            weight = mask[mb].sum() / mask.sum().clamp(min=1)  # the mini-batches' token means weighted into the batch's
-            accelerator.backward(loss * weight)
-            # per-token reverse KL estimate on the sampled tokens: log p_student - log p_teacher
-            kl = ((student_logprobs - teacher_logprobs).detach() * mask[mb]).sum()
-            stats.append(torch.stack([loss.detach() * mask[mb].sum(), kl, mask[mb].sum()]))
-        grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-
-        # ================================ bookkeeping ================================
-        totals = accelerator.reduce(torch.stack(stats).sum(0), "sum")
-        metrics = {
-            "train/loss": (totals[0] / totals[2]).item(),
-            "train/kl_to_teacher": (totals[1] / totals[2]).item(),  # per token
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-            "train/on_policy": float(source == "student"),
-            "train/completion_length": accelerator.reduce(mask.sum(1).mean(), "mean").item(),
-            "charts/learning_rate": scheduler.get_last_lr()[0],
-            "time/step": time.time() - step_start,
-        }
-        norm = {"train/grad_norm": metrics["train/grad_norm"]} if grad_norm is not None else {}  # DeepSpeed may not say
-        check_finite(step + 1, {"train/loss": metrics["train/loss"]} | norm)
-        logger.log(metrics, step + 1)
-        history.append((metrics["train/loss"], metrics["train/kl_to_teacher"]))
-        progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", kl=f"{metrics['train/kl_to_teacher']:.3f}")
-        if (step + 1) % args.log_freq == 0:
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            logger.samples("samples", {"prompt": [text_of(r["prompt"]) for r in rows], source: texts}, step + 1)
-        if args.eval_freq and (step + 1) % args.eval_freq == 0 and step + 1 < args.total_steps:
-            evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat, teacher)
-        if args.save_freq and (step + 1) % args.save_freq == 0:
-            folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(
-                accelerator,
-                folder,
-                {"step": step + 1, "first_eval": first_eval, "history": history},
-                total_limit=args.save_total_limit,
-            )
-
-    # ---- final evaluation, save and summary ----
-    last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
-    policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
-    weights = full_weights(accelerator, unwrapped)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "gkd", last_eval)
-    window = max(1, len(history) // 10)
-    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
-    accelerator.print(
-        f"gkd: {args.total_steps - start_step} steps in {time.time() - start_time:.0f}s; loss {first[0]:.3f} -> "
-        f"{last[0]:.3f}, KL to the teacher per token {first[1]:.3f} -> {last[1]:.3f}; held-out accuracy: student "
-        f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, teacher "
-        f"{teacher_eval['teacher/accuracy']:.3f}; held-out KL to the teacher per token {first_eval['eval/kl_to_teacher']:.3f} "
-        f"-> {last_eval['eval/kl_to_teacher']:.3f}; model saved to {args.output_dir}"
-    )
-    end_run(accelerator, logger)
-
-
-# ================================ plumbing: what the loop above calls ================================
-
-
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
@@ -457,6 +321,139 @@ def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int,
     logger.log(metrics, step)
     logger.samples(f"{prefix} samples", {"prompt": [text_of(r["prompt"]) for r in share], "completion": texts}, step)
     return metrics
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop in its numbered phases, then the final evaluation, save and summary."""
+    check(args)
+    accelerator = Accelerator()
+    device, world = accelerator.device, accelerator.num_processes
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    if len(tokenizer) != len(load_tokenizer(args.teacher_name)):
+        raise UsageError(
+            f"the student {args.model_name} and the teacher {args.teacher_name} have different vocabularies "
+            f"({len(tokenizer)} and {len(load_tokenizer(args.teacher_name))} tokens): GKD compares their next-token "
+            "distributions token by token, so both need the same tokenizer"
+        )
+    train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)
+    eval_rows = eval_rows[: args.eval_samples]
+    student, teacher, optimizer, scheduler = load_models(args, accelerator)
+    unwrapped = accelerator.unwrap_model(student, keep_torch_compile=False)
+    answer_ids = {r["answer"]: tokenize_answer(tokenizer, r, chat) for r in train_rows}
+    accelerator.print(
+        f"{len(train_rows)} training prompts, {len(eval_rows)} held out (none of them among the training prompts); "
+        f"{args.total_steps} steps of {args.batch_size * world} prompts, {args.lmbda:.0%} of them on-policy"
+    )
+    start_step, resumed = 0, {}
+    if args.resume_from:
+        resumed = load_checkpoint(accelerator, args.resume_from)
+        start_step = resumed["step"]
+        accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
+    teacher_eval = evaluate(args, teacher, tokenizer, eval_rows, accelerator, logger, 0, "teacher", chat)
+    first_eval = resumed.get("first_eval") or evaluate(
+        args, unwrapped, tokenizer, eval_rows, accelerator, logger, 0, "eval", chat, teacher
+    )
+    history, start_time = resumed.get("history", []), time.time()
+    progress = tqdm(range(start_step, args.total_steps), disable=not accelerator.is_local_main_process, desc="gkd")
+    for step in progress:
+        step_start = time.time()
+        # ================================ the algorithm ================================
+        # 1. completions: the student's own (with probability lmbda: on-policy), else the teacher's (--seq-kd) or the
+        #    dataset's; the same choice on every process, drawn from the seed and the step (a resume draws the same)
+        epoch, i = divmod(step, max(1, len(train_rows) // (args.batch_size * world)))
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
+        start = (i * world + accelerator.process_index) * args.batch_size
+        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist()]
+        prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in rows], device)
+        on_policy = random.Random(args.seed * 1_000_003 + step).random() < args.lmbda
+        source = "student" if on_policy else "teacher" if args.seq_kd else "dataset"
+        if source == "dataset":
+            completions = pad_completions(tokenizer, [answer_ids[r["answer"]] for r in rows], device)
+        else:
+            completions = sample(
+                teacher if source == "teacher" else unwrapped, tokenizer, prompts, prompt_mask, args, accelerator
+            )
+        mask = completion_mask(completions, tokenizer.eos_token_id)  # [B, T]: up to and including the first EOS
+
+        # 2. optimise: the student's divergence from the teacher at each completion token, the teacher's logits computed
+        #    without gradients in chunks of rows, accumulated over mini-batches
+        student.train()
+        stats = []
+        for j in range(0, len(rows), args.mini_batch_size):
+            mb = slice(j, j + args.mini_batch_size)
+            inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
+            with torch.no_grad():
+                chunks = torch.arange(len(inputs[0]), device=device).split(args.teacher_chunk_size)
+                teacher_logits = torch.cat([token_logits(teacher, *(x[c] for x in inputs)) for c in chunks])
+            logits = token_logits(student, *inputs)
+            teacher_logprobs = logprobs_from_logits(teacher_logits, completions[mb])
+            with torch.set_grad_enabled(args.objective != "gkd"):  # the JSD needs no gradient through these
+                student_logprobs = logprobs_from_logits(logits, completions[mb])
+            if args.objective == "gkd":
+                loss = generalized_jsd_loss(logits, teacher_logits, mask[mb], args.beta, args.loss_temperature)
+            else:
+                loss, _ = reverse_kl_pg_loss(student_logprobs, teacher_logprobs, mask[mb])
+            weight = mask[mb].sum() / mask.sum().clamp(min=1)  # the mini-batches' token means weighted into the batch's
+            accelerator.backward(loss * weight)
+            # per-token reverse KL estimate on the sampled tokens: log p_student - log p_teacher
+            kl = ((student_logprobs - teacher_logprobs).detach() * mask[mb]).sum()
+            stats.append(torch.stack([loss.detach() * mask[mb].sum(), kl, mask[mb].sum()]))
+        grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # ================================ bookkeeping ================================
+        totals = accelerator.reduce(torch.stack(stats).sum(0), "sum")
+        metrics = {
+            "train/loss": (totals[0] / totals[2]).item(),
+            "train/kl_to_teacher": (totals[1] / totals[2]).item(),  # per token
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "train/on_policy": float(source == "student"),
+            "train/completion_length": accelerator.reduce(mask.sum(1).mean(), "mean").item(),
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "time/step": time.time() - step_start,
+        }
+        norm = {"train/grad_norm": metrics["train/grad_norm"]} if grad_norm is not None else {}  # DeepSpeed may not say
+        check_finite(step + 1, {"train/loss": metrics["train/loss"]} | norm)
+        logger.log(metrics, step + 1)
+        history.append((metrics["train/loss"], metrics["train/kl_to_teacher"]))
+        progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", kl=f"{metrics['train/kl_to_teacher']:.3f}")
+        if (step + 1) % args.log_freq == 0:
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            logger.samples("samples", {"prompt": [text_of(r["prompt"]) for r in rows], source: texts}, step + 1)
+        if args.eval_freq and (step + 1) % args.eval_freq == 0 and step + 1 < args.total_steps:
+            evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat, teacher)
+        if args.save_freq and (step + 1) % args.save_freq == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
+            save_checkpoint(
+                accelerator,
+                folder,
+                {"step": step + 1, "first_eval": first_eval, "history": history},
+                total_limit=args.save_total_limit,
+            )
+
+    # ---- final evaluation, save and summary ----
+    last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
+    policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
+    weights = full_weights(accelerator, unwrapped)  # gathered on the main process when sharded (every rank calls it)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            policy.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "gkd", last_eval)
+    window = max(1, len(history) // 10)
+    first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
+    accelerator.print(
+        f"gkd: {args.total_steps - start_step} steps in {time.time() - start_time:.0f}s; loss {first[0]:.3f} -> "
+        f"{last[0]:.3f}, KL to the teacher per token {first[1]:.3f} -> {last[1]:.3f}; held-out accuracy: student "
+        f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, teacher "
+        f"{teacher_eval['teacher/accuracy']:.3f}; held-out KL to the teacher per token {first_eval['eval/kl_to_teacher']:.3f} "
+        f"-> {last_eval['eval/kl_to_teacher']:.3f}; model saved to {args.output_dir}"
+    )
+    end_run(accelerator, logger)
 
 
 if __name__ == "__main__":

@@ -312,8 +312,8 @@ def tokenize_sample(tokenizer, prompt: str | None, response: str, max_length: in
     )
 
 
-if __name__ == "__main__":
-    args = cli(Args)
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
@@ -328,17 +328,26 @@ if __name__ == "__main__":
             f"--alpha {args.alpha}, --gamma {args.gamma}, --warmup-ratio {args.warmup_ratio}: alpha lies in "
             "(0, 1], gamma in [0, 1], the warmup ratio in [0, 1)."
         )
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    device = accelerator.device
-    run_name, logger = start_run(args, accelerator)
 
-    # ---- data (checked before any model is built or loaded): tokenised samples with normalised terminal rewards ----
+
+@dataclass
+class Data:
+    """The tokenised training samples (their terminal rewards normalised, as trlX does), this rank's held-out prompts
+    and their weights (0 for a rank's stand-in), and the mean raw reward of the training data."""
+
+    samples: list[dict]
+    eval_prompts: list[str]
+    eval_batches: list
+    eval_weights: torch.Tensor
+    mean_score: float
+
+
+def load_samples(args: Args, accelerator: Accelerator, tokenizer) -> Data:
+    """The (prompt, response, reward) data, checked, split, scored (the reward column, else reward_fn) and tokenised."""
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.response_column, args.reward_column) if c]
-    check_columns(
-        dataset, columns, "--prompt-column / --response-column / --reward-column", numeric=(args.reward_column,), chat=False
-    )
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    flags = "--prompt-column / --response-column / --reward-column"
+    check_columns(dataset, columns, flags, numeric=(args.reward_column,), chat=False)
     context = context_length(load_config(args.model_name))
     if context and args.max_length + args.max_new_tokens > context:
         raise UsageError(
@@ -369,55 +378,148 @@ if __name__ == "__main__":
     eval_batches = rank_batches(eval_prompts, 64, accelerator)  # this rank's share, as many batches on every rank
     eval_prompts = [p for chunk, _ in eval_batches for p in chunk]
     eval_weights = torch.tensor([w for chunk, w in eval_batches for _ in chunk], device=accelerator.device)
-    per_step = args.batch_size * accelerator.num_processes
-    steps_per_epoch = len(samples) // per_step
-    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
-    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
-        raise UsageError(
-            f"{len(samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
-            "lower --batch-size or --gradient-accumulation-steps."
-        )
-    mean_score = torch.as_tensor(scores, dtype=torch.float).mean()
-    accelerator.print(
-        f"{len(samples)} training samples (reward mean {mean_score:.3f}), "
-        f"{len(eval_prompts)} eval prompts per process; {total_steps} optimizer steps"
-    )
+    mean_score = torch.as_tensor(scores, dtype=torch.float).mean().item()
+    return Data(samples, eval_prompts, eval_batches, eval_weights, mean_score)
 
-    def batch_of(step: int) -> dict:
-        """This rank's micro-batch: a seeded reshuffle per epoch (a resume continues exactly), right-padded."""
-        epoch, i = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        chunk = [samples[j] for j in order[start : start + args.batch_size].tolist()]
-        padding = dict(input_ids=tokenizer.pad_token_id, actions_ixs=0, states_ixs=0, dones=0, rewards=0.0)
-        batch = {key: pad_right([s[key] for s in chunk], value) for key, value in padding.items()}
-        batch["attention_mask"] = pad_right([[1] * len(s["input_ids"]) for s in chunk], 0)
-        return {k: v.to(device) for k, v in batch.items()}
 
-    # ---- model ----
+def micro_batch(args: Args, accelerator: Accelerator, tokenizer, samples: list[dict], steps_per_epoch: int, step: int):
+    """This rank's micro-batch: a seeded reshuffle per epoch (a resume continues exactly), right-padded."""
+    epoch, i = divmod(step, steps_per_epoch)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
+    start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
+    chunk = [samples[j] for j in order[start : start + args.batch_size].tolist()]
+    padding = dict(input_ids=tokenizer.pad_token_id, actions_ixs=0, states_ixs=0, dones=0, rewards=0.0)
+    batch = {key: pad_right([s[key] for s in chunk], value) for key, value in padding.items()}
+    batch["attention_mask"] = pad_right([[1] * len(s["input_ids"]) for s in chunk], 0)
+    return {k: v.to(accelerator.device) for k, v in batch.items()}
+
+
+def load_model(args: Args, accelerator: Accelerator, total_steps: int):
+    """The LM with its V, Q and target Q heads (LoRA on the LM with --use-peft; the heads as rank 0 drew them),
+    prepared with its AdamW optimizer and schedule."""
     model = CausalLMWithILQLHeads.from_pretrained(args.model_name, args.two_qs)
-    logit_mask = LogitMask.from_file(args.logit_mask, model.lm.config.vocab_size) if args.logit_mask else None
     if args.use_peft:
         model.lm = get_peft_model(model.lm, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    model.to(device)
+    model.to(accelerator.device)
     if accelerator.num_processes > 1:  # the new heads as rank 0 drew them (per-rank seeds; FSDP2 shards each rank's own)
         for head in (model.v_head, model.q_heads, model.target_q_heads):
             for parameter in head.parameters():
                 torch.distributed.broadcast(parameter.data, src=0)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=args.weight_decay, fused=True
-    )
-    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
-    ticks = accelerator.num_processes
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
+    warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-        num_training_steps=total_steps * ticks,
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps * ticks
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+@torch.no_grad()
+def generate(args: Args, accelerator: Accelerator, model, tokenizer, logit_mask, prompts: list[str], beta: float):
+    """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
+    device, heads = accelerator.device, accelerator.unwrap_model(model)
+    sharded = hasattr(heads, "unshard")  # FSDP2: the root's own weights gathered, every rank decodes every step
+    if sharded:
+        heads.unshard()
+    ids = [i[-args.max_length :] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
+    inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    past, generated, cache_kw = None, [], cache_argument(heads.lm)
+    for _ in range(args.max_new_tokens):
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        out = heads.lm(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **{cache_kw: past},
+            use_cache=True, output_hidden_states=True,
+        )  # fmt: skip
+        past, hidden, logits = out[cache_kw], out.hidden_states[-1][:, -1], out.logits[:, -1]
+        if logit_mask is not None:  # the last token fed in (prompt end, or the last sampled) decides what may follow
+            logits = logit_mask.apply(logits, input_ids[:, -1])
+        scores = advantage_logits(logits, [h(hidden) for h in heads.target_q_heads], heads.v_head(hidden).squeeze(-1), beta)
+        if args.top_k:
+            scores = scores.masked_fill(scores < scores.topk(args.top_k, -1).values[:, -1:], float("-inf"))
+        tokens = torch.multinomial(F.softmax(scores / args.temperature, -1), 1).squeeze(-1)
+        tokens = tokens.masked_fill(finished, tokenizer.pad_token_id)
+        generated.append(tokens)
+        finished |= tokens == tokenizer.eos_token_id
+        real = ~finished | (tokens == tokenizer.eos_token_id)  # the EOS itself is attended to, padding after it not
+        input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, real[:, None].long()], 1)
+        if finished.all() and not sharded:
+            break
+    if sharded:
+        heads.reshard()
+    return tokenizer.batch_decode(torch.stack(generated, 1), skip_special_tokens=True)
+
+
+@torch.no_grad()
+def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, logit_mask, data: Data, logger, step: int) -> dict:
+    """Reward of generations on the held-out prompts with beta = 0 (behaviour policy) and beta = gen_beta."""
+    device = accelerator.device
+    model.eval()
+    results, columns = {}, {"prompt": data.eval_prompts}
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
+        for beta in dict.fromkeys([0.0, args.gen_beta]):
+            responses = [
+                r
+                for chunk, _ in data.eval_batches
+                for r in generate(args, accelerator, model, tokenizer, logit_mask, chunk, beta)
+            ]
+            rewards = check_scores(reward_fn(data.eval_prompts, responses), len(responses), "reward_fn").to(device)
+            extra = metric_fn(data.eval_prompts, responses)
+            metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in extra.items()}
+            # means over every rank's samples: sums and counts, one collective
+            weights = data.eval_weights
+            sums = accelerator.reduce(
+                torch.stack([(v.float() * weights).sum() for v in metrics.values()] + [weights.sum()]), "sum"
+            )
+            results |= {f"eval/{k}_beta_{beta:g}": (v / sums[-1]).item() for k, v in zip(metrics, sums[:-1])}
+            columns |= {f"beta={beta:g}": responses, f"reward (beta={beta:g})": rewards.tolist()}
+    logger.log(results, step)
+    logger.samples("eval samples", columns, step)
+    model.train()
+    return results
+
+
+def save(args: Args, accelerator: Accelerator, model, tokenizer, metrics: dict) -> None:
+    """The LM in plain from_pretrained format (LoRA merged), the heads beside it, the tokenizer and the model card."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if peft_model_of(unwrapped.lm) is not None:
+        unwrapped.lm = unwrapped.lm.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "ilql", metrics)
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop, then the final evaluation, save and summary."""
+    check(args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    data = load_samples(args, accelerator, tokenizer)  # checked before any model is built or loaded
+    per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(data.samples) // per_step
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
+        raise UsageError(
+            f"{len(data.samples)} samples make no optimizer step of {per_step} x {args.gradient_accumulation_steps}: "
+            "lower --batch-size or --gradient-accumulation-steps."
+        )
+    accelerator.print(
+        f"{len(data.samples)} training samples (reward mean {data.mean_score:.3f}), "
+        f"{len(data.eval_prompts)} eval prompts per process; {total_steps} optimizer steps"
+    )
+    model, optimizer, scheduler = load_model(args, accelerator, total_steps)
+    vocab = accelerator.unwrap_model(model).lm.config.vocab_size
+    logit_mask = LogitMask.from_file(args.logit_mask, vocab) if args.logit_mask else None
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
@@ -428,81 +530,16 @@ if __name__ == "__main__":
                 f"{total_steps}: raise --max-steps or --num-epochs to train further."
             )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-
-    @torch.no_grad()
-    def generate(prompts: list[str], beta: float) -> list[str]:
-        """Sample from the advantage-shifted policy, token by token with the KV cache (left padding)."""
-        heads = accelerator.unwrap_model(model)
-        sharded = hasattr(heads, "unshard")  # FSDP2: the root's own weights gathered, every rank decodes every step
-        if sharded:
-            heads.unshard()
-        ids = [i[-args.max_length :] for i in tokenizer(prompts)["input_ids"]]  # a long prompt keeps its end, as in training
-        inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(device)
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        past, generated, cache_kw = None, [], cache_argument(heads.lm)
-        for _ in range(args.max_new_tokens):
-            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
-            out = heads.lm(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **{cache_kw: past},
-                use_cache=True,
-                output_hidden_states=True,
-            )
-            past, hidden, logits = out[cache_kw], out.hidden_states[-1][:, -1], out.logits[:, -1]
-            if logit_mask is not None:  # the last token fed in (prompt end, or the last sampled) decides what may follow
-                logits = logit_mask.apply(logits, input_ids[:, -1])
-            scores = advantage_logits(
-                logits, [h(hidden) for h in heads.target_q_heads], heads.v_head(hidden).squeeze(-1), beta
-            )
-            if args.top_k:
-                scores = scores.masked_fill(scores < scores.topk(args.top_k, -1).values[:, -1:], float("-inf"))
-            tokens = torch.multinomial(F.softmax(scores / args.temperature, -1), 1).squeeze(-1)
-            tokens = tokens.masked_fill(finished, tokenizer.pad_token_id)
-            generated.append(tokens)
-            finished |= tokens == tokenizer.eos_token_id
-            real = ~finished | (tokens == tokenizer.eos_token_id)  # the EOS itself is attended to, padding after it not
-            input_ids, attention_mask = tokens[:, None], torch.cat([attention_mask, real[:, None].long()], 1)
-            if finished.all() and not sharded:
-                break
-        if sharded:
-            heads.reshard()
-        return tokenizer.batch_decode(torch.stack(generated, 1), skip_special_tokens=True)
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict[str, float]:
-        """Reward of generations on the held-out prompts with beta = 0 (behaviour policy) and beta = gen_beta."""
-        model.eval()
-        results, columns = {}, {"prompt": eval_prompts}
-        with torch.random.fork_rng():
-            torch.manual_seed(args.seed + accelerator.process_index)  # the same draws at every evaluation
-            for beta in dict.fromkeys([0.0, args.gen_beta]):
-                responses = [r for chunk, _ in eval_batches for r in generate(chunk, beta)]
-                rewards = check_scores(reward_fn(eval_prompts, responses), len(responses), "reward_fn").to(device)
-                extra = metric_fn(eval_prompts, responses)
-                metrics = {"reward": rewards} | {k: torch.tensor(v, device=device) for k, v in extra.items()}
-                # means over every rank's samples: sums and counts, one collective
-                sums = accelerator.reduce(
-                    torch.stack([(v.float() * eval_weights).sum() for v in metrics.values()] + [eval_weights.sum()]),
-                    "sum",
-                )
-                results |= {f"eval/{k}_beta_{beta:g}": (v / sums[-1]).item() for k, v in zip(metrics, sums[:-1])}
-                columns |= {f"beta={beta:g}": responses, f"reward (beta={beta:g})": rewards.tolist()}
-        logger.log(results, step)
-        logger.samples("eval samples", columns, step)
-        model.train()
-        return results
-
-    # ---- train ----
-    first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
-    first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
+    first_eval, start_time = evaluate(args, accelerator, model, tokenizer, logit_mask, data, logger, start_step), time.time()
+    first_eval = resumed.get("first_eval", first_eval)  # after a resume the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="ilql")
     for step in progress:
+        # 1. the ILQL loss (V's expectile, Q's TD, CQL, AWAC) of each micro-batch, accumulated into one optimizer step
         for micro in range(args.gradient_accumulation_steps):
-            batch = batch_of(step * args.gradient_accumulation_steps + micro)
+            batch = micro_batch(
+                args, accelerator, tokenizer, data.samples, steps_per_epoch, step * args.gradient_accumulation_steps + micro
+            )
             actions_here = batch["dones"][:, :-1].sum()  # every term is a mean over the global batch's actions:
             share = actions_here * accelerator.num_processes / accelerator.reduce(actions_here, "sum").clamp(min=1)
             with accelerator.accumulate(model):
@@ -511,19 +548,9 @@ if __name__ == "__main__":
                     batch["input_ids"], batch["attention_mask"], batch["states_ixs"], batch["actions_ixs"], actions
                 )
                 loss, metrics = ilql_loss(
-                    logits,
-                    qs,
-                    target_qs,
-                    vs,
-                    actions,
-                    batch["rewards"],
-                    batch["dones"],
-                    args.gamma,
-                    args.tau,
-                    args.cql_scale,
-                    args.awac_scale,
-                    args.awac_beta,
-                )
+                    logits, qs, target_qs, vs, actions, batch["rewards"], batch["dones"], args.gamma, args.tau,
+                    args.cql_scale, args.awac_scale, args.awac_beta,
+                )  # fmt: skip
                 metrics = {k: v * share for k, v in metrics.items()}  # so the ranks' mean below is the pooled mean
                 accelerator.backward(loss * share)
                 if accelerator.sync_gradients:
@@ -531,36 +558,27 @@ if __name__ == "__main__":
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+        # 2. the target Q heads follow the online ones (Polyak averaging)
         if (step + 1) % args.steps_for_target_q_sync == 0:
             accelerator.unwrap_model(model).sync_target_q_heads(args.alpha)
-        metrics["losses/grad_norm"] = torch.as_tensor(
-            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
-        ).float()
-        values = accelerator.reduce(torch.stack(list(metrics.values())), "mean").tolist()  # one collective, one sync
-        metrics = dict(zip(metrics, values))
+
+        # 3. bookkeeping: one collective and one device sync for all the metrics
+        norm = plain(grad_norm) if grad_norm is not None else 0.0
+        metrics["losses/grad_norm"] = torch.as_tensor(norm, device=accelerator.device).float()
+        metrics = dict(zip(metrics, accelerator.reduce(torch.stack(list(metrics.values())), "mean").tolist()))
         check_finite(step + 1, {k: metrics[k] for k in ("losses/loss", "losses/grad_norm")})
         logger.log(metrics | {"train/learning_rate": scheduler.get_last_lr()[0]}, step + 1)
         progress.set_postfix(loss=f"{metrics['losses/loss']:.3f}", adv=f"{metrics['values/advantage']:.3f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            evaluate(step + 1)
+            evaluate(args, accelerator, model, tokenizer, logit_mask, data, logger, step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(
-                accelerator, folder, {"step": step + 1, "first_eval": first_eval}, total_limit=args.save_total_limit
-            )
-    last_eval = evaluate(total_steps)
+            state = {"step": step + 1, "first_eval": first_eval}
+            save_checkpoint(accelerator, folder, state, total_limit=args.save_total_limit)
 
-    # ---- save: the LM in plain from_pretrained format (LoRA merged), the heads beside it ----
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if peft_model_of(unwrapped.lm) is not None:
-        unwrapped.lm = unwrapped.lm.merge_and_unload()
-    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "ilql", last_eval)
+    # 4. the final evaluation, save and summary
+    last_eval = evaluate(args, accelerator, model, tokenizer, logit_mask, data, logger, total_steps)
+    save(args, accelerator, model, tokenizer, last_eval)
     beta_key = f"eval/reward_beta_{args.gen_beta:g}"
     accelerator.print(
         f"ilql: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval reward beta=0 "
@@ -568,3 +586,7 @@ if __name__ == "__main__":
         f"{first_eval[beta_key]:.3f} -> {last_eval[beta_key]:.3f}; model saved to {args.output_dir}"
     )
     end_run(accelerator, logger)  # every rank leaves together
+
+
+if __name__ == "__main__":
+    main(cli(Args))

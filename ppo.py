@@ -478,19 +478,7 @@ def main(args: Args) -> None:
     batches_per_epoch = len(train_rows) // per_update
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat)
-    # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.Adam(
-        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
-    )
-    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
-    # accelerate's prepared scheduler steps once per process per optimizer step
-    scheduler = get_scheduler(
-        "linear" if args.lr_anneal else "constant",
-        optimizer,
-        num_warmup_steps=0,
-        num_training_steps=optimizer_steps * args.world_size,
-    )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
     scorer.ready(unwrapped)
@@ -500,17 +488,8 @@ def main(args: Args) -> None:
         else FixedKLController(args.init_kl_coef)
     )
     running = RunningMoments()
-    start_update, best_reward, state = 0, float("-inf"), {}
-    if args.resume_from:
-        state = load_checkpoint(accelerator, args.resume_from)
-        start_update, kl_ctl.value, best_reward = state["update"], state["kl_coef"], state.get("best_reward", float("-inf"))
-        if start_update >= args.num_updates:
-            raise UsageError(
-                f"--resume-from {args.resume_from}: the checkpoint is at update {start_update}, and this run "
-                f"has {args.num_updates}: raise --total-episodes to train further."
-            )
-        running.__dict__.update(state["running_moments"])
-        accelerator.print(f"resumed from {args.resume_from} at update {start_update}")
+    state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
+    start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
     first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
@@ -552,29 +531,13 @@ def main(args: Args) -> None:
 
         # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
         #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
-        full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
-        old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
+        old_logprobs, ref_logprobs, values, kl_inputs = sampling_forwards(
+            args, accelerator, unwrapped, ref_model, rollout, queries, query_mask, responses, response_mask
+        )
         with torch.no_grad():
-            for i in range(0, args.batch_size, args.mini_batch_size):
-                mb = slice(i, i + args.mini_batch_size)
-                inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
-                logits, value = forward(unwrapped, *inputs, **rollout.forward_kwargs)
-                with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-                    ref_logits, _ = forward(
-                        ref_model if ref_model is not None else unwrapped, *inputs, **rollout.forward_kwargs
-                    )
-                old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
-                ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
-                values.append(value)
-                if full:
-                    full_logprobs.append(torch.log_softmax(logits.float(), -1))
-                    full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
-            old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
-
             # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
-            kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
             rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_ctl.value, args.kl_penalty)
-            del kl_inputs, full_logprobs, full_ref_logprobs
+            del kl_inputs
 
             # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
             #    (compute_advantages), then whitened; returns = A + V are the value head's targets
@@ -625,43 +588,11 @@ def main(args: Args) -> None:
         marks.append(clock(device))
 
         # ================================ bookkeeping: plumbing from here on ================================
-        with torch.no_grad():
-            metrics = {k: torch.stack([s[k].float() for s in all_stats]).mean() for k in all_stats[0]}
-            metrics.update(
-                {
-                    "objective/kl": kls.sum(1).mean(),
-                    "objective/entropy": (-old_logprobs * mask).sum(1).mean(),
-                    "objective/non_score_reward": non_score_rewards.sum(1).mean(),
-                    "env/reward_mean": raw_scores.mean(),
-                    "env/reward_std": raw_scores.std(),
-                    "env/score_mean": scores.mean(),
-                    "env/contains_eos": ended.float().mean(),
-                    "tokens/query_len": query_mask.sum(1).float().mean(),
-                    "tokens/response_len": mask.sum(1).mean(),
-                    "ppo/epochs_done": torch.tensor(float(epochs_done)),
-                }
-            )
-            metrics = reduce_mean(accelerator, metrics)
-        metrics |= scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
-        norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
-        if norms:
-            metrics["ppo/grad_norm"] = sum(norms) / len(norms)
-        check_finite(update + 1, {k: metrics[k] for k in ("ppo/loss/total", "ppo/grad_norm") if k in metrics})
+        phases = dict(stats=all_stats, kls=kls, old_logprobs=old_logprobs, mask=mask, non_score_rewards=non_score_rewards)
+        batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
+        watched = scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
+        metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
         mean_kl = metrics["objective/kl"]
-        metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
-        kl_ctl.update(mean_kl, args.batch_size * args.world_size)  # towards its target KL (Ziegler et al. 2019)
-        phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
-        times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
-        step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
-        metrics.update(
-            {f"time/{phase}": t for phase, t in times.items()}
-            | {
-                "throughput/episodes_per_s": per_update / step_time,
-                "throughput/tokens_per_s": per_update * tokens / step_time,
-                "charts/learning_rate": scheduler.get_last_lr()[0],
-                "charts/episodes": (update + 1) * per_update,
-            }
-        )
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
         kl_history.append(mean_kl)
@@ -687,6 +618,117 @@ def main(args: Args) -> None:
     last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
     save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
+    summary(args, accelerator, start_update, start_time, reward_history, kl_history, first_eval, last_eval, best_reward)
+    end_run(accelerator, logger)  # every rank leaves together
+
+
+# ================================ plumbing: what the loop above calls ================================
+
+
+def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int):
+    """The model prepared with its Adam optimizer (fused: one kernel over all parameters, several times faster than the
+    per-tensor update) and a constant or linearly annealed learning rate."""
+    optimizer = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
+    )
+    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
+    # accelerate's prepared scheduler steps once per process per optimizer step
+    scheduler = get_scheduler(
+        "linear" if args.lr_anneal else "constant",
+        optimizer,
+        num_warmup_steps=0,
+        num_training_steps=optimizer_steps * args.world_size,
+    )
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_ctl, scheduler, update: int) -> dict:
+    """An update's metrics (TRL 0.8's names), averaged over the processes: the PPO statistics of every mini-batch, the
+    objective's KL, entropy and non-score reward, the scores, lengths, the gradient norm, each phase's time, the
+    throughput; then the adaptive KL coefficient moves towards its target (Ziegler et al. 2019)."""
+    mask, stats = values["mask"], values["stats"]
+    with torch.no_grad():
+        metrics = {k: torch.stack([s[k].float() for s in stats]).mean() for k in stats[0]}
+        metrics |= {
+            "objective/kl": values["kls"].sum(1).mean(),
+            "objective/entropy": (-values["old_logprobs"] * mask).sum(1).mean(),
+            "objective/non_score_reward": values["non_score_rewards"].sum(1).mean(),
+            "env/reward_mean": values["raw_scores"].mean(),
+            "env/reward_std": values["raw_scores"].std(),
+            "env/score_mean": values["scores"].mean(),
+            "env/contains_eos": values["ended"].float().mean(),
+            "tokens/query_len": values["query_mask"].sum(1).float().mean(),
+            "tokens/response_len": mask.sum(1).mean(),
+            "ppo/epochs_done": torch.tensor(float(values["epochs_done"])),
+        }
+        metrics = reduce_mean(accelerator, metrics)
+    norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
+    if norms:
+        metrics["ppo/grad_norm"] = sum(norms) / len(norms)
+    check_finite(update + 1, {k: metrics[k] for k in ("ppo/loss/total", "ppo/grad_norm") if k in metrics})
+    metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
+    kl_ctl.update(metrics["objective/kl"], args.batch_size * args.world_size)  # towards its target KL
+    phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
+    times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
+    step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
+    per_update = args.batch_size * args.world_size
+    return (
+        metrics
+        | {f"time/{phase}": t for phase, t in times.items()}
+        | {
+            "throughput/episodes_per_s": per_update / step_time,
+            "throughput/tokens_per_s": per_update * tokens / step_time,
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/episodes": (update + 1) * per_update,
+        }
+    )
+
+
+def resume(args: Args, accelerator: Accelerator, kl_ctl, running: RunningMoments) -> dict:
+    """The loop's state saved with --resume-from's checkpoint, whose weights, optimizer, KL coefficient and running
+    score moments it restores ({} without)."""
+    if not args.resume_from:
+        return {}
+    state = load_checkpoint(accelerator, args.resume_from)
+    if state["update"] >= args.num_updates:
+        raise UsageError(
+            f"--resume-from {args.resume_from}: the checkpoint is at update {state['update']}, and this run "
+            f"has {args.num_updates}: raise --total-episodes to train further."
+        )
+    kl_ctl.value = state["kl_coef"]
+    running.__dict__.update(state["running_moments"])
+    accelerator.print(f"resumed from {args.resume_from} at update {state['update']}")
+    return state
+
+
+@torch.no_grad()
+def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, rollout, queries, query_mask, responses, response_mask):
+    """Phase 3's forward passes without gradients, by mini-batches: the policy's log-probs and values at sampling time
+    ("old") and the reference's log-probs, logits / temperature as in sampling (Huang et al. 2023, detail 8); and what
+    the KL penalty reads (the full distributions [B, T, V] for --kl-penalty full, else the two log-probs)."""
+    full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
+    old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
+    for i in range(0, args.batch_size, args.mini_batch_size):
+        mb = slice(i, i + args.mini_batch_size)
+        inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
+        logits, value = forward(unwrapped, *inputs, **rollout.forward_kwargs)
+        with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
+            ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **rollout.forward_kwargs)
+        old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
+        ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
+        values.append(value)
+        if full:
+            full_logprobs.append(torch.log_softmax(logits.float(), -1))
+            full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
+    old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
+    kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
+    return old_logprobs, ref_logprobs, values, kl_inputs
+
+
+def summary(args: Args, accelerator, start_update, start_time, reward_history, kl_history, first_eval, last_eval, best_reward):
+    """The run's last lines: what it did and what moved, then the health line (a reward that rose while the policy
+    left its reference is reward hacking, not learning)."""
+    per_update = args.batch_size * args.world_size
     window = max(1, len(reward_history) // 10)
     final_kl = float(np.mean(kl_history[-window:]))
     accelerator.print(
@@ -712,10 +754,6 @@ def main(args: Args) -> None:
         (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
-    end_run(accelerator, logger)  # every rank leaves together
-
-
-# ================================ plumbing: what the loop above calls ================================
 
 
 def check(args: Args) -> None:

@@ -181,8 +181,8 @@ def fold_reward_normalization(model, gain: float, bias: float) -> None:
         norms[-1].bias.add_(bias * head.weight[0] / head.weight[0].square().sum())
 
 
-if __name__ == "__main__":
-    args = cli(Args)
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
@@ -194,33 +194,23 @@ if __name__ == "__main__":
     )
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    device = accelerator.device
     if args.length_groups < 1:
         raise UsageError(f"--length-groups {args.length_groups}: a batch needs at least one forward pass (1 = TRL's).")
-    run_name, logger = start_run(args, accelerator)
 
-    # ---- data (checked before any model is built or loaded): (prompt + chosen, prompt + rejected) token ids ----
+
+def load_pairs(args: Args, accelerator: Accelerator, tokenizer) -> tuple[list[dict], list[dict]]:
+    """The preference pairs, checked, split and tokenised as ppo.py and grpo.py score them (`reward_model_text`: the
+    rendered chat, or "prompt response<eos>"), left-truncated: (chosen ids, rejected ids, margin) each."""
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
-    check_columns(
-        dataset,
-        columns,
-        "--prompt-column / --chosen-column / --rejected-column / --margin-column",
-        numeric=(args.margin_column,),
-    )
-    # Right padding is fine: the classifier scores the last non-pad token, and its pad is distinct from EOS
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    flags = "--prompt-column / --chosen-column / --rejected-column / --margin-column"
+    check_columns(dataset, columns, flags, numeric=(args.margin_column,))
     context = context_length(load_config(args.model_name))
     if context and args.max_length > context:
         raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns if c != args.margin_column])
-    train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-
-    def tokenize(split) -> list[dict]:
-        """Each pair -> chosen and rejected ids of the text ppo.py and grpo.py score (`reward_model_text`: the rendered
-        chat, or "prompt response<eos>"), left-truncated."""
+    splits = []
+    for split in train_eval_split(dataset, args.eval_fraction, args.seed):
         pairs = []
         for row in split:
             prompt = row[args.prompt_column] if args.prompt_column else None
@@ -230,64 +220,57 @@ if __name__ == "__main__":
             ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"][-args.max_length :] for t in texts]
             margin = float(row[args.margin_column]) if args.margin_column else 0.0
             pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=margin))
-        return pairs
-
-    train_pairs, eval_pairs = tokenize(train_dataset), tokenize(eval_dataset)
+        splits.append(pairs)
+    train_pairs, eval_pairs = splits
     identical = sum(p["chosen"] == p["rejected"] for p in train_pairs)
     if identical == len(train_pairs):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")
     if identical:
         accelerator.print(f"warning: {identical} pairs have identical chosen and rejected texts (they add a constant loss)")
+    return train_pairs, eval_pairs
 
-    pairs_per_step = args.batch_size * accelerator.num_processes
-    steps_per_epoch = len(train_pairs) // pairs_per_step
-    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
-    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
-    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
-        raise UsageError(
-            f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
-            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
-        )
 
-    def collate(batch: list[dict]) -> dict:
-        """The 2B sequences (chosen, then rejected) sorted by length into --length-groups right-padded groups, one
-        forward pass each; `order` puts the groups' rewards back in chosen-then-rejected order."""
+class Batches:
+    """A batch's 2B sequences (chosen, then rejected) sorted by length into --length-groups right-padded groups, one
+    forward pass each (`order` puts their rewards back in chosen-then-rejected order); a rank's micro-batch of a step
+    from a seeded reshuffle per epoch, so that a resume continues exactly."""
+
+    def __init__(self, args: Args, accelerator: Accelerator, tokenizer, steps_per_epoch: int):
+        self.args, self.accelerator, self.tokenizer, self.steps_per_epoch = args, accelerator, tokenizer, steps_per_epoch
+
+    def collate(self, batch: list[dict]) -> dict:
+        args, device, pad = self.args, self.accelerator.device, self.tokenizer.pad_token_id
         sequences = [torch.tensor(s) for s in [p["chosen"] for p in batch] + [p["rejected"] for p in batch]]
         lengths = torch.tensor([len(s) for s in sequences])
         by_length = lengths.argsort(stable=True) if args.length_groups > 1 else torch.arange(len(sequences))
         groups = [[sequences[i] for i in g] for g in by_length.tensor_split(min(args.length_groups, len(sequences)))]
         groups = [
             dict(
-                input_ids=pad_sequence(g, batch_first=True, padding_value=tokenizer.pad_token_id).to(device),
+                input_ids=pad_sequence(g, batch_first=True, padding_value=pad).to(device),
                 attention_mask=pad_sequence([torch.ones_like(s) for s in g], batch_first=True).to(device),
             )
             for g in groups
         ]
-        return dict(
-            groups=groups,
-            order=by_length.argsort().to(device),
-            margin=torch.tensor([p["margin"] for p in batch], device=device),
-        )
+        margin = torch.tensor([p["margin"] for p in batch], device=device)
+        return dict(groups=groups, order=by_length.argsort().to(device), margin=margin)
 
-    def batch_of(pairs: list[dict], step: int) -> dict:
-        """This rank's pairs for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
-        epoch, i = divmod(step, steps_per_epoch)
+    def micro_batch(self, pairs: list[dict], step: int) -> dict:
+        args, accelerator = self.args, self.accelerator
+        epoch, i = divmod(step, self.steps_per_epoch)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([pairs[j] for j in order[start : start + args.batch_size].tolist()])
+        return self.collate([pairs[j] for j in order[start : start + args.batch_size].tolist()])
 
-    # ---- model and optimiser ----
+
+def load_model(args: Args, accelerator: Accelerator, tokenizer, quantization: dict, total_steps: int):
+    """The sequence classifier (a new one-logit score head where the checkpoint has none; LoRA with --use-peft)
+    prepared with its AdamW optimizer and schedule."""
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its LOAD REPORT calls a new score head MISSING: new on purpose, said below
     loaded = load_pretrained(
-        args.model_name,
-        AutoModelForSequenceClassification,
-        num_labels=1,
-        dtype=args.dtype,
-        output_loading_info=True,
+        args.model_name, AutoModelForSequenceClassification, num_labels=1, dtype=args.dtype, output_loading_info=True,
         **quantization,
-    )
+    )  # fmt: skip
     transformers_logging.set_verbosity(verbosity)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, {"missing_keys": ["every weight (a random preset)"]})
     new = sorted({k.split(".")[0] for k in info["missing_keys"]})
@@ -301,27 +284,124 @@ if __name__ == "__main__":
         model = prepare_model_for_kbit_training(model)
     if args.use_peft:
         check_lora_targets(model, args.lora_target_modules)
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout,
-                target_modules=args.lora_target_modules,
-                task_type="SEQ_CLS",
-            ),
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type="SEQ_CLS",
         )
+        model = get_peft_model(model, lora)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
-    ticks = accelerator.num_processes
+    ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
+    warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-        num_training_steps=total_steps * ticks,
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps * ticks
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+def batch_rewards(net, batch: dict) -> torch.Tensor:
+    """Rewards of the batch's 2B sequences, chosen then rejected, from one forward pass per length group."""
+    return torch.cat([net(**group).logits[:, 0] for group in batch["groups"]]).float()[batch["order"]]
+
+
+def pair_metrics(args: Args, model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Loss and metrics of a batch of pairs."""
+    chosen, rejected = batch_rewards(model, batch).chunk(2)
+    loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None)
+    return loss, {
+        "loss": loss.detach(),
+        "accuracy": (chosen > rejected).float().mean(),
+        "margin": (chosen - rejected).mean().detach(),
+        "reward_chosen": chosen.mean().detach(),
+        "reward_rejected": rejected.mean().detach(),
+    }
+
+
+@torch.no_grad()
+def evaluate(args: Args, accelerator: Accelerator, model, eval_pairs, batches: Batches, logger, step: int) -> dict[str, float]:
+    """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
+    model.eval()
+    device = accelerator.device
+    sums, count = {}, torch.zeros((), device=device)
+    for chunk, weight in rank_batches(eval_pairs, args.batch_size, accelerator):  # as many on every rank
+        batch = batches.collate(chunk)
+        _, metrics = pair_metrics(args, model, batch)
+        n = torch.tensor(len(batch["margin"]) * weight, device=device)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0) + v * n
+        count += n
+    total = accelerator.reduce(count, "sum")
+    results = {f"eval/{k}": (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
+    logger.log(results, step)
+    model.train()
+    return results
+
+
+@torch.no_grad()
+def normalization(args: Args, accelerator: Accelerator, unwrapped, train_pairs, batches: Batches) -> tuple[float, float]:
+    """lm-human-preferences' normalisation: the gain and bias that take the rewards of the training responses to mean
+    0 and std 1 (every rank's, summed in two passes); (1, 0) without --normalize-reward."""
+    if not args.normalize_reward:
+        return 1.0, 0.0
+    unwrapped.eval()
+    scored = [
+        (batch_rewards(unwrapped, batches.collate(chunk)), w)
+        for chunk, w in rank_batches(train_pairs, args.batch_size, accelerator)
+    ]
+    rewards, weights = torch.cat([r for r, _ in scored]), torch.cat([torch.full_like(r, w) for r, w in scored])
+    n, total = accelerator.reduce(torch.stack([weights.sum(), (rewards * weights).sum()]), "sum").tolist()
+    mean = total / n
+    std = math.sqrt(accelerator.reduce(((rewards - mean).square() * weights).sum(), "sum").item() / (n - 1))
+    accelerator.print(f"reward normalised: mean {mean:.3f}, std {std:.3f} -> 0, 1")
+    return 1.0 / std, -mean / std
+
+
+def save(args: Args, accelerator: Accelerator, model, unwrapped, tokenizer, gain: float, bias: float, metrics: dict):
+    """The reward model in plain from_pretrained format (the normalisation folded into its head; with LoRA also the
+    adapter, for ppo.py --reward-adapter), with its tokenizer and model card, written atomically."""
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    with atomic_directory(args.output_dir) as tmp:
+        if peft_model_of(unwrapped) is not None:
+            adapter_dir = os.path.join(tmp, "reward_adapter")
+            unwrapped.save_pretrained(adapter_dir)  # LoRA + score head (peft's modules_to_save for SEQ_CLS)
+            if args.normalize_reward:  # the adapter keeps its weights; ppo.py applies gain and bias from this file
+                with open(os.path.join(adapter_dir, REWARD_NORMALIZATION_FILE), "w") as f:
+                    json.dump({"gain": gain, "bias": bias}, f)
+            unwrapped = unwrapped.merge_and_unload()
+        if args.normalize_reward:
+            fold_reward_normalization(unwrapped, gain, bias)
+        unwrapped.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, args, "reward_modeling", metrics)
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop, then the final evaluation, the normalisation, the save and the summary."""
+    check(args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
+    run_name, logger = start_run(args, accelerator)
+    # right padding is fine: the classifier scores the last non-pad token, and its pad is distinct from EOS
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    train_pairs, eval_pairs = load_pairs(args, accelerator, tokenizer)  # checked before any model is built or loaded
+    pairs_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(train_pairs) // pairs_per_step
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
+        raise UsageError(
+            f"{len(train_pairs)} training pairs make no optimizer step of {pairs_per_step} x "
+            f"{args.gradient_accumulation_steps} pairs: lower --batch-size or --gradient-accumulation-steps."
+        )
+    batches = Batches(args, accelerator, tokenizer, steps_per_epoch)
+    model, optimizer, scheduler = load_model(args, accelerator, tokenizer, quantization, total_steps)
     accelerator.print(
         f"{len(train_pairs)} training / {len(eval_pairs)} eval pairs; {total_steps} optimizer steps; each "
         f"epoch reshuffles and leaves out {len(train_pairs) % pairs_per_step} pairs"
@@ -336,61 +416,27 @@ if __name__ == "__main__":
                 f"{total_steps}: raise --max-steps or --num-epochs to train further."
             )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-
-    def batch_rewards(net, batch: dict) -> torch.Tensor:
-        """Rewards of the batch's 2B sequences, chosen then rejected, from one forward pass per length group."""
-        return torch.cat([net(**group).logits[:, 0] for group in batch["groups"]]).float()[batch["order"]]
-
-    def pair_metrics(batch: dict) -> tuple[torch.Tensor, dict]:
-        """Loss and metrics of a batch of pairs."""
-        chosen, rejected = batch_rewards(model, batch).chunk(2)
-        loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None)
-        return loss, {
-            "loss": loss.detach(),
-            "accuracy": (chosen > rejected).float().mean(),
-            "margin": (chosen - rejected).mean().detach(),
-            "reward_chosen": chosen.mean().detach(),
-            "reward_rejected": rejected.mean().detach(),
-        }
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict[str, float]:
-        """Metrics over the whole eval split, gathered over ranks (pairs weighted equally)."""
-        model.eval()
-        sums, count = {}, torch.zeros((), device=device)
-        for chunk, weight in rank_batches(eval_pairs, args.batch_size, accelerator):  # as many on every rank
-            batch = collate(chunk)
-            _, metrics = pair_metrics(batch)
-            n = torch.tensor(len(batch["margin"]) * weight, device=device)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0) + v * n
-            count += n
-        total = accelerator.reduce(count, "sum")
-        results = {f"eval/{k}": (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
-        logger.log(results, step)
-        model.train()
-        return results
-
-    # ---- train ----
-    first_eval, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
-    first_eval = resumed.get("first_eval", first_eval)  # and the summary compares with the run's start
+    first_eval, start_time = evaluate(args, accelerator, model, eval_pairs, batches, logger, start_step), time.time()
+    first_eval = resumed.get("first_eval", first_eval)  # after a resume the summary compares with the run's start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="reward model")
     for step in progress:
         step_start = time.time()
+        # 1. the Bradley-Terry loss of each micro-batch of pairs, accumulated into one optimizer step
         for micro in range(args.gradient_accumulation_steps):
             with accelerator.accumulate(model):
-                loss, metrics = pair_metrics(batch_of(train_pairs, step * args.gradient_accumulation_steps + micro))
+                batch = batches.micro_batch(train_pairs, step * args.gradient_accumulation_steps + micro)
+                loss, metrics = pair_metrics(args, model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        # one collective and one device sync for all the metrics
-        metrics["grad_norm"] = torch.as_tensor(
-            plain(grad_norm) if grad_norm is not None else 0.0, device=accelerator.device
-        ).float()
+
+        # 2. bookkeeping: one collective and one device sync for all the metrics
+        norm = plain(grad_norm) if grad_norm is not None else 0.0
+        metrics["grad_norm"] = torch.as_tensor(norm, device=accelerator.device).float()
         values = accelerator.reduce(torch.stack(list(metrics.values())).float(), "mean").tolist()
         metrics = {f"train/{k}": v for k, v in zip(metrics, values)}
         check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
@@ -407,53 +453,18 @@ if __name__ == "__main__":
         )
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}")
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            evaluate(step + 1)
+            evaluate(args, accelerator, model, eval_pairs, batches, logger, step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval}
-            save_checkpoint(
-                accelerator,
-                folder,
-                state,
-                accelerator.unwrap_model(model, keep_torch_compile=False),
-                tokenizer,
-                total_limit=args.save_total_limit,
-            )
-    last_eval = evaluate(total_steps)
+            unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
-    # ---- normalise (lm-human-preferences): rewards on the training responses -> mean 0, std 1 ----
+    # 3. the final evaluation, the normalisation (lm-human-preferences), the save and the summary
+    last_eval = evaluate(args, accelerator, model, eval_pairs, batches, logger, total_steps)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    gain, bias = 1.0, 0.0
-    if args.normalize_reward:
-        unwrapped.eval()
-        batches = rank_batches(train_pairs, args.batch_size, accelerator)  # as many on every rank
-        with torch.no_grad():
-            scored = [(batch_rewards(unwrapped, collate(chunk)), weight) for chunk, weight in batches]
-        rewards, weights = torch.cat([r for r, _ in scored]), torch.cat([torch.full_like(r, w) for r, w in scored])
-        # the mean and the (unbiased) std of every training reward, summed over ranks in two passes
-        n, total = accelerator.reduce(torch.stack([weights.sum(), (rewards * weights).sum()]), "sum").tolist()
-        mean = total / n
-        std = math.sqrt(accelerator.reduce(((rewards - mean).square() * weights).sum(), "sum").item() / (n - 1))
-        gain, bias = 1.0 / std, -mean / std
-        accelerator.print(f"reward normalised: mean {mean:.3f}, std {std:.3f} -> 0, 1")
-
-    # ---- save (plain from_pretrained format; with LoRA also the adapter, for ppo.py --reward-adapter) ----
-    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            if peft_model_of(unwrapped) is not None:
-                adapter_dir = os.path.join(tmp, "reward_adapter")
-                unwrapped.save_pretrained(adapter_dir)  # LoRA + score head (peft's modules_to_save for SEQ_CLS)
-                if args.normalize_reward:  # the adapter keeps its weights; ppo.py applies gain and bias from this file
-                    with open(os.path.join(adapter_dir, REWARD_NORMALIZATION_FILE), "w") as f:
-                        json.dump({"gain": gain, "bias": bias}, f)
-                unwrapped = unwrapped.merge_and_unload()
-            if args.normalize_reward:
-                fold_reward_normalization(unwrapped, gain, bias)
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "reward_modeling", last_eval)
+    gain, bias = normalization(args, accelerator, unwrapped, train_pairs, batches)
+    save(args, accelerator, model, unwrapped, tokenizer, gain, bias, last_eval)
     accelerator.print(
         f"reward model: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval accuracy "
         f"{first_eval['eval/accuracy']:.3f} -> {last_eval['eval/accuracy']:.3f}, "
@@ -461,3 +472,7 @@ if __name__ == "__main__":
         f"-> {last_eval['eval/loss']:.3f}; model saved to {args.output_dir}"
     )
     end_run(accelerator, logger)  # every rank leaves together
+
+
+if __name__ == "__main__":
+    main(cli(Args))

@@ -235,8 +235,8 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int
     return ids, flags
 
 
-if __name__ == "__main__":
-    args = cli(Args)
+def check(args: Args) -> None:
+    """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive="save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm",
@@ -248,20 +248,31 @@ if __name__ == "__main__":
             f"--max-seq-length {args.max_seq_length}, --warmup-ratio {args.warmup_ratio}: a sequence needs "
             "at least 2 tokens (one to predict from, one to predict), the warmup ratio lies in [0, 1)."
         )
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     if args.packing and (args.prompt_column or args.response_template):
         raise UsageError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
-    run_name, logger = start_run(args, accelerator)
 
-    # ---- data (checked before any model is built or loaded): tokenise, label, pack ----
+
+@dataclass
+class Data:
+    """The tokenised examples (input_ids and labels, -100 where no loss is taken) and what the samples at the end need:
+    the held-out rows, their text column, whether they are conversations, whether the chat template renders them."""
+
+    train: list[dict]
+    eval: list[dict]
+    eval_rows: object
+    text_column: str
+    conversations: bool
+    chat: bool
+
+
+def load_examples(args: Args, accelerator: Accelerator, tokenizer) -> Data:
+    """The dataset, checked, split, tokenised (chats rendered as common/chat.py says) and labelled, or packed."""
     dataset = load_data(args.dataset_name, args.dataset_split)
     text_column = args.text_column
     if not args.prompt_column and text_column not in dataset.column_names and "messages" in dataset.column_names:
         text_column = "messages"  # TRL's conversational language-modelling column
     columns = [args.prompt_column, args.completion_column] if args.prompt_column else [text_column]
     check_columns(dataset, columns, "--text-column / --prompt-column / --completion-column")
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
     context = context_length(load_config(args.model_name))
     if context and args.max_seq_length > context:
         raise UsageError(f"max_seq_length={args.max_seq_length} exceeds the model's context of {context} tokens.")
@@ -275,97 +286,95 @@ if __name__ == "__main__":
     if chat and (args.chat_template_path or calls or "tools" in dataset.column_names):
         accelerator.print(f"chat template: {use_tool_template(tokenizer, args.chat_template_path)}")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    template_ids = tokenizer(args.response_template, add_special_tokens=False)["input_ids"] if args.response_template else None
-
-    def tokenize(split) -> list[dict]:
-        """Each example -> input_ids and labels (-100 where no loss is taken); chats rendered as common/chat.py says."""
-        examples = []
-        for row in split:
-            if args.prompt_column:
-                if chat:  # the rendered answer continues the rendered prompt, its end-of-turn token (EOS) included
-                    texts = render(tokenizer, row[args.prompt_column], row[args.completion_column], args.system_prompt)
-                    prompt, completion = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
-                else:
-                    prompt = tokenizer(row[args.prompt_column])["input_ids"]
-                    completion = tokenizer(row[args.completion_column])["input_ids"] + [tokenizer.eos_token_id]
-                ids = (prompt + completion)[: args.max_seq_length]
-                labels = ([-100] * len(prompt) + completion)[: args.max_seq_length]
-            elif conversations and args.assistant_only_loss:  # the loss on the assistant turns only (TRL 1.x)
-                pieces = conversation_pieces(tokenizer, row[text_column], args.system_prompt, row_tools(row))
-                ids, assistant = (x[: args.max_seq_length] for x in tokenize_pieces(tokenizer, pieces))
-                labels = [i if a else -100 for i, a in zip(ids, assistant)]
-            elif conversations:  # a whole conversation, rendered, ending with its end-of-turn token (EOS)
-                text = render_conversation(tokenizer, row[text_column], args.system_prompt, row_tools(row))
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_seq_length]
-                labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
-            else:
-                ids = (tokenizer(row[text_column])["input_ids"] + [tokenizer.eos_token_id])[: args.max_seq_length]
-                labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
-            if labels is not None and any(label != -100 for label in labels):
-                examples.append(dict(input_ids=ids, labels=labels))
-        return examples
-
     if args.packing:  # whole texts, untruncated: a text may span two blocks (ConstantLengthDataset)
-        train_examples, eval_examples = (
-            [
-                dict(input_ids=b, labels=b)
-                for b in pack_sequences(
-                    [  # each conversation's closing EOS is the separator pack_sequences puts after every text
-                        ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
-                        for ids in tokenizer(
-                            [render_conversation(tokenizer, r[text_column], args.system_prompt, row_tools(r)) for r in split],
-                            add_special_tokens=False,
-                        )["input_ids"]
-                    ]
-                    if conversations
-                    else tokenizer(list(split[text_column]))["input_ids"],
-                    args.max_seq_length,
-                    tokenizer.eos_token_id,
-                )
-            ]
-            for split in (train_dataset, eval_dataset)
-        )
+        train, eval_ = (pack(args, tokenizer, split, text_column, conversations) for split in (train_dataset, eval_dataset))
     else:
-        train_examples, eval_examples = tokenize(train_dataset), tokenize(eval_dataset)
-        if len(train_examples) < len(train_dataset):
+        train, eval_ = (
+            tokenize(args, tokenizer, split, text_column, conversations, chat) for split in (train_dataset, eval_dataset)
+        )
+        if len(train) < len(train_dataset):
             accelerator.print(
-                f"warning: {len(train_dataset) - len(train_examples)} training examples dropped "
+                f"warning: {len(train_dataset) - len(train)} training examples dropped "
                 "(no response template, or nothing left to learn after truncation)"
             )
-    if not train_examples or not eval_examples:
+    if not train or not eval_:
         raise UsageError(
-            f"Nothing to train or evaluate on ({len(train_examples)} train / {len(eval_examples)} eval "
+            f"Nothing to train or evaluate on ({len(train)} train / {len(eval_)} eval "
             "examples): use more data, a larger --max-seq-length (prompts that fill it leave no completion "
             "to learn), a smaller one with --packing, or a larger --eval-fraction."
         )
+    return Data(train, eval_, eval_dataset, text_column, conversations, chat)
 
-    examples_per_step = args.batch_size * accelerator.num_processes
-    steps_per_epoch = len(train_examples) // examples_per_step
-    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
-    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
-    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
-    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
-        raise UsageError(
-            f"{len(train_examples)} training examples make no optimizer step of {examples_per_step} x "
-            f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps."
-        )
 
-    def collate(batch: list[dict]) -> dict:
-        """Right padding; labels padded with -100."""
+def tokenize(args: Args, tokenizer, split, text_column: str, conversations: bool, chat: bool) -> list[dict]:
+    """Each example -> input_ids and labels (-100 where no loss is taken); chats rendered as common/chat.py says."""
+    template_ids = tokenizer(args.response_template, add_special_tokens=False)["input_ids"] if args.response_template else None
+    examples = []
+    for row in split:
+        if args.prompt_column:
+            if chat:  # the rendered answer continues the rendered prompt, its end-of-turn token (EOS) included
+                texts = render(tokenizer, row[args.prompt_column], row[args.completion_column], args.system_prompt)
+                prompt, completion = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
+            else:
+                prompt = tokenizer(row[args.prompt_column])["input_ids"]
+                completion = tokenizer(row[args.completion_column])["input_ids"] + [tokenizer.eos_token_id]
+            ids = (prompt + completion)[: args.max_seq_length]
+            labels = ([-100] * len(prompt) + completion)[: args.max_seq_length]
+        elif conversations and args.assistant_only_loss:  # the loss on the assistant turns only (TRL 1.x)
+            pieces = conversation_pieces(tokenizer, row[text_column], args.system_prompt, row_tools(row))
+            ids, assistant = (x[: args.max_seq_length] for x in tokenize_pieces(tokenizer, pieces))
+            labels = [i if a else -100 for i, a in zip(ids, assistant)]
+        elif conversations:  # a whole conversation, rendered, ending with its end-of-turn token (EOS)
+            text = render_conversation(tokenizer, row[text_column], args.system_prompt, row_tools(row))
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.max_seq_length]
+            labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
+        else:
+            ids = (tokenizer(row[text_column])["input_ids"] + [tokenizer.eos_token_id])[: args.max_seq_length]
+            labels = completion_only_labels(ids, template_ids) if template_ids else list(ids)
+        if labels is not None and any(label != -100 for label in labels):
+            examples.append(dict(input_ids=ids, labels=labels))
+    return examples
+
+
+def pack(args: Args, tokenizer, split, text_column: str, conversations: bool) -> list[dict]:
+    """Whole texts packed into blocks of --max-seq-length (each conversation's closing EOS is the separator
+    pack_sequences puts after every text)."""
+    if conversations:
+        texts = [render_conversation(tokenizer, r[text_column], args.system_prompt, row_tools(r)) for r in split]
+        token_lists = [
+            ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
+            for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ]
+    else:
+        token_lists = tokenizer(list(split[text_column]))["input_ids"]
+    return [dict(input_ids=b, labels=b) for b in pack_sequences(token_lists, args.max_seq_length, tokenizer.eos_token_id)]
+
+
+class Batches:
+    """Right-padded batches of examples (labels padded with -100), on the run's device; a rank's micro-batch of a step
+    from a seeded reshuffle per epoch, so that a resume continues exactly."""
+
+    def __init__(self, args: Args, accelerator: Accelerator, tokenizer, steps_per_epoch: int):
+        self.args, self.accelerator, self.tokenizer, self.steps_per_epoch = args, accelerator, tokenizer, steps_per_epoch
+
+    def collate(self, batch: list[dict]) -> dict:
+        device, pad = self.accelerator.device, self.tokenizer.pad_token_id
         return dict(
-            input_ids=pad_right([e["input_ids"] for e in batch], tokenizer.pad_token_id).to(accelerator.device),
-            attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(accelerator.device),
-            labels=pad_right([e["labels"] for e in batch], -100).to(accelerator.device),
+            input_ids=pad_right([e["input_ids"] for e in batch], pad).to(device),
+            attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(device),
+            labels=pad_right([e["labels"] for e in batch], -100).to(device),
         )
 
-    def batch_of(examples: list[dict], step: int) -> dict:
-        """This rank's examples for a micro-step: a seeded reshuffle per epoch, so a resume continues exactly."""
-        epoch, i = divmod(step, steps_per_epoch)
+    def micro_batch(self, examples: list[dict], step: int) -> dict:
+        args, accelerator = self.args, self.accelerator
+        epoch, i = divmod(step, self.steps_per_epoch)
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch))
         start = (i * accelerator.num_processes + accelerator.process_index) * args.batch_size
-        return collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
+        return self.collate([examples[j] for j in order[start : start + args.batch_size].tolist()])
 
-    # ---- model and optimiser ----
+
+def load_model(args: Args, accelerator: Accelerator, quantization: dict, total_steps: int):
+    """The model (LoRA with --use-peft, NEFTune's hook with its flag) prepared with its AdamW optimizer and schedule."""
     model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype, **quantization)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -373,33 +382,117 @@ if __name__ == "__main__":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:
         check_lora_targets(model, args.lora_target_modules)
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                lora_dropout=args.lora_dropout,
-                target_modules=args.lora_target_modules,
-                task_type="CAUSAL_LM",
-            ),
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type="CAUSAL_LM",
         )
+        model = get_peft_model(model, lora)
     if args.neftune_noise_alpha:
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    # accelerate's prepared scheduler steps once per process per optimizer step: both counts scale with it
-    ticks = accelerator.num_processes
+    ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
+    warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=int(args.warmup_ratio * total_steps) * ticks,
-        num_training_steps=total_steps * ticks,
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps * ticks
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+def lm_loss(model, head, accelerator: Accelerator, batch: dict) -> torch.Tensor:
+    """Mean next-token NLL over the labelled tokens (the model's own loss, or the chunked head's)."""
+    if head is None:
+        return model(**batch).loss
+    with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
+        logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return -logprobs.sum() / mask.sum()
+
+
+@torch.no_grad()
+def evaluate(args: Args, model, head, accelerator: Accelerator, data: Data, batches: Batches, logger, step: int) -> float:
+    """Token-weighted eval loss over all ranks, and perplexity."""
+    model.eval()
+    total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
+    for chunk, weight in rank_batches(data.eval, args.batch_size, accelerator):  # as many on every rank
+        batch = batches.collate(chunk)
+        n_tokens = (batch["labels"][:, 1:] != -100).sum() * weight
+        total_loss += lm_loss(model, head, accelerator, batch) * n_tokens
+        total_tokens += n_tokens
+    loss = (accelerator.reduce(total_loss, "sum") / accelerator.reduce(total_tokens, "sum")).item()
+    logger.log({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}, step)
+    model.train()
+    return loss
+
+
+def save_and_sample(args: Args, accelerator: Accelerator, model, tokenizer, data: Data, logger, loss: float, step: int):
+    """The model in plain from_pretrained format (LoRA merged) with its tokenizer and model card, written atomically;
+    then a table of sampled continuations of held-out prompts."""
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if peft_model_of(unwrapped) is not None:
+        unwrapped = unwrapped.merge_and_unload()
+    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, "sft", {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))})
+    if not (accelerator.is_main_process or sharded) or args.num_sample_generations <= 0:  # sharded: every rank decodes
+        return
+    rows = data.eval_rows.select(range(min(args.num_sample_generations, len(data.eval_rows))))
+    if data.conversations:  # the conversation up to its last assistant turn, ready for the assistant's answer
+        prompts = [
+            m[: max([i for i, x in enumerate(m) if x["role"] == "assistant"] or [len(m)])] for m in rows[data.text_column]
+        ]
+    elif args.prompt_column:
+        prompts = list(rows[args.prompt_column])
+    else:
+        template = args.response_template
+        prompts = [t.split(template)[0] + template if template else " ".join(t.split()[:4]) for t in rows[data.text_column]]
+    tools = [row_tools(r) for r in rows]
+    chat = data.chat
+    texts = [render(tokenizer, p, None, args.system_prompt, t)[0] for p, t in zip(prompts, tools)] if chat else prompts
+    keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
+    ids = [i[-keep:] for i in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+    batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+    unwrapped.eval()
+    with torch.no_grad():
+        out = unwrapped.generate(
+            **batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded
+        )
+    completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    shown = [text_of(p) if isinstance(p, list) else p for p in prompts]
+    logger.samples("samples", {"prompt": shown, "completion": completions}, step)
+
+
+def main(args: Args) -> None:
+    """Setup, then the loop, then the final evaluation, save and summary."""
+    check(args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
+    data = load_examples(args, accelerator, tokenizer)  # checked before any model is built or loaded
+    examples_per_step = args.batch_size * accelerator.num_processes
+    steps_per_epoch = len(data.train) // examples_per_step
+    # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch
+    epoch_steps = steps_per_epoch * args.num_epochs // args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps > 0 else epoch_steps
+    if total_steps == 0 or steps_per_epoch == 0:  # fewer examples than one batch: no epoch to draw from
+        raise UsageError(
+            f"{len(data.train)} training examples make no optimizer step of {examples_per_step} x "
+            f"{args.gradient_accumulation_steps} examples: lower --batch-size or --gradient-accumulation-steps."
+        )
+    batches = Batches(args, accelerator, tokenizer, steps_per_epoch)
+    model, optimizer, scheduler = load_model(args, accelerator, quantization, total_steps)
     accelerator.print(
-        f"{len(train_examples)} training / {len(eval_examples)} eval examples; {total_steps} optimizer steps "
+        f"{len(data.train)} training / {len(data.eval)} eval examples; {total_steps} optimizer steps "
         f"of {examples_per_step * args.gradient_accumulation_steps} examples; each epoch reshuffles and "
-        f"leaves out {len(train_examples) % examples_per_step} examples"
+        f"leaves out {len(data.train) % examples_per_step} examples"
     )
     start_step, resumed = 0, {}
     if args.resume_from:
@@ -411,62 +504,34 @@ if __name__ == "__main__":
                 f"{total_steps}: raise --max-steps or --num-epochs to train further."
             )
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     head = chunkable_head(accelerator.unwrap_model(model), sharded) if args.chunked_loss else None
-
-    def lm_loss(batch: dict) -> torch.Tensor:
-        """Mean next-token NLL over the labelled tokens (the model's own loss)."""
-        if head is None:
-            return model(**batch).loss
-        with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
-            logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
-        return -logprobs.sum() / mask.sum()
-
-    @torch.no_grad()
-    def evaluate(step: int) -> float:
-        """Token-weighted eval loss over all ranks, and perplexity."""
-        model.eval()
-        total_loss, total_tokens = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-        for chunk, weight in rank_batches(eval_examples, args.batch_size, accelerator):  # as many on every rank
-            batch = collate(chunk)
-            n_tokens = (batch["labels"][:, 1:] != -100).sum() * weight
-            total_loss += lm_loss(batch) * n_tokens
-            total_tokens += n_tokens
-        loss = (accelerator.reduce(total_loss, "sum") / accelerator.reduce(total_tokens, "sum")).item()
-        logger.log({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}, step)
-        model.train()
-        return loss
-
-    # ---- train ----
-    first_eval_loss, start_time = evaluate(start_step), time.time()  # after a resume: logged at the resumed step,
-    first_eval_loss = resumed.get("first_eval", first_eval_loss)  # and the summary compares with the run's start
+    first_eval_loss, start_time = evaluate(args, model, head, accelerator, data, batches, logger, start_step), time.time()
+    first_eval_loss = resumed.get("first_eval", first_eval_loss)  # after a resume the summary compares with the start
     model.train()
     progress = tqdm(range(start_step, total_steps), disable=not accelerator.is_local_main_process, desc="sft")
     for step in progress:
         step_start, step_tokens = time.time(), 0
+        # 1. accumulate the mean next-token loss over the step's micro-batches, then one optimizer step
         for micro in range(args.gradient_accumulation_steps):
-            batch = batch_of(train_examples, step * args.gradient_accumulation_steps + micro)
+            batch = batches.micro_batch(data.train, step * args.gradient_accumulation_steps + micro)
             step_tokens += batch["attention_mask"].sum()
             tokens = (batch["labels"][:, 1:] != -100).sum()  # the loss is the mean over the global batch's tokens:
             share = tokens * accelerator.num_processes / accelerator.reduce(tokens, "sum")  # a rank weighs its share
             with accelerator.accumulate(model):
-                loss = lm_loss(batch) * share
+                loss = lm_loss(model, head, accelerator, batch) * share
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        # one collective and one device sync: mean loss, mean tokens per rank, the gradient norm
-        stacked = torch.stack(
-            [
-                loss.detach().float(),
-                step_tokens.float(),
-                torch.as_tensor(plain(grad_norm) if grad_norm is not None else 0.0).float().to(loss.device),
-            ]
-        )
-        train_loss, tokens, grad_norm = accelerator.reduce(stacked, "mean").tolist()
+
+        # 2. bookkeeping: one collective and one device sync (mean loss, mean tokens per rank, the gradient norm)
+        norm = torch.as_tensor(plain(grad_norm) if grad_norm is not None else 0.0).float().to(loss.device)
+        train_loss, tokens, grad_norm = accelerator.reduce(
+            torch.stack([loss.detach().float(), step_tokens.float(), norm]), "mean"
+        ).tolist()
         check_finite(step + 1, {"train/loss": train_loss, "train/grad_norm": grad_norm})
         progress.set_postfix(loss=f"{train_loss:.3f}")
         step_time = time.time() - step_start
@@ -482,63 +547,23 @@ if __name__ == "__main__":
             step + 1,
         )
         if (step + 1) % args.eval_steps == 0 and step + 1 < total_steps:
-            evaluate(step + 1)
+            evaluate(args, model, head, accelerator, data, batches, logger, step + 1)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval_loss}
-            save_checkpoint(
-                accelerator,
-                folder,
-                state,
-                accelerator.unwrap_model(model, keep_torch_compile=False),
-                tokenizer,
-                total_limit=args.save_total_limit,
-            )
-    last_eval_loss = evaluate(total_steps)
+            policy = accelerator.unwrap_model(model, keep_torch_compile=False)
+            save_checkpoint(accelerator, folder, state, policy, tokenizer, total_limit=args.save_total_limit)
 
-    # ---- save (plain from_pretrained format; LoRA merged) and sample ----
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if peft_model_of(unwrapped) is not None:
-        unwrapped = unwrapped.merge_and_unload()
-    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            perplexity = math.exp(min(last_eval_loss, 50))
-            write_model_card(tmp, args, "sft", {"eval/loss": last_eval_loss, "eval/perplexity": perplexity})
-    if (accelerator.is_main_process or sharded) and args.num_sample_generations > 0:  # sharded: every rank decodes
-        rows = eval_dataset.select(range(min(args.num_sample_generations, len(eval_dataset))))
-        if conversations:  # the conversation up to its last assistant turn, ready for the assistant's answer
-            prompts = [
-                m[: max([i for i, x in enumerate(m) if x["role"] == "assistant"] or [len(m)])] for m in rows[text_column]
-            ]
-        elif args.prompt_column:
-            prompts = list(rows[args.prompt_column])
-        else:
-            prompts = [
-                t.split(args.response_template)[0] + args.response_template
-                if args.response_template
-                else " ".join(t.split()[:4])
-                for t in rows[text_column]
-            ]
-        tools = [row_tools(r) for r in rows]
-        texts = [render(tokenizer, p, None, args.system_prompt, t)[0] for p, t in zip(prompts, tools)] if chat else prompts
-        keep = max(1, args.max_seq_length - 24)  # a prompt's last tokens, so that 24 new ones fit in max_seq_length
-        ids = [i[-keep:] for i in tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
-        batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
-        unwrapped.eval()
-        with torch.no_grad():
-            out = unwrapped.generate(
-                **batch, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded
-            )
-        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        shown = [text_of(p) if isinstance(p, list) else p for p in prompts]
-        logger.samples("samples", {"prompt": shown, "completion": completions}, total_steps)
+    # 3. the final evaluation, save (plain from_pretrained format; LoRA merged), samples and summary
+    last_eval_loss = evaluate(args, model, head, accelerator, data, batches, logger, total_steps)
+    save_and_sample(args, accelerator, model, tokenizer, data, logger, last_eval_loss, total_steps)
     accelerator.print(
         f"sft: {total_steps - start_step} steps in {time.time() - start_time:.0f}s; eval loss "
         f"{first_eval_loss:.3f} -> {last_eval_loss:.3f} (perplexity {math.exp(min(last_eval_loss, 50)):.1f}); "
         f"model saved to {args.output_dir}"
     )
     end_run(accelerator, logger)  # every rank leaves together
+
+
+if __name__ == "__main__":
+    main(cli(Args))

@@ -133,14 +133,17 @@ def test_args_docstrings_are_short():
                 assert len(lines) <= 3, f"{script}.py --{field.target.id.replace('_', '-')}: {len(lines)} lines"
 
 
-def test_the_loop_follows_the_algorithm_and_a_short_setup():
-    """grpo.py, rloo.py and gkd.py read top to bottom: Args, the algorithm's functions, then main(), whose loop starts
-    after a short setup (about 40 lines); in grpo.py and rloo.py main() comes last, with no plumbing below it."""
-    for script in ("grpo", "rloo", "gkd"):
-        path = os.path.join(ROOT, f"{script}.py")
-        functions = [n for n in ast.parse(open(path).read()).body if isinstance(n, ast.FunctionDef)]
-        if script in ("grpo", "rloo"):
-            assert functions[-1].name == "main", f"{script}.py: {functions[-1].name} comes after main()"
+def test_every_script_has_one_skeleton():
+    """Every script reads top to bottom: Args, the algorithm's functions, then main(), whose loop starts after a short
+    setup; no flat `if __name__` block (it calls main(cli(Args))); main() comes last, but in ppo.py, whose plumbing
+    follows its loop."""
+    for script in SCRIPTS:
+        tree = ast.parse(open(os.path.join(ROOT, f"{script}.py")).read())
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
         main = next(f for f in functions if f.name == "main")
+        guard = tree.body[-1]
+        assert isinstance(guard, ast.If) and ast.unparse(guard.body[0]) == "main(cli(Args))", f"{script}.py's __main__ block"
+        if script != "ppo":
+            assert functions[-1].name == "main", f"{script}.py: {functions[-1].name} comes after main()"
         loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and ast.unparse(n.iter) == "progress")
-        assert loop.lineno - main.lineno <= 45, f"{script}.py: main's loop starts {loop.lineno - main.lineno} lines in"
+        assert loop.lineno - main.lineno <= 70, f"{script}.py: main's loop starts {loop.lineno - main.lineno} lines in"
