@@ -258,6 +258,20 @@ def ddpo_loss(advantages: torch.Tensor, clip_range: float, ratio: torch.Tensor) 
     return torch.maximum(unclipped, clipped).mean()
 
 
+def shuffle_samples(samples: dict[str, torch.Tensor], num_steps: int) -> dict[str, torch.Tensor]:
+    """The epoch's samples in a random order, each sample's denoising steps in a random order of their own
+    (ddpo-pytorch): step j of a shuffled sample is its (latent, next latent, log-prob, timestep) at a random t."""
+    n, device = len(samples["latents"]), samples["latents"].device
+    perm = torch.randperm(n, device=device)
+    shuffled = {k: v[perm] for k, v in samples.items()}
+    time_perms = torch.stack([torch.randperm(num_steps, device=device) for _ in range(n)])
+    rows = torch.arange(n, device=device)[:, None]
+    shuffled["next_latents"] = shuffled["latents"][:, 1:][rows, time_perms]
+    for key in ("latents", "log_probs", "timesteps"):
+        shuffled[key] = (shuffled[key][:, :-1] if key == "latents" else shuffled[key])[rows, time_perms]
+    return shuffled
+
+
 class PerPromptStatTracker:
     """Rewards normalised per prompt by the mean / std of its last `buffer_size` rewards (ddpo-pytorch), falling back
     to the statistics of the whole batch while a prompt has fewer than `min_count` rewards."""
@@ -310,6 +324,8 @@ def check(args: Args) -> None:
     )
     if args.sample_eta <= 0:
         raise UsageError("--sample-eta must be > 0: with eta = 0 DDIM is deterministic and a step has no log-prob.")
+    if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.")
     if not 0 < args.train_timestep_fraction <= 1:
         raise UsageError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
     exact_div(args.sample_batch_size, args.train_batch_size, "sample_batch_size / train_batch_size")
@@ -355,6 +371,8 @@ class Diffusion:
 
     def __init__(self, args: Args, accelerator: Accelerator):
         self.args, self.accelerator, device = args, accelerator, accelerator.device
+        if args.allow_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
         pipeline = load_pipeline(args.pretrained_model, seed=0)
         pipeline.set_progress_bar_config(disable=True)
         if not isinstance(pipeline.scheduler, DDIMScheduler):
@@ -378,6 +396,12 @@ class Diffusion:
                     p.data = p.data.float()  # trainable LoRA weights stay fp32 under mixed precision
         self.unet.to(device)
         self.negative_embeds = self.embed([args.negative_prompt])  # [1, 77, D]
+        trainable = sum(p.numel() for p in self.unet.parameters() if p.requires_grad)
+        accelerator.print(
+            f"pipeline {args.pretrained_model}: {self.resolution}x{self.resolution}, {trainable:,} trainable of "
+            f"{sum(p.numel() for p in self.unet.parameters()):,} UNet parameters "
+            f"({'LoRA' if args.use_lora else 'full fine-tuning'})"
+        )
 
     @torch.no_grad()
     def embed(self, prompts: list[str]) -> torch.Tensor:
@@ -459,6 +483,54 @@ def sample_epoch(
     return samples, sum((b["prompts"] for b in batches), []), rewards, batches
 
 
+def make_optimizer(args: Args, trainable: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over the trainable weights (bitsandbytes' 8-bit AdamW with --train-use-8bit-adam)."""
+    optimizer_class = torch.optim.AdamW
+    if args.train_use_8bit_adam:
+        import bitsandbytes
+
+        optimizer_class = bitsandbytes.optim.AdamW8bit
+    return optimizer_class(
+        trainable,
+        lr=args.train_learning_rate,
+        betas=(args.train_adam_beta1, args.train_adam_beta2),
+        weight_decay=args.train_adam_weight_decay,
+        eps=args.train_adam_epsilon,
+    )
+
+
+def resume(args: Args, accelerator: Accelerator, unet, optimizer, stat_tracker: PerPromptStatTracker) -> dict:
+    """The loop's state saved with --resume-from's checkpoint, whose trainable weights, optimizer and stat tracker it
+    restores ({} without)."""
+    if not args.resume_from:
+        return {}
+    resumed = read_checkpoint(args.resume_from)
+    if resumed["epoch"] >= args.num_epochs:
+        raise UsageError(
+            f"--resume-from {args.resume_from}: the checkpoint is at epoch {resumed['epoch']}, and this run "
+            f"has {args.num_epochs}: raise --num-epochs to train further."
+        )
+    accelerator.unwrap_model(unet).load_state_dict(
+        load_file(os.path.join(args.resume_from, "trainable.safetensors")), strict=False
+    )
+    optimizer_file = os.path.join(args.resume_from, "optimizer.pt")  # tensors and numbers only: no pickled code runs
+    optimizer.load_state_dict(torch.load(optimizer_file, map_location=accelerator.device, weights_only=True))
+    stat_tracker.load_state_dict(resumed["stat_tracker"])
+    accelerator.print(f"resumed from {args.resume_from} at epoch {resumed['epoch']}")
+    return resumed
+
+
+def log_images(args: Args, accelerator: Accelerator, logger, images, prompts: list[str], rewards, step: int) -> None:
+    """A grid of the epoch's first sampled images with their prompts and rewards, to TensorBoard and as a PNG beside
+    the run's logs."""
+    if not accelerator.is_main_process or logger.writer is None:
+        return
+    n = min(8, args.sample_batch_size)
+    grid = image_samples_hook(images[:n], prompts[:n], rewards[:n].tolist())
+    logger.writer.add_image("samples", np.asarray(grid.convert("RGB")), step, dataformats="HWC")
+    grid.save(os.path.join(logger.writer.log_dir, f"samples_{step}.png"))
+
+
 def save_state(args: Args, accelerator: Accelerator, unet, optimizer, trainable_names, state: dict) -> None:
     """A resumable checkpoint: the trainable weights, the optimizer and the loop's `state` (epoch, step, stat tracker,
     the run's first evaluation and per-epoch rewards), atomically; the oldest beyond --num-checkpoint-limit go."""
@@ -505,58 +577,22 @@ def main(args: Args) -> None:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=steps)
     device, samples_per_epoch = accelerator.device, args.sample_batch_size * args.sample_num_batches_per_epoch
     plugins = Plugins(args)
-    if args.train_use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-        raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.")
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
     run_name, logger = start_run(args, accelerator)
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):  # LoRA's few MB: no gain
         raise UsageError(
             f"ddpo.py under {accelerator.distributed_type.value} is not supported: the UNet's LoRA save needs whole "
             "weights; use DDP."
         )
-    policy = Diffusion(args, accelerator)
+    policy = Diffusion(args, accelerator)  # prints the pipeline's size and what is trained
     unet, resolution = policy.unet, policy.resolution
     trainable = [p for p in unet.parameters() if p.requires_grad]
-    accelerator.print(
-        f"pipeline {args.pretrained_model}: {resolution}x{resolution}, {sum(p.numel() for p in trainable):,} "
-        f"trainable of {sum(p.numel() for p in unet.parameters()):,} UNet parameters "
-        f"({'LoRA' if args.use_lora else 'full fine-tuning'})"
-    )
     # the reward function is checked on two grey images before any sampling: a wrong length or NaN fails fast
     plugins.reward(torch.full((2, 3, resolution, resolution), 0.5), [plugins.prompt()[0] for _ in range(2)], [{}, {}])
-    optimizer_class = torch.optim.AdamW
-    if args.train_use_8bit_adam:
-        import bitsandbytes
-
-        optimizer_class = bitsandbytes.optim.AdamW8bit
-    betas = (args.train_adam_beta1, args.train_adam_beta2)
-    optimizer = optimizer_class(
-        trainable,
-        lr=args.train_learning_rate,
-        betas=betas,
-        weight_decay=args.train_adam_weight_decay,
-        eps=args.train_adam_epsilon,
-    )
-    unet, optimizer = accelerator.prepare(unet, optimizer)
+    unet, optimizer = accelerator.prepare(unet, make_optimizer(args, trainable))
     stat_tracker = PerPromptStatTracker(args.per_prompt_stat_tracking_buffer_size, args.per_prompt_stat_tracking_min_count)
     trainable_names = [n for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad]
-    start_epoch, global_step, resumed = 0, 0, {}
-    if args.resume_from:
-        resumed = read_checkpoint(args.resume_from)
-        start_epoch, global_step = resumed["epoch"], resumed["global_step"]
-        if start_epoch >= args.num_epochs:
-            raise UsageError(
-                f"--resume-from {args.resume_from}: the checkpoint is at epoch {start_epoch}, and this run "
-                f"has {args.num_epochs}: raise --num-epochs to train further."
-            )
-        accelerator.unwrap_model(unet).load_state_dict(
-            load_file(os.path.join(args.resume_from, "trainable.safetensors")), strict=False
-        )
-        optimizer_file = os.path.join(args.resume_from, "optimizer.pt")  # tensors and numbers only: no pickled code runs
-        optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
-        stat_tracker.load_state_dict(resumed["stat_tracker"])
-        accelerator.print(f"resumed from {args.resume_from} at epoch {start_epoch}")
+    resumed = resume(args, accelerator, unet, optimizer, stat_tracker)  # {} without --resume-from
+    start_epoch, global_step = resumed.get("epoch", 0), resumed.get("global_step", 0)
     executor = futures.ThreadPoolExecutor(max_workers=args.max_workers) if args.async_reward_computation else None
     if "first_eval" in resumed:  # the run's start, kept in its checkpoints
         first_eval = resumed["first_eval"]
@@ -586,13 +622,7 @@ def main(args: Args) -> None:
         unet.train()
         infos = {"train/loss": [], "train/approx_kl": [], "train/clipfrac": [], "train/grad_norm": []}
         for _ in range(args.train_num_inner_epochs):
-            perm = torch.randperm(samples_per_epoch, device=device)
-            shuffled = {k: v[perm] for k, v in samples.items()}
-            time_perms = torch.stack([torch.randperm(args.sample_num_steps, device=device) for _ in range(samples_per_epoch)])
-            rows = torch.arange(samples_per_epoch, device=device)[:, None]
-            shuffled["next_latents"] = shuffled["latents"][:, 1:][rows, time_perms]
-            for key in ("latents", "log_probs", "timesteps"):
-                shuffled[key] = (shuffled[key][:, :-1] if key == "latents" else shuffled[key])[rows, time_perms]
+            shuffled = shuffle_samples(samples, args.sample_num_steps)
             for start in range(0, samples_per_epoch, args.train_batch_size):
                 batch = {k: v[start : start + args.train_batch_size] for k, v in shuffled.items()}
                 advantages = batch["advantages"].clamp(-args.train_adv_clip_max, args.train_adv_clip_max)
@@ -633,12 +663,7 @@ def main(args: Args) -> None:
         check_finite(epoch + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         logger.log(metrics, epoch + 1)
         progress.set_postfix(reward=f"{all_rewards.mean():.3f}", kl=f"{metrics['train/approx_kl']:.2e}")
-        if accelerator.is_main_process:
-            n = min(8, args.sample_batch_size)
-            grid = image_samples_hook(batches[0]["images"][:n], prompts[:n], rewards[:n].tolist())
-            if logger.writer is not None:  # TensorBoard, and a PNG beside the run's logs
-                logger.writer.add_image("samples", np.asarray(grid.convert("RGB")), epoch + 1, dataformats="HWC")
-                grid.save(os.path.join(logger.writer.log_dir, f"samples_{epoch + 1}.png"))
+        log_images(args, accelerator, logger, batches[0]["images"], prompts, rewards, epoch + 1)
         if args.save_freq and (epoch + 1) % args.save_freq == 0 and epoch + 1 < args.num_epochs:
             state = dict(epoch=epoch + 1, global_step=global_step, stat_tracker=stat_tracker.state_dict())
             state |= dict(first_eval=first_eval, epoch_rewards=epoch_rewards)

@@ -331,7 +331,7 @@ def check(args: Args) -> None:
 @dataclass
 class Pairs:
     """The tokenised preference pairs, the held-out rows (for the samples), the model's config, whether it is an
-    encoder-decoder and whether the chat template renders the pairs."""
+    encoder-decoder, whether the chat template renders the pairs, and the tokenizer."""
 
     train: list[dict]
     eval: list[dict]
@@ -339,10 +339,12 @@ class Pairs:
     model_config: object
     is_encoder_decoder: bool
     chat: bool
+    tokenizer: object
 
 
-def load_pairs(args: Args, tokenizer) -> Pairs:
-    """The preference dataset, checked, split and tokenised (TRL 0.8's `tokenize_row`; chats rendered)."""
+def load_pairs(args: Args) -> Pairs:
+    """The preference dataset, checked, split and tokenised (TRL 0.8's `tokenize_row`; chats rendered), and the
+    tokenizer: the data and the model's config are checked first, so an empty model folder names the missing model."""
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = (args.prompt_column, args.chosen_column, args.rejected_column)
     check_columns(dataset, list(columns), "--prompt-column / --chosen-column / --rejected-column")
@@ -356,6 +358,7 @@ def load_pairs(args: Args, tokenizer) -> Pairs:
             f"max_prompt_length ({args.max_prompt_length}) must be below max_length ({args.max_length}), "
             "or no response token would be left."
         )
+    tokenizer = load_tokenizer(args.model_name, padding_side="right")
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns], args.system_prompt)
     chat = chat and not is_encoder_decoder
     if all(c == r for c, r in zip(dataset[args.chosen_column], dataset[args.rejected_column])):
@@ -375,7 +378,7 @@ def load_pairs(args: Args, tokenizer) -> Pairs:
         )  # fmt: skip
 
     train, eval_ = [tokenize(row) for row in train_dataset], [tokenize(row) for row in eval_dataset]
-    return Pairs(train, eval_, eval_dataset, model_config, is_encoder_decoder, chat)
+    return Pairs(train, eval_, eval_dataset, model_config, is_encoder_decoder, chat, tokenizer)
 
 
 class Batches:
@@ -582,8 +585,8 @@ def main(args: Args) -> None:
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="right")
-    pairs = load_pairs(args, tokenizer)  # checked before any model is built or loaded
+    pairs = load_pairs(args)  # checked before any model is built or loaded
+    tokenizer = pairs.tokenizer
     pairs_per_step = args.batch_size * accelerator.num_processes
     steps_per_epoch = len(pairs.train) // pairs_per_step
     # micro-batches run on across epoch boundaries, so accumulation need not divide an epoch

@@ -317,6 +317,21 @@ def metric_fn(queries: list[str], responses: list[str]) -> dict[str, list[float]
     }  # the labeller behind builtin:tiny-chat-rm's preferences
 
 
+def shape_scores(args: Args, scores, ended, running: RunningMoments, gather):
+    """TRL 0.8's score shaping, in order: --missing-eos-penalty off responses that did not end, then scaling by the
+    running std of every process's scores (`gather`; and centering with --use-score-norm), then clipping."""
+    scores = scores.clone()
+    if args.missing_eos_penalty is not None:
+        scores[~ended] -= args.missing_eos_penalty
+    if args.use_score_scaling:
+        running.update(gather(scores))
+        shifted = scores - running.mean if args.use_score_norm else scores
+        scores = shifted / (running.std + torch.finfo(scores.dtype).eps)
+    if args.score_clip is not None:
+        scores = scores.clamp(-args.score_clip, args.score_clip)
+    return scores
+
+
 def compute_rewards(scores, logprobs, ref_logprobs, masks, kl_coef, kl_penalty="kl"):
     """Per-token rewards: -kl_coef * KL at every response token, plus the score at the last one (TRL 0.8).
 
@@ -461,39 +476,30 @@ def main(args: Args) -> None:
     check(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    device, args.world_size = accelerator.device, accelerator.num_processes
-    step_size = args.mini_batch_size * args.gradient_accumulation_steps
-    exact_div(args.batch_size, step_size, "batch_size / (mini_batch_size * gradient_accumulation_steps)")
-    args.num_updates = exact_div(
-        args.total_episodes, args.batch_size * args.world_size, "total_episodes / (batch_size * world_size)"
-    )
-    exact_div(args.batch_size, args.generation_batch_size or args.batch_size, "batch_size / generation_batch_size")
+    device, step_size = accelerator.device, batch_sizes(args, accelerator)  # sets args.world_size and num_updates
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
     for specs in (args.reward_funcs, args.gold_reward_funcs):
         if specs:  # tried on two real rows before any model loads: a bad plug-in is a one-line error here
             load_rewards(specs, train_rows, "cpu", chat)
-    per_update = args.batch_size * args.world_size
-    batches_per_epoch = len(train_rows) // per_update
+    batches_per_epoch = len(train_rows) // (args.batch_size * args.world_size)
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
     scorer.ready(unwrapped)
-    kl_ctl = (
-        AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
-        if args.adap_kl_ctrl
-        else FixedKLController(args.init_kl_coef)
-    )
-    running = RunningMoments()
+    kl_ctl, running = FixedKLController(args.init_kl_coef), RunningMoments()
+    if args.adap_kl_ctrl:  # Ziegler et al. 2019: the coefficient moves the KL towards --target
+        kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
     state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
     first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
+    clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
     start_time = time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
@@ -515,15 +521,7 @@ def main(args: Args) -> None:
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
         prompts, responses_text, response_ids = rollout.texts(rows, queries, responses, response_mask)
         raw_scores = scorer(rows, prompts, responses_text, response_ids, ended.tolist()).to(device)  # [B]
-        scores = raw_scores.clone()
-        if args.missing_eos_penalty is not None:
-            scores[~ended] -= args.missing_eos_penalty
-        if args.use_score_scaling:
-            running.update(accelerator.gather(scores))
-            shifted = scores - running.mean if args.use_score_norm else scores
-            scores = shifted / (running.std + torch.finfo(scores.dtype).eps)
-        if args.score_clip is not None:
-            scores = scores.clamp(-args.score_clip, args.score_clip)
+        scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
         marks.append(clock(device))
         if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
             best_reward = save_best(args, accelerator, unwrapped, tokenizer, raw_scores, best_reward, update, run_name)
@@ -557,18 +555,9 @@ def main(args: Args) -> None:
                         model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **rollout.forward_kwargs
                     )
                     logprobs = logprobs_from_logits(logits, responses[mb])
+                    old, value, adv, ret = old_logprobs[mb], values[mb], advantages[mb], returns[mb]
                     pg_loss, vf_loss, stats = ppo_loss(
-                        old_logprobs[mb],
-                        values[mb],
-                        logprobs,
-                        vpreds,
-                        mask[mb],
-                        advantages[mb],
-                        returns[mb],
-                        args.cliprange,
-                        args.cliprange_value,
-                        args.vf_coef,
-                        args.ratio_threshold,
+                        old, value, logprobs, vpreds, mask[mb], adv, ret, vf_coef=args.vf_coef, **clipping
                     )
                     accelerator.backward(pg_loss + vf_loss)
                     if args.max_grad_norm is not None and accelerator.sync_gradients:
@@ -592,19 +581,13 @@ def main(args: Args) -> None:
         batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
         watched = scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
         metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
-        mean_kl = metrics["objective/kl"]
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
-        kl_history.append(mean_kl)
-        progress.set_postfix(reward=f"{metrics['env/reward_mean']:.3f}", kl=f"{mean_kl:.2f}")
+        kl_history.append(metrics["objective/kl"])
+        progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
         if (update + 1) % args.log_freq == 0:
-            columns = {"query": [text_of(p) for p in prompts], "response": responses_text, "score": raw_scores.tolist()}
-            if args.log_ref_responses:
-                columns |= ref_responses(rollout, scorer, unwrapped, ref_model, rows, queries, query_mask, max_new_tokens)
-                logger.log(
-                    reduce_mean(accelerator, {"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}), update + 1
-                )
-            logger.samples("samples", columns, update + 1)
+            sampled = (rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens)
+            log_samples(args, rollout, scorer, logger, unwrapped, ref_model, sampled, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
             evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
@@ -623,6 +606,19 @@ def main(args: Args) -> None:
 
 
 # ================================ plumbing: what the loop above calls ================================
+
+
+def batch_sizes(args: Args, accelerator: Accelerator) -> int:
+    """The batch arithmetic checked against the process count (one line on a mismatch): sets args.world_size and
+    args.num_updates, returns the samples of one optimizer step (mini_batch_size x gradient_accumulation_steps)."""
+    args.world_size = accelerator.num_processes
+    step_size = args.mini_batch_size * args.gradient_accumulation_steps
+    exact_div(args.batch_size, step_size, "batch_size / (mini_batch_size * gradient_accumulation_steps)")
+    args.num_updates = exact_div(
+        args.total_episodes, args.batch_size * args.world_size, "total_episodes / (batch_size * world_size)"
+    )
+    exact_div(args.batch_size, args.generation_batch_size or args.batch_size, "batch_size / generation_batch_size")
+    return step_size
 
 
 def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int):
@@ -1119,6 +1115,18 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
     columns = {"query": queries_text, "response": responses_text, "score": scores.tolist()}
     logger.samples("eval samples", columns, update, console=update in (0, args.num_updates))  # between: TensorBoard only
     return metrics
+
+
+def log_samples(args: Args, rollout: Rollout, scorer: Scorer, logger, policy, ref_model, sampled: tuple, step: int):
+    """The update's sample table (query, response, score), with the reference model's responses to the same queries
+    and their scores beside them (and env/ref_reward_mean) with --log-ref-responses."""
+    rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
+    columns = {"query": [text_of(p) for p in prompts], "response": responses_text, "score": raw_scores.tolist()}
+    if args.log_ref_responses:
+        columns |= ref_responses(rollout, scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens)
+        ref_mean = reduce_mean(rollout.accelerator, {"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()})
+        logger.log(ref_mean, step)
+    logger.samples("samples", columns, step)
 
 
 @torch.no_grad()

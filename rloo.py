@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from common.chat import text_of
 from common.checkpoints import save_checkpoint
 from common.cli import cli
-from common.core import UsageError, exact_div, nanstd
+from common.core import UsageError, nanstd
 from common.outputs import check_finite
 from common.rollout import (
     Engine,
@@ -44,6 +44,7 @@ from common.rollout import (
     save_policy,
     score,
     summary,
+    update_sizes,
 )
 from common.run import end_run, start_run
 
@@ -306,14 +307,10 @@ def main(args: Args) -> None:
     check(args)
     # accumulate(): DDP syncs and DeepSpeed steps only at each optimizer step's last mini-batch
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    device, world = accelerator.device, accelerator.num_processes
-    per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
-    step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
-    exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
-    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
+    device = accelerator.device
+    num_updates, step_size, optimizer_steps = update_sizes(args, accelerator)  # step_size: completions a step
     run_name, logger = start_run(args, accelerator)
     task = load_online_task(args, accelerator, num_updates)  # the tokenizer, the rows, the rewards, the tools
-    optimizer_steps = num_updates * args.num_iterations * per_process // step_size
     model, ref_model, optimizer, scheduler = load_policy(args, accelerator, optimizer_steps)
     policy = accelerator.unwrap_model(model, keep_torch_compile=False)  # what samples, evaluates and is saved
     engine = Engine(args, task, policy, accelerator)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import text_of
 from common.checkpoints import full_weights, load_checkpoint
-from common.core import UsageError, check_args, nanstd, warn_once, weight_decay_groups
+from common.core import UsageError, check_args, exact_div, nanstd, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, write_model_card
@@ -152,6 +152,17 @@ def load_online_task(args, accelerator: Accelerator, num_updates: int) -> Task:
         f"prompts x {args.num_generations} completions"
     )
     return Task(tokenizer, train_rows, eval_rows, chat, reward_funcs, torch.tensor(weights, device=device), toolset)
+
+
+def update_sizes(args, accelerator: Accelerator) -> tuple[int, int, int]:
+    """The batch arithmetic of an online run, checked against the process count (one line on a mismatch): its updates,
+    the completions of one optimizer step on each process, and its optimizer steps (for the learning-rate schedule)."""
+    per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
+    step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
+    exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
+    world = accelerator.num_processes
+    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
+    return num_updates, step_size, num_updates * args.num_iterations * per_process // step_size
 
 
 def batch_rows(args, task: Task, accelerator: Accelerator, update: int) -> list[dict]:

@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT, check_model_card, run_failing, run_script
 from diffusers import DDIMScheduler
 
-from ddpo import PerPromptStatTracker, ddim_step_with_logprob, ddpo_loss, jpeg_compressibility
+from ddpo import PerPromptStatTracker, ddim_step_with_logprob, ddpo_loss, jpeg_compressibility, shuffle_samples
 
 DDPO = os.path.join(ROOT, "ddpo.py")
 TINY = [
@@ -75,6 +75,23 @@ def test_ddpo_loss_by_hand():
     # per sample max(-A r, -A clip(r, 0.8, 1.2)): -1.2, 1.5, -1.0, 0.4
     assert ddpo_loss(advantages, 0.2, ratio).item() == pytest.approx((-1.2 + 1.5 - 1.0 + 0.4) / 4)
     assert ddpo_loss(advantages, 0.2, torch.ones(4)).item() == pytest.approx(-advantages.mean().item())
+
+
+def test_shuffle_keeps_each_step_with_its_sample():
+    n, steps = 5, 4  # latent t of sample i holds 100 i + t: every shuffled field must still agree with it
+    latents = (100 * torch.arange(n)[:, None] + torch.arange(steps + 1)).float()[..., None]  # [n, T+1, 1]
+    samples = dict(latents=latents, log_probs=latents[:, :-1, 0] + 0.5, timesteps=torch.arange(steps).repeat(n, 1))
+    samples["advantages"] = torch.arange(n).float()
+    torch.manual_seed(0)
+    out = shuffle_samples(samples, steps)
+    x = out["latents"][..., 0]  # [n, T]: the step's latent
+    assert torch.equal(out["next_latents"][..., 0], x + 1)
+    assert torch.equal(out["log_probs"], x + 0.5)
+    assert torch.equal(out["timesteps"].float(), x % 100)
+    assert torch.equal(out["advantages"][:, None].expand(n, steps), x // 100)
+    assert sorted(out["advantages"].tolist()) == list(range(n))  # every sample once
+    assert all(sorted(row.tolist()) == list(range(steps)) for row in out["timesteps"])  # every step once
+    assert not torch.equal(out["timesteps"], samples["timesteps"])  # and the steps really are shuffled
 
 
 def test_per_prompt_stat_tracker_falls_back_then_normalises_per_prompt():
@@ -191,6 +208,7 @@ def test_full_fine_tuning_saves_a_pipeline(tmp_path):
     assert trained.keys() == base.keys() and any(not torch.equal(trained[k], base[k]) for k in base)
 
 
+@pytest.mark.slow
 def test_ddpo_raises_the_compressibility_reward(tmp_path):
     # measured: eval reward (the same 16 prompts and noise before and after) -1.598 -> -1.576 in 5 epochs
     out = run_script([DDPO, "--num-epochs", "5", "--eval-samples", "16", "--save-freq", "0"], tmp_path)

@@ -98,6 +98,7 @@ def test_tokenize_pair_seq2seq_prompt_to_encoder_answers_to_labels():
     assert out["prompt_input_ids"] == ids(prompt)[:6] and out["chosen_labels"] == ids(" yes" * 4)  # cut: no EOS
 
 
+@pytest.mark.slow
 def test_encoder_decoder_dpo_learns_and_logs_the_true_seq2seq_logps(tmp_path):
     """The tiny T5 policy: prompt to the encoder, answers as decoder labels. The preferences are learnt, the saved model
     loads with AutoModelForSeq2SeqLM, and its log-probs of the eval answers computed by T5 itself from `labels`
@@ -181,6 +182,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
     assert all(torch.allclose(live[k], pre[k], atol=1e-6) for k in live)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])  # summed and per-token averaged log-probs
 def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
     runs = {}
@@ -215,6 +217,7 @@ def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
     assert all(torch.allclose(chunked[k], full[k], atol=1e-5) for k in chunked)
 
 
+@pytest.mark.slow
 def test_dpo_options_run(tmp_path, pairs_file):
     for flags in (
         ["--loss-type", "ipo", "--use-peft", "--lora-r", "4", "--generate-during-eval", "--gradient-checkpointing"],
@@ -235,6 +238,7 @@ def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "2", "--resume-from", checkpoint], tmp_path)
 
 
+@pytest.mark.slow
 def test_dpo_learns_the_preferences(tmp_path):
     out = run_script(
         [

@@ -83,6 +83,7 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     )
 
 
+@pytest.mark.slow
 def test_gkd_student_moves_towards_a_fixed_teacher(tmp_path):
     """On-policy GKD pulls a random tiny student towards builtin:tiny-arith: the per-token KL to the teacher on the
     student's own samples falls by more than half in 45 steps. Forward KL (beta 0): between distributions this far apart

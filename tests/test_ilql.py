@@ -134,6 +134,7 @@ def test_tokenize_sample_positions_and_truncation():
     assert tokenize_sample(tokenizer, None, "hi", 8)["input_ids"][0] == tokenizer.bos_token_id
 
 
+@pytest.mark.slow
 def test_smoke_resume_and_saved_model(tmp_path):
     straight_out = run_script([ILQL, *TINY, "--max-steps", "4", "--save-steps", "2", "--output-dir", "straight"], tmp_path)
     out = run_script(
@@ -241,6 +242,7 @@ def test_logit_mask_restricts_generation(tmp_path, positive_mask_file):
     assert behaviour > 0.5 and steered > 0.5, out[-3000:]
 
 
+@pytest.mark.slow
 def test_advantage_steering_prefers_the_rewarded_answer(tmp_path):
     """Half the answers are " yes" (reward 1), half " no" (reward 0): the behaviour policy says yes about half the
     time, the advantage-shifted policy (beta = 4) should mostly say yes. Eval scores with VADER: yes 0.40, no -0.30.

@@ -75,6 +75,7 @@ def assert_equal_runs(cwd, names: list[str], tag: str, lr: float, files=("model.
             assert gap <= lr / 4, (name, file, gap)
 
 
+@pytest.mark.slow
 def test_sft_is_the_same_under_one_process_ddp_and_fsdp_and_resumes_under_fsdp(tmp_path, no_dropout):
     """Global batch 8: 1 x 8 == DDP 2 x 4 == FSDP2 2 x 4 (the loss is the mean over the global batch's tokens, pooled
     over the ranks), with the same warmup schedule; an FSDP2 checkpoint (every rank's part of the sharded state)
@@ -103,6 +104,7 @@ def test_sft_is_the_same_under_one_process_ddp_and_fsdp_and_resumes_under_fsdp(t
     assert all(torch.equal(v, straight[k]) for k, v in model.state_dict().items() if k in straight)
 
 
+@pytest.mark.slow
 def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pairs_file):
     """The reference model sharded like the policy under FSDP2; eval samples decoded on every rank in step. 9 pairs of
     40 are held out: rank 0's 5 take two batches of 4, rank 1's 4 one, so rank 1 scores a stand-in batch at weight 0
@@ -116,6 +118,7 @@ def test_dpo_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout, pa
     assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], "train/loss", lr=1e-4)
 
 
+@pytest.mark.slow
 def test_ilql_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout):
     """Every ilql term is a mean over the global batch's actions, pooled over the ranks (per-rank means differed from one
     process by up to 5e-2 relative); its new heads start as rank 0 drew them on every rank (FSDP2 sharded each rank's
@@ -132,6 +135,7 @@ def test_ilql_is_the_same_under_one_process_ddp_and_fsdp(tmp_path, no_dropout):
         assert_equal_runs(tmp_path, ["one", "ddp", "fsdp"], tag, lr=1e-3, files=files)
 
 
+@pytest.mark.slow
 def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
     """Sampling draws from per-rank seeds, so 2 processes see other completions than 1 (docs/scaling.md): DDP x2 and
     FSDP2 x2 sample the same ones, and must then train the same model. grpo pools the reward statistics over the ranks
@@ -155,6 +159,7 @@ def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
     assert_equal_runs(tmp_path / "ppo", ["ddp", "fsdp"], "ppo/loss/total", lr=7e-5, files=files)
 
 
+@pytest.mark.slow
 def test_grpo_and_ppo_under_deepspeed_zero3_train_as_one_process(tmp_path):
     """DeepSpeed's engine steps at every backward that accelerate does not mark as accumulating, clips by its own config
     and, under ZeRO-3, holds each parameter as an empty placeholder outside a forward. Under ZeRO-3, grpo with 2

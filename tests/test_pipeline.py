@@ -2,6 +2,7 @@ import json
 import os
 import sys
 
+import pytest
 from conftest import ROOT, run_script
 
 PIPELINE = os.path.join(ROOT, "pipeline.py")
@@ -16,6 +17,7 @@ def test_distinct_bigrams_by_hand():
     assert distinct_bigrams(["", "one"]) == 0.0
 
 
+@pytest.mark.slow
 def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
     # a `python` first on PATH that is not this interpreter (as when a venv's python is called without activating it):
     # the stages must still run under sys.executable

@@ -10,9 +10,18 @@ from conftest import RANDOM_MODEL, ROOT, check_model_card, read_scalars, run_fai
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.core import LogitMask, UsageError, logprobs_from_logits
+from common.core import LogitMask, RunningMoments, UsageError, logprobs_from_logits
 from common.models import AutoModelForCausalLMWithValueHead
-from ppo import RewardAdapter, Scorer, compute_advantages, compute_rewards, forward, ppo_loss, truncate_responses
+from ppo import (
+    RewardAdapter,
+    Scorer,
+    compute_advantages,
+    compute_rewards,
+    forward,
+    ppo_loss,
+    shape_scores,
+    truncate_responses,
+)
 
 PPO = os.path.join(ROOT, "ppo.py")
 RM = os.path.join(ROOT, "reward_modeling.py")
@@ -53,6 +62,16 @@ def test_compute_rewards_full_kl_over_vocabulary():
     _, _, kls = compute_rewards(torch.tensor([3.0]), p.log(), q.log(), torch.ones(1, 2), 1.0, "full")
     expected = sum(a * math.log(a / b) for a, b in zip([0.7, 0.2, 0.1], [0.4, 0.4, 0.2]))
     close(kls, [[expected, 0.0]])
+
+
+def test_shape_scores_penalises_then_scales_then_clips():
+    args = SimpleNamespace(missing_eos_penalty=1.0, use_score_scaling=True, use_score_norm=False, score_clip=2.0)
+    raw, ended = torch.tensor([1.0, 3.0]), torch.tensor([True, False])
+    # the second lost 1 (no EOS): [1, 2], over their std 1 / sqrt(2): [1.41, 2.83], the second clipped to 2
+    close(shape_scores(args, raw, ended, RunningMoments(), lambda x: x), [2**0.5, 2.0])
+    args.use_score_norm = True  # centred first: [-0.5, 0.5] / 0.71
+    close(shape_scores(args, raw, ended, RunningMoments(), lambda x: x), [-(0.5**0.5), 0.5**0.5])
+    close(raw, [1.0, 3.0])  # the raw scores are logged as they were
 
 
 def test_compute_advantages_by_hand_with_padding():
@@ -185,6 +204,7 @@ def test_truncate_responses_after_eos_and_stop_sequences():
     assert ended.tolist() == [True, True, False]
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_sizes_and_long_prompts(tmp_path):
     assert "is not divisible by" in run_failing(
         [PPO, *TINY, "--overwrite", "--batch-size", "10", "--mini-batch-size", "4"], tmp_path
@@ -222,6 +242,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 2 updates, checkpoint, resume for 2 more (same weights, bit for bit)."""
     straight_out = run_script([PPO, *TINY, "--total-episodes", "32", "--save-freq", "2", "--output-dir", "straight"], tmp_path)
@@ -264,6 +285,7 @@ def test_peft_policy_uses_no_reference_copy_and_saves_merged(tmp_path):
     assert "| use_peft | True |" in check_model_card(tmp_path / "outputs" / "ppo", "ppo")
 
 
+@pytest.mark.slow
 def test_reference_responses_are_logged_without_changing_training(tmp_path):
     out = run_script([PPO, *TINY, "--total-episodes", "16", "--log-ref-responses", "--output-dir", "with_ref"], tmp_path)
     assert "ref response" in out and "ref score" in out  # columns of the printed sample table
@@ -278,6 +300,7 @@ def test_seq2seq_policy_runs(tmp_path):
     assert "ppo: 1 updates" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [
@@ -312,6 +335,7 @@ def test_options_run(tmp_path, flags):
     assert "ppo: 2 updates" in out and ("1 shared blocks" in out) == ("--num-shared-layers" in flags)
 
 
+@pytest.mark.slow
 def test_reward_model_from_local_folder(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -336,6 +360,7 @@ def test_reward_model_from_local_folder(tmp_path):
     assert "returned a NaN or infinite score: [nan, nan]" in error  # the two smoke samples, not a rollout batch
 
 
+@pytest.mark.slow
 def test_two_label_classifier_rewards_with_the_named_logit(tmp_path):
     """TRL's gpt2-sentiment recipe offline: a 2-label (NEGATIVE, POSITIVE) classifier folder; --reward-label POSITIVE
     scores with the POSITIVE logit (the same as its index 1); without a label, or with an unknown one, the run stops
@@ -424,6 +449,7 @@ def test_health_check_warns_on_reward_hacking():
     assert health_check(5.3, 6.0, 0.22, 0.9, 0.95, 0.97, 0.1)[1] is None
 
 
+@pytest.mark.slow
 def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file):
     """Every token may only be followed by " good", " great", " happy" or " love": from the very first update the
     untrained random policy's VADER reward is high (about 0 without the mask)."""
@@ -432,6 +458,7 @@ def test_logit_mask_cli_samples_only_allowed_tokens(tmp_path, positive_mask_file
     assert read_scalars(str(tmp_path / "runs"), "env/reward_mean")[0] > 0.5
 
 
+@pytest.mark.slow
 def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(tmp_path, pairs_file):
     """TRL's multi-adapter RL: reward_modeling.py --use-peft saves a LoRA reward adapter with its score head; loaded as
     a second adapter on the peft policy it gives the merged (and normalised) reward model's scores, with one copy of
@@ -512,6 +539,7 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     )
 
 
+@pytest.mark.slow
 def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):
     """TRL's push_to_hub_if_best: every compare_steps updates the batch reward is compared with the best so far; the best
     checkpoint holds the weights that produced that batch (those of the checkpoint written just before it) and loads
@@ -531,6 +559,7 @@ def test_save_best_keeps_the_policy_of_the_best_batch(tmp_path):
     assert not all(torch.equal(value, final[k]) for k, value in best.items())
 
 
+@pytest.mark.slow
 def test_default_run_learns_inside_its_kl_budget(tmp_path):
     """`python ppo.py` as it comes: the pretrained builtin:tiny-chat policy against builtin:tiny-chat-rm raises the
     held-out reward by more than half a standard deviation of the initial policy's held-out rewards, with the final KL

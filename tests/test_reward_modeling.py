@@ -61,6 +61,7 @@ def test_fold_reward_normalization_applies_gain_and_bias():
     assert torch.allclose(after, 2.0 * before - 0.5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_reward_model_learns_the_preferences(tmp_path):
     out = run_script([RM, *RANDOM_MODEL, "--num-epochs", "2", "--normalize-reward", "--eval-steps", "1000"], tmp_path)
     first, last = [float(x) for x in out.split("eval accuracy ")[1].split(",")[0].split(" -> ")]
@@ -115,6 +116,7 @@ def test_reward_model_options_and_errors(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
     """Scoring a batch in length-sorted groups (each padded to its own longest sequence) trains the same model as one
     pass over the whole padded batch (TRL's): same metrics, same weights."""
@@ -152,6 +154,7 @@ def test_length_groups_change_only_the_padding(tmp_path, pairs_file):
     assert "--length-groups 0" in run_failing([RM, *RANDOM_MODEL, "--length-groups", "0"], tmp_path)
 
 
+@pytest.mark.slow
 def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs_file):
     """2 ranks x 4 pairs per step; --normalize-reward sums the training rewards of both ranks' shards, so the saved
     model scores the whole training split at mean 0 and std 1."""
@@ -182,6 +185,7 @@ def test_reward_model_two_process_ddp_normalises_over_every_rank(tmp_path, pairs
     assert len(rewards) == 72 and abs(rewards.mean().item()) < 1e-4 and rewards.std().item() == pytest.approx(1, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""

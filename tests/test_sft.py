@@ -43,6 +43,7 @@ def test_neftune_noise_scale_and_train_only():
     assert torch.equal(embedding(ids), clean)
 
 
+@pytest.mark.slow
 def test_sft_learns_and_saves_a_loadable_model(tmp_path):
     out = run_script([SFT, "--max-steps", "30", "--eval-steps", "1000", "--max-seq-length", "48"], tmp_path)
     first, last = [float(x) for x in out.split("eval loss ")[1].split(" (")[0].split(" -> ")]
@@ -52,6 +53,7 @@ def test_sft_learns_and_saves_a_loadable_model(tmp_path):
     check_model_card(tmp_path / "outputs" / "sft", "sft")
 
 
+@pytest.mark.slow
 def test_chunked_loss_is_the_models_own_loss(tmp_path):
     losses = {}
     for flag in ("--chunked-loss", "--no-chunked-loss"):  # same seed, same dropout draws: the same training run
@@ -79,6 +81,7 @@ def test_chunked_loss_is_the_models_own_loss(tmp_path):
         assert chunked == pytest.approx(full, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_sft_options_run(tmp_path):
     run_script(
         [
@@ -109,6 +112,7 @@ def test_sft_options_run(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
     """--model-name of a bf16 checkpoint (most hub models): the run loads and saves float32 weights (TRL's default, where
     transformers 5 alone would keep bf16 and Adam's updates would round away); --dtype bfloat16 keeps bf16."""
@@ -126,6 +130,7 @@ def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
         assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {dtype}
 
 
+@pytest.mark.slow
 def test_regionally_compiled_runs_save_plain_models(tmp_path):
     """accelerate's regional compilation (`--dynamo_backend` with use_regional_compilation) wraps each submodule of the
     prepared model in torch.compile, whose state dicts name every weight `..._orig_mod...`; the checkpoint and the final
@@ -148,6 +153,7 @@ def test_regionally_compiled_runs_save_plain_models(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "compiled")
 
 
+@pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 steps straight == 3 steps, checkpoint, resume for 1 more (same weights, bit for bit), across an epoch's
     reshuffle and gradient accumulation; the checkpoint also loads with plain from_pretrained."""
@@ -245,6 +251,7 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path):
     assert "has no chat template" in run_failing([SFT, *flags, "--overwrite"], tmp_path)  # the built-in tokenizer has none
 
 
+@pytest.mark.slow
 def test_checkpoints_are_pruned_per_run_and_a_resume_says_what_changed(tmp_path):
     """--save-total-limit keeps the newest checkpoints of this run only: another run's in the same folder stay. A resume
     names the arguments that differ from the checkpoint's, and a checkpoint whose random state cannot be read is an
