@@ -35,7 +35,11 @@ BUDGETS = {
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
     "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "4", "--batch-size", "4", "--mini-batch-size", "4"]},
-    "grpo": {"TOTAL_PROMPTS": 32, "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"]},
+    "grpo": {
+        "TOTAL_PROMPTS": 32,
+        "STALE_UPDATES": 1,
+        "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"],
+    },
     # one thread: its runs are subprocesses beside the other pytest worker (2 threads each would oversubscribe 2 cores)
     "real_model": {"UPDATES": 1, "FLAGS": ["--eval-samples", "1", "--eval-problems", "4", "--threads", "1"]},
     "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
@@ -46,6 +50,7 @@ def test_every_notebook_has_a_budget():
     assert sorted(name[: -len(".ipynb")] for name in os.listdir(NOTEBOOKS) if name.endswith(".ipynb")) == sorted(BUDGETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_notebook_runs_and_renders_its_plots(name, tmp_path):
     notebook = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
