@@ -1,0 +1,249 @@
+"""Stale rollouts on the real model: grpo.py at the real-model recipe (builtin:smollm2-135m-instruct on reasoning-gym
+chain_sum as chat prompts, 8 prompts x 4 completions of 32 tokens a update, 20 updates, learning rate 1e-5, beta 0; the
+64 held-out problems of benchmarks/real_model.py, evaluated by grpo.py every 5 updates) with the rollout of update t
+sampled by the weights of update t - k (--max-staleness k, the deterministic mode), over seeds:
+
+- k = 0, 1 and 4, the sampler's drift corrected as TRL 1.16 does by default (the policy at the update's start
+  recomputed, the rollout weighted by its sequence-level ratio to the sampler, zeroed outside [0, 3]: sequence_mask);
+- k = 4 with no correction (--no-importance-sampling-correction), and with the ratio taken against the sampler itself
+  (--old-logprobs sampler, TRL's AsyncGRPO);
+- the asynchronous mode (--async-rollouts, k = 1) against the synchronous loop at equal updates: wall-clock;
+- what skipping the old-log-prob forward saves (--old-logprobs sampler), where one is needed: two passes over each
+  rollout (--num-iterations 2; with one optimizer step per rollout, the recipe's, pi_old is the training forward's own).
+
+Each final model is then evaluated as benchmarks/real_model.py evaluates every method (its `evaluate`): greedy and
+sampled accuracy on the 64 held-out problems, the KL to the initial model, the reply length and the distinct answers.
+
+Writes benchmarks/RESULTS-offpolicy.json, RESULTS-offpolicy.md and RESULTS-offpolicy.png; resumable (what is in the
+JSON is kept unless --rerun).
+
+    python benchmarks/offpolicy.py                       # every run, seeds 1 2 3 (about 2 hours on 2 cores)
+    python benchmarks/offpolicy.py --report-only
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+from records import machine, scalars
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "RESULTS-offpolicy.json")
+RECIPE = (
+    "--model-name builtin:smollm2-135m-instruct --dataset-name reasoning-gym:chain_sum --data-seed 1 "
+    "--max-completion-length 32 --log-freq 10 --eval-samples 64 --batch-size 8 --num-generations 4 --mini-batch-size 8 "
+    "--gradient-accumulation-steps 4 --total-prompts 160 --learning-rate 1e-5 --eval-freq 5"
+).split()
+RUNS = {  # name: (flags, seeds or None for every seed, what it is)
+    "k0": ([], None, "on-policy (k = 0)"),
+    "k1": (["--max-staleness", "1"], None, "k = 1, corrected (sequence_mask)"),
+    "k4": (["--max-staleness", "4"], None, "k = 4, corrected (sequence_mask)"),
+    "k4_none": (["--max-staleness", "4", "--no-importance-sampling-correction"], None, "k = 4, no correction"),
+    "k4_sampler": (["--max-staleness", "4", "--old-logprobs", "sampler"], None, "k = 4, ratio to the sampler (AsyncGRPO)"),
+    "k1_async": (["--max-staleness", "1", "--async-rollouts"], [1], "k = 1, asynchronous (a sampling thread)"),
+    "k1_2it": (["--max-staleness", "1", "--num-iterations", "2"], [1], "k = 1, two passes, pi_old recomputed"),
+    "k1_2it_sampler": (
+        ["--max-staleness", "1", "--num-iterations", "2", "--old-logprobs", "sampler"],
+        [1],
+        "k = 1, two passes, pi_old = the sampler (no forward)",
+    ),
+}
+
+
+@dataclass
+class Args:
+    runs: list[str] = field(default_factory=lambda: list(RUNS))
+    """which runs: k0 k1 k4 k4_none k4_sampler k1_async k1_2it k1_2it_sampler"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """training seeds (the problems and the held-out evaluation stay fixed: --data-seed 1)"""
+    out: str = "outputs/offpolicy"
+    """where the runs write their models and logs"""
+    rerun: bool = False
+    """run again what the JSON already holds"""
+    report_only: bool = False
+    """only write the report and the plot from the JSON"""
+
+
+def run(name: str, seed: int, out: str) -> dict:
+    flags, _, _ = RUNS[name]
+    folder = os.path.join(out, f"{name}_{seed}")
+    command = ["python", "grpo.py", *RECIPE, "--seed", str(seed), *flags, "--output-dir", folder, "--overwrite"]
+    command += ["--log-dir", folder + "_runs"]
+    start = time.time()
+    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    wall = time.time() - start
+    log = os.path.join(ROOT, folder + "_runs")
+    curve = scalars(log, "eval/reward")
+    steps = [v for _, v in scalars(log, "time/step")]
+    result = dict(
+        command=" ".join(command[:-4]),
+        wall_s=wall,
+        step_s=statistics.median(steps),
+        curve=curve,
+        accuracy=curve[-1][1],
+        kl=None,
+        length=scalars(log, "eval/completion_length")[-1][1],
+        top_answer_share=scalars(log, "eval/top_answer_share")[-1][1],
+        train_reward=[v for _, v in scalars(log, "reward")],
+        machine=machine(),
+        final=final(folder),
+    )
+    for tag in ("staleness/mean", "importance_sampling/ratio_mean", "importance_sampling/corrected_fraction",
+                "importance_sampling/ratio_min", "importance_sampling/ratio_max", "staleness/dropped",
+                "time/waited_for_rollouts", "time/generate"):  # fmt: skip
+        values = [v for _, v in scalars(log, tag)]
+        if values:
+            result[tag] = values
+    return result
+
+
+FINAL = ("greedy", "sampled", "kl", "length", "distinct")
+
+
+def spread(values: list[float], digits: int) -> str:
+    """mean ± sd over the seeds; the one value where there is one seed."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def final(folder: str) -> dict:
+    """The saved model evaluated as benchmarks/real_model.py evaluates every method (2 sampled replies per problem)."""
+    sys.path.insert(0, HERE)
+    from real_model import evaluate
+
+    return evaluate(os.path.join(ROOT, folder), samples=2)
+
+
+def runs_of(results: dict, name: str) -> list[dict]:
+    """The seeds' runs of RUNS[name] (the keys are name_seed)."""
+    return [run for key, run in results["runs"].items() if key.rsplit("_", 1)[0] == name]
+
+
+def table(results: dict) -> list[str]:
+    """The runs' table: each row's flags, grpo.py's held-out accuracy in training, its speed, and the final model's
+    evaluation (mean ± sd over the seeds)."""
+    lines = [
+        "| run | flags | seeds | held-out accuracy in training, start -> end (mean ± sd [min, max]) | median s/update | "
+        "wall (mean) | greedy | sampled | KL to the start | reply tokens | distinct answers (of 2) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (flags, _, label) in RUNS.items():
+        rows = runs_of(results, name)
+        if not rows:
+            continue
+        ends = [r["accuracy"] for r in rows]
+        start = statistics.fmean(r["curve"][0][1] for r in rows)
+        end = spread(ends, 2) + (f" [{min(ends):.2f}, {max(ends):.2f}]" if len(ends) > 1 else "")
+        lines.append(
+            f"| {label} | `{' '.join(flags) or '-'}` | {len(rows)} | {start:.2f} -> {end} | "
+            f"{statistics.median(r['step_s'] for r in rows):.1f} | "
+            f"{statistics.fmean(r['wall_s'] for r in rows) / 60:.1f} min | "
+            + " | ".join(spread([r["final"][k] for r in rows], 1 if k == "length" else 2) for k in FINAL)
+            + " |"
+        )
+    return lines
+
+
+def report(results: dict) -> None:
+    """RESULTS-offpolicy.md and its PNG from the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [
+        "# Stale rollouts on the real model",
+        "",
+        f"`python benchmarks/offpolicy.py` ({results['machine']}, `python`, torch's default threads). The recipe: `python "
+        f"grpo.py {' '.join(RECIPE)} --seed N` plus each row's flags; held-out accuracy is grpo.py's own evaluation of "
+        "the 64 held-out problems (one sampled reply each, the same seed at every evaluation).",
+        "",
+        "The last columns evaluate each final model as `benchmarks/real_model.py` does (greedy, and 2 sampled replies "
+        "per held-out problem; KL to the initial model in nats per reply, on the model's own replies); mean ± sd over "
+        "the seeds.",
+        "",
+    ]
+    lines += table(results)
+    lines += ["", "## Importance ratios of the stale rollouts", ""]
+    for name in ("k1", "k4", "k4_none"):
+        rows = runs_of(results, name)
+        if rows and "importance_sampling/ratio_mean" in rows[0]:
+            means = [v for r in rows for v in r["importance_sampling/ratio_mean"]]
+            low = min(v for r in rows for v in r["importance_sampling/ratio_min"])
+            high = max(v for r in rows for v in r["importance_sampling/ratio_max"])
+            zeroed = statistics.fmean(v for r in rows for v in r["importance_sampling/corrected_fraction"])
+            lines.append(
+                f"- {RUNS[name][2]}: sequence ratio pi_old / pi_sampler mean {statistics.fmean(means):.3f} over the "
+                f"updates (range {low:.3g} to {high:.3g}); {zeroed:.1%} of the sequences zeroed by the mask on average"
+            )
+    sync, asynchronous = results["runs"].get("k0_1"), results["runs"].get("k1_async_1")
+    if sync and asynchronous:
+        lines += [
+            "",
+            "## The asynchronous mode's wall-clock",
+            "",
+            f"Seed 1, 20 updates each: the synchronous loop (k = 0) {sync['wall_s'] / 60:.1f} min "
+            f"({sync['step_s']:.1f} s per update), the asynchronous one (k = 1, a sampling thread beside the trainer) "
+            f"{asynchronous['wall_s'] / 60:.1f} min ({asynchronous['step_s']:.1f} s per update); the trainer waited "
+            f"{sum(asynchronous.get('time/waited_for_rollouts', [0])[-1:]):.0f} s for rollouts in all, and "
+            f"{sum(asynchronous.get('staleness/dropped', [0])[-1:]):.0f} rollouts were dropped. On 2 cores the "
+            "sampling thread and the trainer share the same cores; on a GPU, where sampling and training would overlap, "
+            "it has not been measured.",
+        ]
+    recompute, sampler = results["runs"].get("k1_2it_1"), results["runs"].get("k1_2it_sampler_1")
+    if recompute and sampler:
+        lines += [
+            "",
+            "## The old-log-prob forward",
+            "",
+            "With one optimizer step per rollout (the recipe) pi_old is the training forward's own, detached, and no "
+            "forward is spent on it. With two passes over each rollout (`--num-iterations 2`, seed 1) it is recomputed "
+            f"at each update's start: {recompute['step_s']:.1f} s per update with the forward, "
+            f"{sampler['step_s']:.1f} s with `--old-logprobs sampler` (pi_old is the sampler's log-probs, kept from "
+            f"the decoding), {recompute['step_s'] - sampler['step_s']:+.1f} s per update.",
+        ]
+    with open(os.path.join(HERE, "RESULTS-offpolicy.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, (_, _, label) in RUNS.items():
+        rows = runs_of(results, name)
+        if not rows or name in ("k1_async", "k1_2it", "k1_2it_sampler"):
+            continue
+        steps = [u for u, _ in rows[0]["curve"]]
+        mean = [statistics.fmean(r["curve"][i][1] for r in rows) for i in range(len(steps))]
+        axes[0].plot(steps, mean, marker="o", label=label)
+        seconds = [statistics.fmean(r["step_s"] for r in rows) * u / 60 for u in steps]
+        axes[1].plot(seconds, mean, marker="o", label=label)
+    axes[0].set(xlabel="update", ylabel="held-out accuracy (sampled)", title="against updates")
+    axes[1].set(xlabel="minutes of training (median s/update x updates)", title="against wall-clock")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(os.path.join(HERE, "RESULTS-offpolicy.png"), dpi=100)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    results = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {"runs": {}}
+    results["machine"] = results.get("machine", machine())
+    for name in args.runs if not args.report_only else ():
+        for seed in RUNS[name][1] or args.seeds:
+            key = f"{name}_{seed}"
+            if key in results["runs"] and not args.rerun:
+                continue
+            results["runs"][key] = run(name, seed, args.out)
+            print(
+                f"{key}: held-out {results['runs'][key]['accuracy']:.3f}, {results['runs'][key]['wall_s'] / 60:.1f} min",
+                flush=True,
+            )
+            with open(RESULTS, "w") as f:
+                json.dump(results, f, indent=1)
+    report(results)
