@@ -2,11 +2,14 @@
 
 - each algorithm page's flag table (between `<!-- flags -->` and `<!-- /flags -->`), from the script's `Args`:
   every field as its `--flag`, default and docstring (the text of `--help`);
+- every figure block (between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`) in README.md and docs/, rendered
+  by FIGURES[NAME] from the results file (JSON) that the command which measured it wrote: a number is typed once, by
+  the command, and a page can only show what its record holds;
 - docs/img/: the training curves of each notebook's run (the cell that plots its TensorBoard scalars) and the
   real-model plots of benchmarks/.
 
-    python docs/build_assets.py            # rewrite both
-    python docs/build_assets.py --check    # exit status 1 if a page's flag table is out of date (CI runs the test)
+    python docs/build_assets.py            # rewrite them all
+    python docs/build_assets.py --check    # exit status 1 if a flag table or a figure is out of date (CI runs it)
 """
 
 import base64
@@ -27,7 +30,7 @@ CURVES = "logs = scalars(LOGS)"
 def flag_table(script: str) -> str:
     """The markdown table of `script`'s flags: name, default, help (the docstring under the field)."""
     sys.path.insert(0, ROOT)
-    from common.run import _flowing_help
+    from common.cli import _flowing_help
 
     args = importlib.import_module(script).Args
     _flowing_help(args)
@@ -49,6 +52,270 @@ def page_with_flags(script: str) -> tuple[str, str]:
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return text, f"{head}{START}\n{flag_table(script)}\n{END}{tail}"
+
+
+def record(name: str) -> dict:
+    with open(os.path.join(ROOT, "benchmarks", name)) as f:
+        return json.load(f)
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} minutes"
+
+
+def test_times() -> str:
+    """The fast tier's and the whole suite's wall time (benchmarks/RESULTS-tests.json, `python
+    benchmarks/test_times.py`)."""
+    r = record("RESULTS-tests.json")
+    fast, full = r["fast"], r["full"]
+    return (
+        f"On {r['machine']} (`{r['command']}`): the fast tier ran {fast['passed']} tests in {minutes(fast['seconds'])}, "
+        f"the whole suite {full['passed']} tests in {minutes(full['seconds'])}, every built-in cached."
+    )
+
+
+def real_model_table() -> str:
+    """The side-by-side table of the real model's results (benchmarks/RESULTS-real-model.json, `python
+    benchmarks/real_model.py --seeds 1 2 3`): mean ± sd over the seeds, the sampled accuracy's min and max."""
+    r = record("RESULTS-real-model.json")
+    labels = {
+        "grpo": "`grpo.py` (the verifier's reward)",
+        "rloo": "`rloo.py`",
+        "ppo": "`ppo.py --reward-funcs verifier`",
+        "rft": "rejection-sampling SFT (`sft.py`)",
+        "dpo": "`dpo.py` on verifier-ranked pairs",
+        "rm_ppo": "reward model (16 replies per question), then `ppo.py` against it",
+        "rm_ppo_kl": "a reward model trained the same way, then `ppo.py` with the KL held near 2 (`--target 2 --horizon 32`)",
+        "rm_ppo_small": "the first try: reward model on DPO's pairs, then `ppo.py`",
+        "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
+        "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
+    }
+
+    def value(stat: dict, digits: int, spread: bool = False) -> str:
+        text = f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
+        return text + (f" [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]" if spread else "")
+
+    base = r["base"]
+    rows = [
+        "| method | seeds | greedy accuracy | sampled accuracy [min, max] | KL to the start | reply tokens |",
+        "|---|---|---|---|---|---|",
+        f"| before training | - | {base['greedy']:.2f} | {base['sampled']:.2f} | 0 | {base['length']:.1f} |",
+    ]
+    for method, label in labels.items():
+        a = r["aggregate"][method]
+        rows.append(
+            f"| {label} | {a['sampled']['n']} | {value(a['greedy'], 2)} | {value(a['sampled'], 2, spread=True)} | "
+            f"{value(a['kl'], 2)} | {value(a['length'], 1)} |"
+        )
+    return "\n".join(rows)
+
+
+def default_runs(script: str) -> str:
+    """The offline default run of `script` over seeds (benchmarks/RESULTS-default-runs.json, `python
+    benchmarks/default_runs.py`): the script's own held-out score and training reward, then the initial and the saved
+    model evaluated on the same held-out problems."""
+    r = record("RESULTS-default-runs.json")
+    runs = {k: v for k, v in r["runs"].items() if k.startswith(f"{script}-")}
+    samples = next(iter(runs.values()))["final"]["samples"]
+    rows = [
+        "| seed | held-out score in training, first -> last evaluation | train reward, first -> last tenth | greedy "
+        f"accuracy | sampled accuracy ({samples} per problem) | distinct answers (of {samples}) | reply tokens | KL to "
+        "the start (nats per reply) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in sorted(runs.items()):
+        a, b = run["final"]["start"], run["final"]["end"]
+        rows.append(
+            f"| {name.split('-')[-1]} | {run['eval'][0]:.3f} -> {run['eval'][1]:.3f} | {run['train'][0]:.3f} -> "
+            f"{run['train'][1]:.3f} | {a['greedy']:.2f} -> {b['greedy']:.2f} | {a['sampled']:.2f} -> {b['sampled']:.2f} | "
+            f"{a['distinct']:.2f} -> {b['distinct']:.2f} | {a['length']:.1f} -> {b['length']:.1f} | {b['kl']:.2f} |"
+        )
+    first = sum(v["eval"][0] for v in runs.values()) / len(runs)
+    last = sum(v["eval"][1] for v in runs.values()) / len(runs)
+    rows.append(f"| mean | {first:.3f} -> {last:.3f} ({last - first:+.3f}) | | | | | | |")
+    where = (
+        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each row `python {script}.py --seed N`. The "
+        f"columns from greedy accuracy on evaluate the initial and the saved model on the run's {run['final']['problems']} "
+        f"held-out problems, {samples} sampled replies each (temperature 1); the KL is the saved model's to the initial "
+        "one on its own replies."
+    )
+    return "\n".join(rows) + f"\n\n{where}"
+
+
+def agents_calculator() -> str:
+    """The calculator table and the machines of benchmarks/RESULTS-agents.md, which `python benchmarks/agent_runs.py`
+    renders from RESULTS-agents.json."""
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS-agents.md")) as f:
+        lines = f.read().splitlines()
+    machines = next(line for line in lines if line.startswith("Machines"))
+
+    def table(head: str) -> list[str]:
+        start = next(i for i, line in enumerate(lines) if line.startswith(head))
+        return lines[start : next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))]
+
+    sft = table("| SFT steps | well-formed call | accuracy |")
+    text = "\n".join(table("| model |")) + "\n\nThe SFT warm start, each checkpoint of one run evaluated:\n\n"
+    return text + "\n".join(sft) + f"\n\n{machines}"
+
+
+REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's methods
+    "grpo": "GRPO (`grpo.py`, the verifier's reward)",
+    "rloo": "RLOO (`rloo.py`, the verifier's reward)",
+    "ppo": "PPO (`ppo.py --reward-funcs verifier`, value head, adaptive KL)",
+    "rft": "rejection-sampling SFT (`sft.py` on its own correct replies, 2 epochs)",
+    "dpo": "DPO (`dpo.py` on verifier-ranked pairs of its own replies)",
+    "rm_ppo": "reward model on 16 replies per question (up to 8 pairs each, 1 epoch), then PPO against it",
+    "rm_ppo_kl": "a reward model trained the same way, then PPO with the KL held near 2 nats (`--target 2 --horizon 32`)",
+    "rm_ppo_small": "the first try: reward model on DPO's pairs (2 epochs), then PPO against it",
+    "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
+    "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
+}
+
+
+def real_model_full_table() -> str:
+    """docs/real-model.md's table: every column of benchmarks/RESULTS-real-model.json's aggregate, and each method's
+    statistics over its seeds with their min and max, and the comparisons with TRL that real_model.py makes."""
+    r = record("RESULTS-real-model.json")
+
+    def value(stat: dict, digits: int = 2, spread: bool = False) -> str:
+        text = f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
+        return text + (f" [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]" if spread else "")
+
+    base = r["base"]
+    rows = [
+        "| method | seeds | completions sampled | greedy accuracy | sampled accuracy (2 per problem) [min, max] | KL to "
+        "the start (nats per reply) | reply tokens | distinct answers (of 2) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| SmolLM2-135M-Instruct, before training | - | 0 | {base['greedy']:.2f} | {base['sampled']:.2f} | 0 | "
+        f"{base['length']:.1f} | {base['distinct']:.2f} |",
+    ]
+    for method, label in REAL_MODEL_ROWS.items():
+        a = r["aggregate"][method]
+        rows.append(
+            f"| {label} | {a['sampled']['n']} | {a['completions']['mean']:,.0f} | {value(a['greedy'])} | "
+            f"{value(a['sampled'], spread=True)} | {value(a['kl'])} | {value(a['length'], 1)} | {value(a['distinct'])} |"
+        )
+    seeds = [
+        f"- {REAL_MODEL_ROWS[m].split(' (')[0]} over {r['aggregate'][m]['sampled']['n']} seeds: sampled "
+        f"{value(r['aggregate'][m]['sampled'], spread=True)}, greedy {value(r['aggregate'][m]['greedy'], spread=True)}, "
+        f"KL {value(r['aggregate'][m]['kl'], spread=True)}"
+        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo")
+    ]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from real_model import comparison
+
+    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo")}
+    tests = comparison(stats, problems=64, samples=2)
+    return (
+        "\n".join(rows)
+        + "\n\nEach method over its seeds, mean ± sd [min, max]:\n\n"
+        + "\n".join(seeds)
+        + (
+            "\n\nEach difference with TRL against the seeds' spread and, for accuracies, against two binomial standard "
+            f"errors of the evaluation (64 problems, 1 or 2 replies each):\n\n{tests}"
+        )
+    )
+
+
+def real_model_command() -> str:
+    """grpo.py's measured recipe on the real model, as benchmarks/RESULTS-real-model.json recorded its seed-1 run, with
+    its wall time, machine and threads."""
+    run = record("RESULTS-real-model.json")["seeds"]["1"]["grpo"]
+    words = run["commands"][0].split()
+    keep = []
+    for word in words:  # the run's own output folders are the benchmark's, not the reader's
+        if keep and keep[-1] in ("--output-dir", "--log-dir"):
+            keep.pop()
+            continue
+        keep.append(word)
+    lines, line = [], ""
+    for word in keep:
+        if line and len(line) + len(word) > 100 and word.startswith("--"):
+            lines.append(line + " \\")
+            line = "   "
+        line += f" {word}" if line else word
+    when = f"{minutes(run['wall_s'])} on {run['machine']}, `python`, {run['threads']} threads"
+    return "```bash\n" + "\n".join(lines + [line]) + f"\n```\n\n{run['updates']} updates of 8 prompts x 4 completions: {when}."
+
+
+def speed_cpu() -> str:
+    """The CPU Speed rows (benchmarks/RESULTS-speed-cpu.json, `python benchmarks/speed_cpu.py`): each side's median step
+    time over the interleaved rounds with its min and max, and the ratio of the medians."""
+    r = record("RESULTS-speed-cpu.json")
+    names = {"grpo": ("grpo.py", "GRPOTrainer"), "rloo": ("rloo.py", "RLOOTrainer")}
+    rows = ["| script, SmolLM2-135M-Instruct, 8 x 4 completions of 32 tokens, float32 | ours, s/update | TRL 1.16, s/step | "
+            "ours / TRL |", "|---|---|---|---|"]  # fmt: skip
+    for algo, row in r["rows"].items():
+        ours, theirs = row["ours"], row["trl"]
+        rows.append(
+            f"| {names[algo][0]} against {names[algo][1]} | {ours['median']:.1f} [{ours['min']:.1f}, {ours['max']:.1f}] | "
+            f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | **{row['ratio']:.2f}x** |"
+        )
+    rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
+    return "\n".join(rows) + (
+        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: each side a fresh process per "
+        f"run, the runs interleaved over {rounds} rounds; a run's step time is the median of its steps after the first; "
+        "median [min, max] over the rounds."
+    )
+
+
+def offpolicy() -> str:
+    """grpo.py with stale rollouts on the real model (benchmarks/RESULTS-offpolicy.json, `python
+    benchmarks/offpolicy.py`): benchmarks/offpolicy.py's own table."""
+    r = record("RESULTS-offpolicy.json")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from offpolicy import table
+
+    return "\n".join(table(r)) + (
+        f"\n\n{r['machine']}, `python`, torch's default threads; `python benchmarks/offpolicy.py`. The accuracy in "
+        "training is grpo.py's own evaluation (one sampled reply per held-out problem); the last five columns evaluate "
+        "the final model as `benchmarks/real_model.py` does (greedy, 2 sampled replies per problem, KL in nats per reply)."
+    )
+
+
+def tool_calls() -> str:
+    """The cost of a round of tool calls in a forked process (benchmarks/RESULTS-tool-calls.json, `python
+    benchmarks/tool_calls.py`)."""
+    r = record("RESULTS-tool-calls.json")
+    rows = ["| the process holds | episodes in the round | the round | per call |", "|---|---|---|---|"]
+    for row in r["rows"]:
+        rows.append(f"| {row['resident']} | {row['episodes']} | {row['round_s']:.3f} s | {row['per_call_ms']:.1f} ms |")
+    return "\n".join(rows) + f"\n\n{r['machine']}; `{r['command']}`."
+
+
+FIGURES = {
+    "tool-calls": tool_calls,
+    "offpolicy": offpolicy,
+    "speed-cpu": speed_cpu,
+    "real-model-full-table": real_model_full_table,
+    "real-model-command": real_model_command,
+    "agents-calculator": agents_calculator,
+    "test-times": test_times,
+    "real-model-table": real_model_table,
+    "grpo-default-runs": lambda: default_runs("grpo"),
+    "rloo-default-runs": lambda: default_runs("rloo"),
+}
+
+
+def with_figures(text: str, skip: tuple[str, ...] = ()) -> str:
+    """`text` with every figure block rendered afresh from its record, less the blocks named in `skip`."""
+    for name, render in FIGURES.items():
+        if name in skip:
+            continue
+        start, end = f"<!-- figures:{name} -->", f"<!-- /figures:{name} -->"
+        while start in text:
+            head, rest = text.split(start, 1)
+            if end in rest:
+                rest = rest.split(end, 1)[1]
+            text = f"{head}{start.replace('figures:', 'figures@')}\n{render()}\n{end}{rest}"
+        text = text.replace(start.replace("figures:", "figures@"), start)
+    return text
+
+
+def pages() -> list[str]:
+    return [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
+    )
 
 
 def extract_images() -> None:
@@ -75,12 +342,21 @@ if __name__ == "__main__":
     for script in SCRIPTS:
         text, fresh = page_with_flags(script)
         if text != fresh:
-            stale.append(script)
+            stale.append(f"docs/{script}.md (flags)")
             if "--check" not in sys.argv:
                 with open(os.path.join(ROOT, "docs", f"{script}.md"), "w") as f:
                     f.write(fresh)
+    for path in pages():
+        with open(path) as f:
+            text = f.read()
+        fresh = with_figures(text)
+        if text != fresh:
+            stale.append(f"{os.path.relpath(path, ROOT)} (figures)")
+            if "--check" not in sys.argv:
+                with open(path, "w") as f:
+                    f.write(fresh)
     if "--check" in sys.argv:
-        print(f"flag tables out of date: {stale} (run python docs/build_assets.py)" if stale else "flag tables up to date")
+        print(f"out of date: {stale} (run python docs/build_assets.py)" if stale else "flag tables and figures up to date")
         sys.exit(1 if stale else 0)
     extract_images()
-    print(f"flag tables rewritten: {stale or 'none'}; images in docs/img/")
+    print(f"rewritten: {stale or 'none'}; images in docs/img/")

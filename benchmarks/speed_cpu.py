@@ -1,0 +1,148 @@
+"""grpo.py and rloo.py against TRL 1.16's GRPOTrainer and RLOOTrainer on the real model, side by side on one machine in
+one sitting: the step time at the real-model recipe (builtin:smollm2-135m-instruct, reasoning-gym chain_sum as chat
+prompts, 8 prompts x 4 completions of 32 tokens, learning rate 1e-5, beta 0, float32, full fine-tuning; TRL's defaults
+otherwise, gradient checkpointing and bf16 off as ours have neither), each side a fresh process per run, the runs
+interleaved (ours, TRL's, TRL's, ours, ...) for `--rounds` rounds so that the machine's drift hits both alike. A run's
+step time is the median of its steps after the first; a row gives the min / median / max over the rounds and the ratio
+of the medians. Writes benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is rendered.
+
+    python benchmarks/speed_cpu.py                      # grpo and rloo, 3 rounds of 4 steps (about 40 minutes on 2 cores)
+    python benchmarks/speed_cpu.py --algos grpo --rounds 3 --steps 4
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import tyro
+from records import machine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MODEL = "builtin:smollm2-135m-instruct"
+RECIPE = (  # benchmarks/real_model.py's settings for grpo.py and rloo.py
+    "--model-name builtin:smollm2-135m-instruct --dataset-name reasoning-gym:chain_sum --data-seed 1 --seed 1 "
+    "--max-completion-length 32 --batch-size 8 --num-generations 4 --mini-batch-size 8 --gradient-accumulation-steps 4 "
+    "--learning-rate 1e-5 --beta 0 --eval-freq 0 --eval-samples 8 --log-freq 1000"
+).split()
+
+
+@dataclass
+class Args:
+    algos: list[str] = field(default_factory=lambda: ["grpo", "rloo"])
+    """which comparisons: grpo (against GRPOTrainer), rloo (against RLOOTrainer)"""
+    rounds: int = 3
+    """interleaved rounds: one run of each side per round"""
+    steps: int = 4
+    """optimizer steps (updates) per run; the first is left out of the timing"""
+    worker: str | None = None
+    """internal: run one side once (JSON spec) and print its step times"""
+
+
+def ours(algo: str, steps: int, folder: str) -> list[float]:
+    """`python {algo}.py` at the recipe for `steps` updates; its logged time/step per update."""
+    command = [sys.executable, f"{algo}.py", *RECIPE, "--total-prompts", str(8 * steps)]
+    command += ["--output-dir", os.path.join(folder, "out"), "--log-dir", os.path.join(folder, "runs")]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = os.path.join(folder, "runs", os.listdir(os.path.join(folder, "runs"))[0])
+    accumulator = EventAccumulator(run)
+    accumulator.Reload()
+    return [e.value for e in accumulator.Scalars("time/step")]
+
+
+def trl(algo: str, steps: int, folder: str) -> list[float]:
+    """TRL 1.16's trainer at the same settings for `steps` steps; the wall time of each (a callback's clock)."""
+    import time
+
+    import trl as library
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    sys.path.insert(0, ROOT)
+    from common.loading import load_pretrained, load_tokenizer
+    from rewards import load_task, verifier
+
+    tokenizer = load_tokenizer(MODEL, padding_side="left")
+    task_args = tyro.cli(__import__(algo).Args, args=RECIPE)
+    train, _, _ = load_task(task_args, tokenizer, "prompt", task_args.max_prompt_length)
+    rows = [dict(prompt=r["prompt"], answer=r["answer"], rg_entry=r["rg_entry"]) for r in train]
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.time()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.time() - self.start)
+
+    kind = algo.upper()
+    config = getattr(library, f"{kind}Config")(
+        output_dir=os.path.join(folder, "trl"),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=4,
+        num_generations=4,
+        max_completion_length=32,
+        temperature=1.0,
+        learning_rate=1e-5,
+        beta=0.0,
+        max_steps=steps,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+    )
+    getattr(library, f"{kind}Trainer")(
+        model=load_pretrained(MODEL, AutoModelForCausalLM),
+        reward_funcs=verifier,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    ).train()
+    return times
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.worker:
+        spec = json.loads(args.worker)
+        with tempfile.TemporaryDirectory() as folder:
+            times = (ours if spec["side"] == "ours" else trl)(spec["algo"], spec["steps"], folder)
+        print(json.dumps(times))
+        sys.exit(0)
+    import torch
+
+    rows = {}
+    for algo in args.algos:
+        medians = {"ours": [], "trl": []}
+        for round_ in range(args.rounds):
+            order = ("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")
+            for side in order:
+                spec = json.dumps(dict(algo=algo, side=side, steps=args.steps))
+                done = subprocess.run(
+                    [sys.executable, __file__, "--worker", spec], cwd=ROOT, capture_output=True, text=True, check=True
+                )
+                times = json.loads(done.stdout.strip().splitlines()[-1])
+                medians[side].append(statistics.median(times[1:]))
+                print(f"{algo} round {round_ + 1} {side}: {medians[side][-1]:.1f} s per step ({times})", flush=True)
+        rows[algo] = {side: dict(min=min(v), median=statistics.median(v), max=max(v), runs=v) for side, v in medians.items()}
+        rows[algo]["ratio"] = rows[algo]["ours"]["median"] / rows[algo]["trl"]["median"]
+    record = dict(
+        command=f"python benchmarks/speed_cpu.py --rounds {args.rounds} --steps {args.steps}",
+        machine=machine(),
+        launcher="python",
+        threads=torch.get_num_threads(),
+        recipe=" ".join(RECIPE),
+        rows=rows,
+    )
+    with open(os.path.join(HERE, "RESULTS-speed-cpu.json"), "w") as f:
+        json.dump(record, f, indent=1)
