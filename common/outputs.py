@@ -266,8 +266,8 @@ def atomic_directory(path: str):
     `.tmp-NAME-*`, renamed `.new-NAME-*` once complete, and only then is the previous `path` renamed aside (`.old-NAME-*`)
     and the new one renamed into place. A crash at any point leaves a complete copy: `path` itself, or (between the last
     two renames) a `.new-` or `.old-` folder that the next save of `path` moves back into place before it starts.
-    Folders get the usual permissions (0755 under the usual umask). A `path` that is a symbolic link stays one: the save
-    goes into its target. Ctrl-C during the save leaves the previous `path` as it was."""
+    Folders and files get the usual permissions (0755 and 0644 under the usual umask). A `path` that is a symbolic link
+    stays one: the save goes into its target. Ctrl-C during the save leaves the previous `path` as it was."""
     path = os.path.realpath(path)
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
@@ -289,6 +289,10 @@ def atomic_directory(path: str):
             )
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"script": RUN["script"], "run": RUN["id"]}, f)
+        for folder, _, files in os.walk(tmp):
+            for file in files:  # safetensors writes its files 0600: a saved model reads like any other file
+                if not os.path.islink(os.path.join(folder, file)):  # a link's target is not ours to change
+                    os.chmod(os.path.join(folder, file), 0o666 & ~umask)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

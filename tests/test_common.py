@@ -686,9 +686,11 @@ def test_atomic_directory_keeps_previous_on_failure(tmp_path):
     assert (target / "a.txt").read_text() == "first"
     with atomic_directory(str(target)) as tmp:
         (tmp_path / tmp / "a.txt").write_text("second")
+        os.chmod(tmp_path / tmp / "a.txt", 0o600)  # as safetensors writes model.safetensors
     assert (target / "a.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert (target.stat().st_mode & 0o777) == 0o777 & ~_umask()  # 0755 under the usual umask, as save_pretrained
+    assert ((target / "a.txt").stat().st_mode & 0o777) == 0o666 & ~_umask()  # 0644 under the usual umask
 
 
 def _umask() -> int:
