@@ -17,7 +17,7 @@ sampled accuracy on the 64 held-out problems, the KL to the initial model, the r
 Writes benchmarks/RESULTS-offpolicy.json, RESULTS-offpolicy.md and RESULTS-offpolicy.png; resumable (what is in the
 JSON is kept unless --rerun).
 
-    python benchmarks/offpolicy.py                       # every run, seeds 1 2 3 (about 2 hours on 2 cores)
+    python benchmarks/offpolicy.py                       # every run, seeds 1 2 3 (about 3 hours on 2 cores: ~10 min a run)
     python benchmarks/offpolicy.py --report-only
 """
 
