@@ -76,7 +76,13 @@ def run(name: str, seed: int, out: str) -> dict:
     command = ["python", "grpo.py", *RECIPE, "--seed", str(seed), *flags, "--output-dir", folder, "--overwrite"]
     command += ["--log-dir", folder + "_runs"]
     start = time.time()
-    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True)
+    with subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as child:  # fmt: skip
+        loads = []
+        while child.poll() is None:  # the machine's 1-minute load, every 30 s: was the run timed alone?
+            loads.append(os.getloadavg()[0])
+            time.sleep(30)
+        done = subprocess.CompletedProcess(command, child.returncode, child.stdout.read(), child.stderr.read())
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     wall = time.time() - start
@@ -87,6 +93,7 @@ def run(name: str, seed: int, out: str) -> dict:
         command=" ".join(command[:-4]),
         wall_s=wall,
         step_s=statistics.median(steps),
+        load=statistics.fmean(loads[2:] or loads),
         curve=curve,
         accuracy=curve[-1][1],
         kl=None,
@@ -106,6 +113,12 @@ def run(name: str, seed: int, out: str) -> dict:
 
 
 FINAL = ("greedy", "sampled", "kl", "length", "distinct")
+QUIET = 2.7  # a run's mean 1-minute load on 2 cores above this: it shared the machine, and its times are not shown
+
+
+def timed(rows: list[dict]) -> list[dict]:
+    """The runs timed alone on the machine (records without a load are the first ones, timed alone)."""
+    return [r for r in rows if r.get("load", 0) <= QUIET]
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -132,8 +145,9 @@ def table(results: dict) -> list[str]:
     """The runs' table: each row's flags, grpo.py's held-out accuracy in training, its speed, and the final model's
     evaluation (mean ± sd over the seeds)."""
     lines = [
-        "| run | flags | seeds | held-out accuracy in training, start -> end (mean ± sd [min, max]) | median s/update | "
-        "wall (mean) | greedy | sampled | KL to the start | reply tokens | distinct answers (of 2) |",
+        "| run | flags | seeds | held-out accuracy in training, start -> end (mean ± sd [min, max]) | "
+        "median s/update (runs timed alone) | wall (mean of those) | greedy | sampled | KL to the start | "
+        "reply tokens | distinct answers (of 2) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, (flags, _, label) in RUNS.items():
@@ -143,10 +157,15 @@ def table(results: dict) -> list[str]:
         ends = [r["accuracy"] for r in rows]
         start = statistics.fmean(r["curve"][0][1] for r in rows)
         end = spread(ends, 2) + (f" [{min(ends):.2f}, {max(ends):.2f}]" if len(ends) > 1 else "")
+        alone = timed(rows)
+        speed = (
+            f"{statistics.median(r['step_s'] for r in alone):.1f} ({len(alone)}) | "
+            f"{statistics.fmean(r['wall_s'] for r in alone) / 60:.1f} min"
+            if alone
+            else "- | -"
+        )
         lines.append(
-            f"| {label} | `{' '.join(flags) or '-'}` | {len(rows)} | {start:.2f} -> {end} | "
-            f"{statistics.median(r['step_s'] for r in rows):.1f} | "
-            f"{statistics.fmean(r['wall_s'] for r in rows) / 60:.1f} min | "
+            f"| {label} | `{' '.join(flags) or '-'}` | {len(rows)} | {start:.2f} -> {end} | {speed} | "
             + " | ".join(spread([r["final"][k] for r in rows], 1 if k == "length" else 2) for k in FINAL)
             + " |"
         )
@@ -169,7 +188,8 @@ def report(results: dict) -> None:
         "",
         "The last columns evaluate each final model as `benchmarks/real_model.py` does (greedy, and 2 sampled replies "
         "per held-out problem; KL to the initial model in nats per reply, on the model's own replies); mean ± sd over "
-        "the seeds.",
+        "the seeds. Times come only from runs that had the machine to themselves (a mean 1-minute load of at most "
+        f"{QUIET}); the accuracy columns do not depend on it (the deterministic mode samples the same tokens).",
         "",
     ]
     lines += table(results)
@@ -221,8 +241,10 @@ def report(results: dict) -> None:
         steps = [u for u, _ in rows[0]["curve"]]
         mean = [statistics.fmean(r["curve"][i][1] for r in rows) for i in range(len(steps))]
         axes[0].plot(steps, mean, marker="o", label=label)
-        seconds = [statistics.fmean(r["step_s"] for r in rows) * u / 60 for u in steps]
-        axes[1].plot(seconds, mean, marker="o", label=label)
+        alone = timed(rows)
+        if alone:
+            seconds = [statistics.fmean(r["step_s"] for r in alone) * u / 60 for u in steps]
+            axes[1].plot(seconds, mean, marker="o", label=label)
     axes[0].set(xlabel="update", ylabel="held-out accuracy (sampled)", title="against updates")
     axes[1].set(xlabel="minutes of training (median s/update x updates)", title="against wall-clock")
     axes[0].legend(fontsize=7)
