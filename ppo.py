@@ -566,7 +566,7 @@ def main(args: Args) -> None:
                     scheduler.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
-                    stats["ppo/policy/entropy"] = masked_mean(entropy_from_logits(logits), mask[mb])
+                    stats["ppo/policy/entropy"] = entropy_from_logits(logits[mask[mb].bool()]).mean()  # response tokens
                 all_stats.append(stats)
             epochs_done += 1
             if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks

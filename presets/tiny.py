@@ -51,6 +51,7 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
             ) from None
         tokenizer.save_pretrained(tmp)
         write_manifest(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700, as any other cached folder
         if why != "missing":  # the damaged folder goes first; a concurrent process may rebuild it too
             shutil.rmtree(cache, ignore_errors=True)
         try:
