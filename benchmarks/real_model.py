@@ -84,6 +84,8 @@ class Args:
     """torch threads of every run (OMP_NUM_THREADS), ours and TRL's alike"""
     updates: int = 20
     """grpo / rloo updates of 8 prompts x 4 completions (16-30 s each on 2 CPU cores, by the CPU)"""
+    prompts: int = 8
+    """grpo / rloo prompts per update, 4 completions each (the recipe: 8; an even number fewer makes a quick check)"""
     ppo_updates: int = 20
     """ppo / rm_ppo updates of 16 episodes"""
     self_samples: int = 8
@@ -115,7 +117,14 @@ class Args:
 # ---- the runs: each method's command, through the scripts' real CLIs ----
 
 RL = ["--model-name", MODEL, *TASK, "--max-completion-length", "32", "--log-freq", "10"]
-GROUPS = ["--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "4"]
+
+
+def groups(prompts: int) -> list[str]:
+    """`prompts` prompts x 4 completions an update, in mini-batches of (at most) 8, one optimizer step an update."""
+    mini_batch = min(8, 4 * prompts)
+    return ["--batch-size", str(prompts), "--num-generations", "4", "--mini-batch-size", str(mini_batch)] + [
+        "--gradient-accumulation-steps", str(4 * prompts // mini_batch)
+    ]  # fmt: skip
 
 
 def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
@@ -143,11 +152,13 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
 
     return {
         "grpo": [
-            ["grpo.py", *rl, *GROUPS, "--total-prompts", str(8 * args.updates), "--learning-rate", "1e-5"]
+            ["grpo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
+            + ["--learning-rate", "1e-5"]
             + ["--eval-freq", str(every), *out("grpo")]
         ],
         "rloo": [
-            ["rloo.py", *rl, *GROUPS, "--total-prompts", str(8 * args.updates), "--learning-rate", "1e-5"]
+            ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
+            + ["--learning-rate", "1e-5"]
             + ["--beta", "0", "--eval-freq", str(every), *out("rloo")]
         ],
         "ppo": [["ppo.py", *ppo, "--reward-funcs", "verifier", *out("ppo")]],

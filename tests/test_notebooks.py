@@ -41,7 +41,10 @@ BUDGETS = {
         "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"],
     },
     # one thread: its runs are subprocesses beside the other pytest worker (2 threads each would oversubscribe 2 cores)
-    "real_model": {"UPDATES": 1, "FLAGS": ["--eval-samples", "1", "--eval-problems", "4", "--threads", "1"]},
+    "real_model": {
+        "UPDATES": 1,
+        "FLAGS": ["--eval-samples", "1", "--eval-problems", "4", "--threads", "1", "--prompts", "2"],
+    },
     "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
 }
 
