@@ -14,6 +14,7 @@
 
 import base64
 import dataclasses
+import glob
 import importlib
 import json
 import os
@@ -55,7 +56,13 @@ def page_with_flags(script: str) -> tuple[str, str]:
 
 
 def record(name: str) -> dict:
-    with open(os.path.join(ROOT, "benchmarks", name)) as f:
+    """benchmarks/NAME, or one line naming the benchmark that writes it."""
+    path = os.path.join(ROOT, "benchmarks", name)
+    if not os.path.exists(path):
+        writers = [f for f in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))) if name in open(f).read()]
+        commands = " or ".join(f"python benchmarks/{os.path.basename(f)}" for f in writers) or "its benchmark"
+        raise SystemExit(f"error: benchmarks/{name} does not exist: run {commands} to write it, then this again")
+    with open(path) as f:
         return json.load(f)
 
 
