@@ -22,6 +22,7 @@ JSON is kept unless --rerun).
 """
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -172,6 +173,32 @@ def table(results: dict) -> list[str]:
     return lines
 
 
+def reading(results: dict) -> list[str]:
+    """Each row's final held-out accuracy against on-policy's, and k = 4's correction against none, set against the
+    evaluation's noise: two standard errors of a difference of two means of n 64-problem evaluations each,
+    2 sqrt(2 p (1 - p) / (64 n)) at the pooled accuracy p (the seeds' own spread is in the table)."""
+    lines = []
+
+    def compare(name: str, against: str) -> None:
+        ours, theirs = ([r["accuracy"] for r in runs_of(results, n)] for n in (name, against))
+        if not ours or not theirs:
+            return
+        n, p = min(len(ours), len(theirs)), statistics.fmean(ours + theirs)
+        difference, noise = statistics.fmean(ours) - statistics.fmean(theirs), 2 * math.sqrt(2 * p * (1 - p) / (64 * n))
+        verdict = "inside" if abs(difference) <= noise else "outside"
+        lines.append(
+            f"- {RUNS[name][2]} against {RUNS[against][2]}: {statistics.fmean(ours):.2f} against "
+            f"{statistics.fmean(theirs):.2f} ({len(ours)} and {len(theirs)} seeds), {difference:+.2f}: {verdict} the "
+            f"evaluation's noise (two standard errors: {noise:.2f})"
+        )
+
+    for name in ("k1", "k4", "k4_none", "k4_sampler"):
+        compare(name, "k0")
+    compare("k4", "k4_none")
+    compare("k4_sampler", "k4_none")
+    return lines
+
+
 def report(results: dict) -> None:
     """RESULTS-offpolicy.md and its PNG from the JSON."""
     import matplotlib
@@ -193,6 +220,7 @@ def report(results: dict) -> None:
         "",
     ]
     lines += table(results)
+    lines += ["", "## What the runs show", "", *reading(results)]
     lines += ["", "## Importance ratios of the stale rollouts", ""]
     for name in ("k1", "k4", "k4_none"):
         rows = runs_of(results, name)
