@@ -24,7 +24,6 @@ from common.run import deepspeed_settings
 
 SFT, DPO, PPO, GRPO, ILQL = (os.path.join(ROOT, f"{name}.py") for name in ("sft", "dpo", "ppo", "grpo", "ilql"))
 LAUNCHERS = {"ddp": ddp_launch, "fsdp": fsdp_launch}
-PLAIN = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--main_process_port"]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +47,12 @@ def deepspeed_launch(cwd, stage: int, steps: int) -> list[str]:
 
 def launch(name: str, command: list[str], cwd, steps: int = 1) -> str:
     """`command` under 1 process (in-process), `accelerate launch` of 2 processes with DDP or FSDP2, or of one process
-    plain or under DeepSpeed ZeRO-2 / ZeRO-3 (`steps`: the config's gradient accumulation), each on one thread."""
+    under DeepSpeed ZeRO-2 / ZeRO-3 (`steps`: the config's gradient accumulation), each on one thread."""
     out_flags = ["--output-dir", name, "--log-dir", f"{name}_runs"]
     if name == "one":
         return run_script([*command, *out_flags], cwd)
-    if name.startswith("zero") or name == "plain":  # plain: one process launched alike, on as many threads
-        prefix = deepspeed_launch(cwd, int(name[-1]), steps) if name != "plain" else PLAIN + [free_port()]
+    if name.startswith("zero"):
+        prefix = deepspeed_launch(cwd, int(name[-1]), steps)
         return run_script([*prefix, *command, *out_flags], cwd, timeout=300, OMP_NUM_THREADS="1")
     return run_script([*LAUNCHERS[name](), *command, *out_flags], cwd, timeout=300, **DDP_ENV)
 
@@ -170,17 +169,17 @@ def test_grpo_and_ppo_under_deepspeed_zero3_train_as_one_process(tmp_path):
     grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1", "--beta", "0.04"]
     (tmp_path / "grpo").mkdir()
-    for name in ("plain", "zero3"):
+    for name in ("one", "zero3"):
         launch(name, grpo, tmp_path / "grpo", steps=2)
     for tag in ("reward", "entropy", "grad_norm", "kl"):
-        assert_equal_runs(tmp_path / "grpo", ["plain", "zero3"], tag, lr=1e-4)
+        assert_equal_runs(tmp_path / "grpo", ["one", "zero3"], tag, lr=1e-4)
     ppo = [PPO, "--model-name", "builtin:tiny-gpt2", "--batch-size", "8", "--mini-batch-size", "4"]
     ppo += ["--min-new-tokens", "8", "--max-new-tokens", "8", "--eval-samples", "8", "--total-episodes", "32"]
     (tmp_path / "ppo").mkdir()
-    for name in ("plain", "zero3"):
+    for name in ("one", "zero3"):
         launch(name, ppo, tmp_path / "ppo")
     files = ("model.safetensors", "value_head.safetensors")
-    assert_equal_runs(tmp_path / "ppo", ["plain", "zero3"], "ppo/loss/total", lr=7e-5, files=files)
+    assert_equal_runs(tmp_path / "ppo", ["one", "zero3"], "ppo/loss/total", lr=7e-5, files=files)
 
 
 def test_deepspeed_takes_the_scripts_clipping_and_accumulation():

@@ -20,7 +20,7 @@ BUDGETS = {
         "SFT_STEPS": 1,
         "UPDATES": 1,
         "EPISODE_TOKENS": 24,
-        "SFT_FLAGS": ["--batch-size", "2", "--eval-fraction", "0.005"],
+        "SFT_FLAGS": ["--batch-size", "2", "--eval-fraction", "0.001"],
         "FLAGS": ["--eval-samples", "2", "--batch-size", "2", "--num-generations", "2", "--mini-batch-size", "4"]
         + ["--gradient-accumulation-steps", "1", "--total-prompts", "2"],
     },
