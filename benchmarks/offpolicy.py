@@ -114,12 +114,14 @@ def run(name: str, seed: int, out: str) -> dict:
 
 
 FINAL = ("greedy", "sampled", "kl", "length", "distinct")
-QUIET = 2.7  # a run's mean 1-minute load on 2 cores above this: it shared the machine, and its times are not shown
+# A run's own threads make a mean 1-minute load of about 2 on 2 cores (4 with --async-rollouts: the sampling thread's
+# and the trainer's); a run above this shared the machine with other work, and its times are not shown
+QUIET = 2.7
 
 
 def timed(rows: list[dict]) -> list[dict]:
     """The runs timed alone on the machine (records without a load are the first ones, timed alone)."""
-    return [r for r in rows if r.get("load", 0) <= QUIET]
+    return [r for r in rows if r.get("load", 0) <= QUIET + 2 * ("--async-rollouts" in r["command"])]
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -216,7 +218,8 @@ def report(results: dict) -> None:
         "The last columns evaluate each final model as `benchmarks/real_model.py` does (greedy, and 2 sampled replies "
         "per held-out problem; KL to the initial model in nats per reply, on the model's own replies); mean ± sd over "
         "the seeds. Times come only from runs that had the machine to themselves (a mean 1-minute load of at most "
-        f"{QUIET}); the accuracy columns do not depend on it (the deterministic mode samples the same tokens).",
+        f"{QUIET}, {QUIET + 2} with --async-rollouts); the accuracy columns do not depend on it (the deterministic "
+        "mode samples the same tokens).",
         "",
     ]
     lines += table(results)
@@ -235,17 +238,21 @@ def report(results: dict) -> None:
             )
     sync, asynchronous = results["runs"].get("k0_1"), results["runs"].get("k1_async_1")
     if sync and asynchronous:
+        dropped = asynchronous.get("staleness/dropped", [0])[-1]
         lines += [
             "",
             "## The asynchronous mode's wall-clock",
             "",
-            f"Seed 1, 20 updates each: the synchronous loop (k = 0) {sync['wall_s'] / 60:.1f} min "
-            f"({sync['step_s']:.1f} s per update), the asynchronous one (k = 1, a sampling thread beside the trainer) "
-            f"{asynchronous['wall_s'] / 60:.1f} min ({asynchronous['step_s']:.1f} s per update); the trainer waited "
-            f"{sum(asynchronous.get('time/waited_for_rollouts', [0])[-1:]):.0f} s for rollouts in all, and "
-            f"{sum(asynchronous.get('staleness/dropped', [0])[-1:]):.0f} rollouts were dropped. On 2 cores the "
-            "sampling thread and the trainer share the same cores; on a GPU, where sampling and training would overlap, "
-            "it has not been measured.",
+            f"Seed 1, 20 updates each, both timed alone: the synchronous loop (k = 0) took {sync['wall_s'] / 60:.1f} "
+            f"min, the asynchronous one (k = 1, a sampling thread beside the trainer) {asynchronous['wall_s'] / 60:.1f} "
+            f"min ({asynchronous['wall_s'] / sync['wall_s'] - 1:+.0%}). Its median update took "
+            f"{asynchronous['step_s']:.1f} s against {sync['step_s']:.1f} s: it no longer includes the sampling "
+            f"({statistics.median(sync['time/generate']):.1f} s of the synchronous update), but the sampling thread "
+            f"runs on the same 2 cores and slows the training passes; and of the {20 + dropped:.0f} rollouts it "
+            f"sampled {dropped:.0f} were older than the bound when the trainer came to them and were dropped: on a "
+            "CPU the asynchronous mode spends more than it saves. The trainer waited "
+            f"{sum(asynchronous.get('time/waited_for_rollouts', [0])[-1:]):.0f} s for rollouts in all. On a GPU, "
+            "where sampling and training would overlap, it has not been measured.",
         ]
     recompute, sampler = results["runs"].get("k1_2it_1"), results["runs"].get("k1_2it_sampler_1")
     if recompute and sampler:
