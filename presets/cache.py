@@ -48,8 +48,8 @@ def write_manifest(folder: str) -> None:
 def damage(folder: str, required: tuple[str, ...] = ("config.json",)) -> str | None:
     """Why the cached `folder` cannot be used, or None when it is whole: a file of its manifest missing or of another size
     (a folder cached before manifests: one of `required` missing), a JSON file outside the manifest that does not parse
-    (parsing the listed ones, a tokenizer.json of megabytes, cost every run a second), a safetensors file whose header
-    or data is cut short."""
+    (the listed ones are checked by their size: parsing a tokenizer.json of megabytes at every load would cost a run
+    about a second), a safetensors file whose header or data is cut short."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
             listed = json.load(f)
