@@ -35,10 +35,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def start(args: list[str], cwd, **env) -> subprocess.Popen:
+    """A run as a terminal starts it: SIGINT at its default (Python then turns it into KeyboardInterrupt) even where
+    the suite itself was started in the background (`cmd &`), whose children inherit it ignored."""
     environment = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env)
     return subprocess.Popen(
-        [sys.executable, *args], cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [sys.executable, *args], cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def wait_for(path, process: subprocess.Popen, seconds: float = 120) -> None:
