@@ -273,7 +273,7 @@ def offpolicy() -> str:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from offpolicy import reading, table
 
-    return "\n".join(table(r)) + "\n\n" + "\n".join(reading(r)) + (
+    return "\n".join([*table(r), "", *reading(r)]) + (
         f"\n\n{r['machine']}, `python`, torch's default threads; `python benchmarks/offpolicy.py`. The accuracy in "
         "training is grpo.py's own evaluation (one sampled reply per held-out problem); the last five columns evaluate "
         "the final model as `benchmarks/real_model.py` does (greedy, 2 sampled replies per problem, KL in nats per reply)."
