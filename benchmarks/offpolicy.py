@@ -120,8 +120,14 @@ QUIET = 2.7
 
 
 def timed(rows: list[dict]) -> list[dict]:
-    """The runs timed alone on the machine (records without a load are the first ones, timed alone)."""
-    return [r for r in rows if r.get("load", 0) <= QUIET + 2 * ("--async-rollouts" in r["command"])]
+    """The runs timed alone on the machine (records without a load are the first ones, timed alone); a run whose wall
+    time is over twice its updates' was paused or starved on the way, whatever its load."""
+    return [
+        r
+        for r in rows
+        if r.get("load", 0) <= QUIET + 2 * ("--async-rollouts" in r["command"])
+        and r["wall_s"] <= 2 * len(r["train_reward"]) * r["step_s"]
+    ]
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -218,7 +224,8 @@ def report(results: dict) -> None:
         "The last columns evaluate each final model as `benchmarks/real_model.py` does (greedy, and 2 sampled replies "
         "per held-out problem; KL to the initial model in nats per reply, on the model's own replies); mean ± sd over "
         "the seeds. Times come only from runs that had the machine to themselves (a mean 1-minute load of at most "
-        f"{QUIET}, {QUIET + 2} with --async-rollouts); the accuracy columns do not depend on it (the deterministic "
+        f"{QUIET}, {QUIET + 2} with --async-rollouts, and a wall time at most twice its updates'); the accuracy "
+        "columns do not depend on it (the deterministic "
         "mode samples the same tokens).",
         "",
     ]
