@@ -77,15 +77,18 @@ def run(name: str, seed: int, out: str) -> dict:
     command = ["python", "grpo.py", *RECIPE, "--seed", str(seed), *flags, "--output-dir", folder, "--overwrite"]
     command += ["--log-dir", folder + "_runs"]
     start = time.time()
-    with subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as child:  # fmt: skip
-        loads = []
-        while child.poll() is None:  # the machine's 1-minute load, every 30 s: was the run timed alone?
-            loads.append(os.getloadavg()[0])
-            time.sleep(30)
-        done = subprocess.CompletedProcess(command, child.returncode, child.stdout.read(), child.stderr.read())
-    if done.returncode:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    os.makedirs(os.path.join(ROOT, out), exist_ok=True)
+    with open(os.path.join(ROOT, folder + ".log"), "w+") as log:  # a file, not a pipe: a long log never blocks the run
+        with subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT) as child:
+            loads, sampled = [], 0.0
+            while child.poll() is None:  # the machine's 1-minute load, every 30 s: was the run timed alone?
+                if time.time() - sampled >= 30:
+                    loads.append(os.getloadavg()[0])
+                    sampled = time.time()
+                time.sleep(1)
+        if child.returncode:
+            log.seek(0)
+            sys.exit(f"{' '.join(command)} failed (its log: {folder}.log):\n{log.read()[-4000:]}")
     wall = time.time() - start
     log = os.path.join(ROOT, folder + "_runs")
     curve = scalars(log, "eval/reward")
