@@ -66,6 +66,12 @@ def record(name: str) -> dict:
         return json.load(f)
 
 
+def value(stat: dict, digits: int = 2, spread: bool = False) -> str:
+    """A record's aggregate as "mean ± sd", with " [min, max]" if `spread`."""
+    text = f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
+    return text + (f" [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]" if spread else "")
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} minutes"
 
@@ -97,10 +103,6 @@ def real_model_table() -> str:
         "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
         "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
     }
-
-    def value(stat: dict, digits: int, spread: bool = False) -> str:
-        text = f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
-        return text + (f" [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]" if spread else "")
 
     base = r["base"]
     rows = [
@@ -183,10 +185,6 @@ def real_model_full_table() -> str:
     """docs/real-model.md's table: every column of benchmarks/RESULTS-real-model.json's aggregate, and each method's
     statistics over its seeds with their min and max, and the comparisons with TRL that real_model.py makes."""
     r = record("RESULTS-real-model.json")
-
-    def value(stat: dict, digits: int = 2, spread: bool = False) -> str:
-        text = f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
-        return text + (f" [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]" if spread else "")
 
     base = r["base"]
     rows = [
