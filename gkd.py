@@ -33,12 +33,21 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of
-from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, logprobs_from_logits, masked_mean, warn_once, weight_decay_groups
+from common.core import (
+    UsageError,
+    check_args,
+    epoch_rows,
+    logprobs_from_logits,
+    masked_mean,
+    warn_once,
+    weight_decay_groups,
+)
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import peft_model_of, place_frozen
-from common.outputs import atomic_directory, check_finite, write_model_card
+from common.models import place_frozen
+from common.outputs import check_finite
+from common.rollout import save_policy
 from common.run import end_run, start_run
 from fast_paths import sampling_kwargs
 from rewards import distinct_answers, is_number, load_task, verifier
@@ -361,10 +370,7 @@ def main(args: Args) -> None:
         # ================================ the algorithm ================================
         # 1. completions: the student's own (with probability lmbda: on-policy), else the teacher's (--seq-kd) or the
         #    dataset's; the same choice on every process, drawn from the seed and the step (a resume draws the same)
-        epoch, i = divmod(step, max(1, len(train_rows) // (args.batch_size * world)))
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * world + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist()]
+        rows = epoch_rows(train_rows, args.batch_size, step, args.seed, accelerator)  # seeded reshuffle per epoch
         prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in rows], device)
         on_policy = random.Random(args.seed * 1_000_003 + step).random() < args.lmbda
         source = "student" if on_policy else "teacher" if args.seq_kd else "dataset"
@@ -427,23 +433,12 @@ def main(args: Args) -> None:
             evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat, teacher)
         if args.save_freq and (step + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
-            save_checkpoint(
-                accelerator,
-                folder,
-                {"step": step + 1, "first_eval": first_eval, "history": history},
-                total_limit=args.save_total_limit,
-            )
+            state = {"step": step + 1, "first_eval": first_eval, "history": history}
+            save_checkpoint(accelerator, folder, state, total_limit=args.save_total_limit)
 
     # ---- final evaluation, save and summary ----
     last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
-    policy = unwrapped.merge_and_unload() if peft_model_of(unwrapped) is not None else unwrapped
-    weights = full_weights(accelerator, unwrapped)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "gkd", last_eval)
+    save_policy(args, accelerator, unwrapped, tokenizer, last_eval, "gkd")  # plain from_pretrained format; LoRA merged
     window = max(1, len(history) // 10)
     first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
     accelerator.print(

@@ -43,6 +43,7 @@ from common.core import (
     check_args,
     check_scores,
     entropy_from_logits,
+    epoch_rows,
     exact_div,
     kl_estimate,
     logprobs_from_logits,
@@ -480,10 +481,6 @@ def main(args: Args) -> None:
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
-    for specs in (args.reward_funcs, args.gold_reward_funcs):
-        if specs:  # tried on two real rows before any model loads: a bad plug-in is a one-line error here
-            load_rewards(specs, train_rows, "cpu", chat)
-    batches_per_epoch = len(train_rows) // (args.batch_size * args.world_size)
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
@@ -496,8 +493,7 @@ def main(args: Args) -> None:
     state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
-    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
-    first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
+    first_eval = state.get("first_eval", evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update))
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
     start_time = time.time()
@@ -507,10 +503,7 @@ def main(args: Args) -> None:
         marks = [clock(device)]  # phase boundaries, for time/* (bookkeeping below)
 
         # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
-        epoch, i = divmod(update, batches_per_epoch)  # a seeded reshuffle per pass over the data: resumes are exact
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-        start = (i * args.world_size + accelerator.process_index) * args.batch_size
-        rows = [train_rows[j] for j in order[start : start + args.batch_size].tolist()]
+        rows = epoch_rows(train_rows, args.batch_size, update, args.seed, accelerator)  # seeded reshuffle per epoch
         queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
@@ -830,6 +823,9 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         f"{args.num_updates} updates of {per_update} episodes; each pass over the data reshuffles and leaves out "
         f"{len(train_rows) % per_update} queries (different ones each pass)"
     )
+    for specs in (args.reward_funcs, args.gold_reward_funcs):
+        if specs:  # tried on two real rows before any model loads: a bad plug-in is a one-line error here
+            load_rewards(specs, train_rows, "cpu", chat)
     return train_rows, eval_rows, chat
 
 

@@ -25,12 +25,11 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from common.chat import text_of
-from common.checkpoints import save_checkpoint
 from common.cli import cli
 from common.core import UsageError, nanstd
-from common.outputs import check_finite
 from common.rollout import (
     Engine,
+    Ledger,
     RolloutStream,
     check_online_args,
     evaluate,
@@ -316,9 +315,9 @@ def main(args: Args) -> None:
     engine = Engine(args, task, policy, accelerator)
     resumed = resume(args, accelerator, num_updates)  # after load_policy: the reference keeps the initial weights
     start_update = resumed.get("update", 0)
-    first_eval = resumed.get("first_eval", evaluate(args, engine, logger, start_update))  # the run's start, kept
+    first_eval = evaluate(args, engine, logger, start_update)  # the run's start (a resume keeps the first run's)
     stream = RolloutStream(args, task, engine, accelerator, start_update, num_updates)  # on-policy, or stale by k
-    history, degenerate, start_time = resumed.get("history", []), resumed.get("degenerate", 0), time.time()
+    ledger = Ledger(resumed, first_eval)  # what the loop carries from update to update, and into checkpoints
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
     for update in progress:
         update_start = time.time()
@@ -406,30 +405,21 @@ def main(args: Args) -> None:
             | stream.metrics(staleness)
         )
         stream.trained(update, policy)
-        for reason in reasons:  # not silent: a warning line each and a counter in the logs
-            accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
-        degenerate += len(reasons)
-        metrics["degenerate_updates"] = degenerate
-        check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
-        logger.log(metrics, update + 1)
-        history.append((metrics["reward"], metrics["kl"]))
+        ledger.record(accelerator, logger, update, metrics, reasons)  # a warning line for each reason, the logs
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")
         if (update + 1) % args.log_freq == 0:
             samples = {"prompt": [text_of(r["prompt"]) for r in rows], "completion": completions_text}
             logger.samples("samples", samples | {"reward": scores.tolist(), "advantage": advantages.tolist()}, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < num_updates:
             evaluate(args, engine, logger, update + 1)
-        if args.save_freq and (update + 1) % args.save_freq == 0:
-            folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            state = {"update": update + 1, "first_eval": first_eval, "history": history, "degenerate": degenerate}
-            save_checkpoint(accelerator, folder, state, policy, task.tokenizer, total_limit=args.save_total_limit)
+        ledger.checkpoint(args, accelerator, update, policy, task.tokenizer)  # every --save-freq updates
 
     # 7. the final evaluation, save (plain from_pretrained format; LoRA merged) and summary
     stream.close()
     last_eval = evaluate(args, engine, logger, num_updates)
     save_policy(args, accelerator, policy, task.tokenizer, last_eval, "rloo")
-    done, seconds = num_updates - start_update, time.time() - start_time  # the updates this process ran
-    summary("rloo", args, accelerator, done, seconds, history, first_eval, last_eval, kl=True)
+    done, seconds = num_updates - start_update, time.time() - ledger.start  # the updates this process ran
+    summary("rloo", args, accelerator, done, seconds, ledger.history, ledger.first_eval, last_eval, kl=True)
     end_run(accelerator, logger)  # every rank leaves together
 
 

@@ -85,6 +85,16 @@ def pad_right(rows: list[list], value) -> torch.Tensor:
     return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows])
 
 
+def epoch_rows(rows: list, batch_size: int, step: int, seed: int, accelerator) -> list:
+    """This rank's `batch_size` rows of `step`: the rows reshuffled once per epoch from `seed + epoch` (the same order on
+    every rank, and again after a resume), each rank taking its own slice of the epoch's step-th batch."""
+    world = accelerator.num_processes
+    epoch, i = divmod(step, max(1, len(rows) // (batch_size * world)))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
+    start = (i * world + accelerator.process_index) * batch_size
+    return [rows[j] for j in order[start : start + batch_size].tolist()]
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Mean of `values` over the positions where `mask` is 1 (over `axis`, or over everything); 0 where the mask is
     empty (TRL 1.x clamps the count at 1)."""

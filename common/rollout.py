@@ -13,6 +13,7 @@ importance ratio, the KL and the lengths read the model's tokens only, while the
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,11 +25,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import text_of
-from common.checkpoints import full_weights, load_checkpoint
-from common.core import UsageError, check_args, exact_div, nanstd, warn_once, weight_decay_groups
+from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
-from common.outputs import atomic_directory, write_model_card
+from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import rank_batches
 from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
 from fast_paths import FastGenerator, sampling_kwargs
@@ -168,11 +169,8 @@ def update_sizes(args, accelerator: Accelerator) -> tuple[int, int, int]:
 def batch_rows(args, task: Task, accelerator: Accelerator, update: int) -> list[dict]:
     """This rank's prompts of an update, each repeated num_generations times side by side (group order): a seeded
     shuffle of the training rows per epoch, the same on every rank, each rank taking its own slice."""
-    world = accelerator.num_processes
-    epoch, i = divmod(update, len(task.train_rows) // (args.batch_size * world))
-    order = torch.randperm(len(task.train_rows), generator=torch.Generator().manual_seed(args.seed + epoch))
-    start = (i * world + accelerator.process_index) * args.batch_size
-    return [task.train_rows[j] for j in order[start : start + args.batch_size].tolist() for _ in range(args.num_generations)]
+    rows = epoch_rows(task.train_rows, args.batch_size, update, args.seed, accelerator)
+    return [row for row in rows for _ in range(args.num_generations)]
 
 
 def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
@@ -215,6 +213,35 @@ def resume(args, accelerator: Accelerator, num_updates: int) -> dict:
         )
     accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
     return resumed
+
+
+class Ledger:
+    """What the loop carries from update to update, and into its checkpoints: the run's first evaluation (the summary
+    compares with it, also after a resume), the (reward, KL) history, the count of updates with nothing to learn from,
+    and when this process started training."""
+
+    def __init__(self, resumed: dict, first_eval: dict):
+        self.first_eval = resumed.get("first_eval", first_eval)
+        self.history, self.degenerate, self.start = resumed.get("history", []), resumed.get("degenerate", 0), time.time()
+
+    def record(self, accelerator: Accelerator, logger, update: int, metrics: dict, reasons: list[str]) -> None:
+        """An update's end: a warning line for each reason it had nothing to learn from (and the counter in the logs),
+        the check that its gradient norm is finite, its metrics logged, its reward and KL kept."""
+        for reason in reasons:
+            accelerator.print(f"warning: update {update + 1} has nothing to learn from: {reason}")
+        self.degenerate += len(reasons)
+        metrics["degenerate_updates"] = self.degenerate
+        check_finite(update + 1, {"grad_norm": metrics["grad_norm"]})
+        logger.log(metrics, update + 1)
+        self.history.append((metrics["reward"], metrics.get("kl", math.nan)))
+
+    def checkpoint(self, args, accelerator: Accelerator, update: int, policy, tokenizer) -> None:
+        """Every --save-freq updates: a resumable checkpoint of the policy and this ledger (--save-total-limit kept)."""
+        if args.save_freq and (update + 1) % args.save_freq == 0:
+            folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
+            state = {"update": update + 1, "first_eval": self.first_eval, "history": self.history}
+            state["degenerate"] = self.degenerate
+            save_checkpoint(accelerator, folder, state, policy, tokenizer, total_limit=args.save_total_limit)
 
 
 def save_policy(args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str) -> None:
