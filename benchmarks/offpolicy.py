@@ -144,7 +144,9 @@ def final(folder: str) -> dict:
     """The saved model evaluated as benchmarks/real_model.py evaluates every method (2 sampled replies per problem)."""
     sys.path.insert(0, HERE)
     from real_model import evaluate
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # no "Loading weights" bar between the runs' lines
     return evaluate(os.path.join(ROOT, folder), samples=2)
 
 
