@@ -42,7 +42,7 @@ from common.core import (
     UsageError,
     check_args,
     check_scores,
-    entropy_from_logits,
+    entropy_from_logprobs,
     epoch_rows,
     exact_div,
     kl_estimate,
@@ -547,7 +547,8 @@ def main(args: Args) -> None:
                     logits, vpreds = forward(
                         model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **rollout.forward_kwargs
                     )
-                    logprobs = logprobs_from_logits(logits, responses[mb])
+                    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V], once: the log-probs and the entropy
+                    logprobs = torch.gather(logp, -1, responses[mb].unsqueeze(-1)).squeeze(-1)
                     old, value, adv, ret = old_logprobs[mb], values[mb], advantages[mb], returns[mb]
                     pg_loss, vf_loss, stats = ppo_loss(
                         old, value, logprobs, vpreds, mask[mb], adv, ret, vf_coef=args.vf_coef, **clipping
@@ -559,7 +560,7 @@ def main(args: Args) -> None:
                     scheduler.step()
                     optimizer.zero_grad()
                 with torch.no_grad():
-                    stats["ppo/policy/entropy"] = entropy_from_logits(logits[mask[mb].bool()]).mean()  # response tokens
+                    stats["ppo/policy/entropy"] = entropy_from_logprobs(logp[mask[mb].bool()]).mean()  # response tokens
                 all_stats.append(stats)
             epochs_done += 1
             if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks

@@ -134,9 +134,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last axis: -sum(p * log p), from one log_softmax in float32."""
-    logp = F.log_softmax(logits.float(), dim=-1)
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy over the last axis from log-probabilities (a log_softmax already computed): -sum(p * log p)."""
     return -logp.exp().mul_(logp).sum(-1)
 
 

@@ -17,7 +17,7 @@ from common.core import (
     RunningMoments,
     UsageError,
     check_scores,
-    entropy_from_logits,
+    entropy_from_logprobs,
     exact_div,
     kl_estimate,
     logprobs_from_logits,
@@ -259,7 +259,7 @@ def test_logit_mask_zeroes_forbidden_transitions_only(tmp_path):
     allowed = original[after_1][:, [2, 3]]
     torch.testing.assert_close(probs[after_1][:, [2, 3]], allowed / allowed.sum(-1, keepdim=True))  # renormalised
     torch.testing.assert_close(probs[~after_1], original[~after_1])  # unrestricted tokens: untouched
-    assert torch.isfinite(entropy_from_logits(mask.apply(logits, previous))).all()
+    assert torch.isfinite(entropy_from_logprobs(torch.log_softmax(mask.apply(logits, previous), -1))).all()
     # trlX's dense format (True: forbidden) gives the same mask; a processor for generate masks after input_ids[:, -1]
     dense = [[i == 1 and j not in (2, 3) for j in range(5)] for i in range(5)]
     (tmp_path / "dense.json").write_text(json.dumps(dense))
@@ -339,7 +339,9 @@ def test_logprobs_and_entropy_against_explicit_formula():
     z = math.exp(1) + math.exp(2) + math.exp(3)
     assert logprobs_from_logits(logits, labels)[0].tolist() == pytest.approx([3 - math.log(z), -math.log(3)])
     p = [math.exp(k) / z for k in (1, 2, 3)]
-    assert entropy_from_logits(logits)[0].tolist() == pytest.approx([-sum(q * math.log(q) for q in p), math.log(3)])
+    assert entropy_from_logprobs(torch.log_softmax(logits, -1))[0].tolist() == pytest.approx(
+        [-sum(q * math.log(q) for q in p), math.log(3)]
+    )
 
 
 def test_kl_estimators():

@@ -71,7 +71,7 @@ def test_no_import_cycle():
 DESIGN_LIST = {
     "ValueHead", "AutoModelForCausalLMWithValueHead", "AutoModelForSeq2SeqLMWithValueHead", "create_reference_model",
     "reference_context", "AdaptiveKLController", "FixedKLController", "kl_estimate", "logprobs_from_logits",
-    "entropy_from_logits", "masked_mean", "masked_var", "masked_whiten", "LogitMask", "RunningMoments", "nanstd",
+    "entropy_from_logprobs", "masked_mean", "masked_var", "masked_whiten", "LogitMask", "RunningMoments", "nanstd",
     "pad_right", "load_pipeline",
 }  # fmt: skip
 
