@@ -188,21 +188,25 @@ def table(results: dict) -> list[str]:
 
 def reading(results: dict) -> list[str]:
     """Each row's final held-out accuracy against on-policy's, and k = 4's correction against none, set against the
-    evaluation's noise: two standard errors of a difference of two means of n 64-problem evaluations each,
-    2 sqrt(2 p (1 - p) / (64 n)) at the pooled accuracy p (the seeds' own spread is in the table)."""
+    noise: two standard errors of the difference of the two rows' means, from the seeds' own spread where both rows
+    have two seeds or more (it holds the evaluation's noise too), and never below the evaluation's alone, 2 sqrt(p (1 -
+    p) / 64 (1 / n1 + 1 / n2)) at the pooled accuracy p of n1 and n2 64-problem evaluations."""
     lines = []
 
     def compare(name: str, against: str) -> None:
         ours, theirs = ([r["accuracy"] for r in runs_of(results, n)] for n in (name, against))
         if not ours or not theirs:
             return
-        n, p = min(len(ours), len(theirs)), statistics.fmean(ours + theirs)
-        difference, noise = statistics.fmean(ours) - statistics.fmean(theirs), 2 * math.sqrt(2 * p * (1 - p) / (64 * n))
+        p, difference = statistics.fmean(ours + theirs), statistics.fmean(ours) - statistics.fmean(theirs)
+        noise, source = 2 * math.sqrt(p * (1 - p) / 64 * (1 / len(ours) + 1 / len(theirs))), "the evaluation's"
+        if min(len(ours), len(theirs)) >= 2:
+            seeds = 2 * math.sqrt(statistics.variance(ours) / len(ours) + statistics.variance(theirs) / len(theirs))
+            noise, source = max((seeds, "the seeds'"), (noise, source))
         verdict = "inside" if abs(difference) <= noise else "outside"
         lines.append(
             f"- {RUNS[name][2]} against {RUNS[against][2]}: {statistics.fmean(ours):.2f} against "
             f"{statistics.fmean(theirs):.2f} ({len(ours)} and {len(theirs)} seeds), {difference:+.2f}: {verdict} the "
-            f"evaluation's noise (two standard errors: {noise:.2f})"
+            f"noise (two standard errors, {source}: {noise:.2f})"
         )
 
     for name in ("k1", "k4", "k4_none", "k4_sampler"):
