@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object, set_seed
-from diffusers import DDIMScheduler, StableDiffusionPipeline
+from diffusers import DDIMScheduler
 from diffusers.utils import convert_state_dict_to_diffusers
 from diffusers.utils.torch_utils import randn_tensor
 from peft import LoraConfig
@@ -558,6 +558,9 @@ def save(args: Args, accelerator: Accelerator, policy: Diffusion, unet, metrics:
     unwrapped = accelerator.unwrap_model(unet, keep_torch_compile=False)
     with atomic_directory(args.output_dir) as tmp:
         if args.use_lora:
+            # imported here, after cli() filtered transformers' import-time notices (torchvision's absence)
+            from diffusers import StableDiffusionPipeline
+
             lora_state = convert_state_dict_to_diffusers(get_peft_model_state_dict(unwrapped))
             StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=lora_state)
             if args.pretrained_model.startswith("builtin:"):  # no hub copy of the base: save it beside the LoRA
