@@ -117,9 +117,10 @@ def run(name: str, seed: int, out: str) -> dict:
 
 
 FINAL = ("greedy", "sampled", "kl", "length", "distinct")
-# A run's own threads make a mean 1-minute load of about 2 on 2 cores (4 with --async-rollouts: the sampling thread's
-# and the trainer's); a run above this shared the machine with other work, and its times are not shown
-QUIET = 2.7
+# A run's own threads make a mean 1-minute load of about 2 on 2 cores (2.0-2.3 measured alone; 4 with --async-rollouts:
+# the sampling thread's and the trainer's); a run above this shared the machine with other work (one that shared 7 of
+# its 14 minutes with the fast test tier: 2.6), and its times are not shown
+QUIET = 2.5
 
 
 def timed(rows: list[dict]) -> list[dict]:
