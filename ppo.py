@@ -493,7 +493,8 @@ def main(args: Args) -> None:
     state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
-    first_eval = state.get("first_eval", evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update))
+    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
+    first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
     start_time = time.time()

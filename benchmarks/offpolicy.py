@@ -90,9 +90,9 @@ def run(name: str, seed: int, out: str) -> dict:
             log.seek(0)
             sys.exit(f"{' '.join(command)} failed (its log: {folder}.log):\n{log.read()[-4000:]}")
     wall = time.time() - start
-    log = os.path.join(ROOT, folder + "_runs")
-    curve = scalars(log, "eval/reward")
-    steps = [v for _, v in scalars(log, "time/step")]
+    logs = os.path.join(ROOT, folder + "_runs")  # its TensorBoard scalars
+    curve = scalars(logs, "eval/reward")
+    steps = [v for _, v in scalars(logs, "time/step")]
     result = dict(
         command=" ".join(command[:-4]),
         wall_s=wall,
@@ -101,16 +101,16 @@ def run(name: str, seed: int, out: str) -> dict:
         curve=curve,
         accuracy=curve[-1][1],
         kl=None,
-        length=scalars(log, "eval/completion_length")[-1][1],
-        top_answer_share=scalars(log, "eval/top_answer_share")[-1][1],
-        train_reward=[v for _, v in scalars(log, "reward")],
+        length=scalars(logs, "eval/completion_length")[-1][1],
+        top_answer_share=scalars(logs, "eval/top_answer_share")[-1][1],
+        train_reward=[v for _, v in scalars(logs, "reward")],
         machine=machine(),
         final=final(folder),
     )
     for tag in ("staleness/mean", "importance_sampling/ratio_mean", "importance_sampling/corrected_fraction",
                 "importance_sampling/ratio_min", "importance_sampling/ratio_max", "staleness/dropped",
                 "time/waited_for_rollouts", "time/generate"):  # fmt: skip
-        values = [v for _, v in scalars(log, tag)]
+        values = [v for _, v in scalars(logs, tag)]
         if values:
             result[tag] = values
     return result
@@ -235,8 +235,7 @@ def report(results: dict) -> None:
         "per held-out problem; KL to the initial model in nats per reply, on the model's own replies); mean ± sd over "
         "the seeds. Times come only from runs that had the machine to themselves (a mean 1-minute load of at most "
         f"{QUIET}, {QUIET + 2} with --async-rollouts, and a wall time at most twice its updates'); the accuracy "
-        "columns do not depend on it (the deterministic "
-        "mode samples the same tokens).",
+        "columns do not depend on it (the deterministic mode samples the same tokens).",
         "",
     ]
     lines += table(results)
