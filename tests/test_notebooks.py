@@ -1,6 +1,10 @@
 """Every notebook is committed executed (its outputs and plots are what a reader sees on GitHub), runs top to bottom
 again here (with a smaller budget injected after its `parameters` cell, the papermill convention), and its plots
-render."""
+render.
+
+The notebooks of one test process share a kernel: each starts from an empty namespace and accelerate's process-wide
+state reset (as a fresh kernel would give it), while the libraries it imports stay loaded. A fresh kernel per notebook
+spent ~10 s of CPU importing torch, transformers and matplotlib again, a minute of the suite's 12 notebooks."""
 
 import base64
 import io
@@ -49,13 +53,41 @@ BUDGETS = {
 }
 
 
+# Run before each notebook in the shared kernel: what its previous notebook left behind goes, as with a fresh kernel
+FRESH = f"""\
+%reset -f
+import gc, os, sys
+if "common.outputs" in sys.modules:  # the output folders the last notebook's runs hold, released as at a process's exit
+    sys.modules["common.outputs"].release_outputs()
+if "accelerate.state" in sys.modules:  # accelerate's process-wide state, as a new process starts it
+    sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
+    sys.modules["accelerate.state"].GradientState._reset_state()
+if "matplotlib.pyplot" in sys.modules:
+    sys.modules["matplotlib.pyplot"].close("all")
+os.chdir({NOTEBOOKS!r})
+gc.collect()
+%reset -f
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """One Python kernel for the notebooks this test process runs, started in notebooks/ as Jupyter starts one."""
+    from jupyter_client.manager import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=NOTEBOOKS)
+    yield manager
+    manager.shutdown_kernel(now=True)
+
+
 def test_every_notebook_has_a_budget():
     assert sorted(name[: -len(".ipynb")] for name in os.listdir(NOTEBOOKS) if name.endswith(".ipynb")) == sorted(BUDGETS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUDGETS))
-def test_notebook_runs_and_renders_its_plots(name, tmp_path):
+def test_notebook_runs_and_renders_its_plots(name, tmp_path, kernel):
     notebook = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
     # committed with the outputs a reader on GitHub should see: run top to bottom once, plots included
@@ -68,8 +100,16 @@ def test_notebook_runs_and_renders_its_plots(name, tmp_path):
     for key in overrides:
         assert f"{key} = " in notebook.cells[index].source, f"{key} is not a parameter of {name}.ipynb"
     notebook.cells.insert(index + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in overrides.items())))
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(FRESH))
+    if not kernel.is_alive():  # an earlier notebook killed it
+        kernel.restart_kernel(now=True)
     # a cell stops after 20 minutes: a hang, not a slow machine (real_model's short SmolLM2 run passed 600 s in the suite)
-    NotebookClient(notebook, timeout=1200, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    client = NotebookClient(notebook, km=kernel, timeout=1200, resources={"metadata": {"path": NOTEBOOKS}})
+    try:
+        client.execute()
+    finally:
+        if client.kc is not None:
+            client.kc.stop_channels()
     pngs = [
         out["data"]["image/png"]
         for c in notebook.cells
