@@ -376,8 +376,9 @@ class Batches:
 def load_model(args: Args, accelerator: Accelerator, quantization: dict, total_steps: int):
     """The model (LoRA with --use-peft, NEFTune's hook with its flag) prepared with its AdamW optimizer and schedule."""
     model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype, **quantization)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:  # activations recomputed in the backward (older transformers: gradient_checkpointing_*)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     if quantization:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if args.use_peft:

@@ -9,10 +9,12 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import textwrap
 import time
 import types
+import warnings
 
 import torch
 import tyro
@@ -71,6 +73,15 @@ class _Harmless(logging.Filter):
 
 HARMLESS = _Harmless()
 
+# peft's warnings at every LoRA run on a GPT-2 model or a built-in: transformers' deprecation of the attribute peft
+# reads, the Conv1D layout that peft then handles itself, and a vocabulary check that looks for a hub config (no
+# script here resizes the embeddings, so there is nothing for it to find)
+HARMLESS_WARNINGS = (
+    "`is_gradient_checkpointing` is deprecated",
+    "fan_in_fan_out is set to False but the target module is `Conv1D`",
+    "Could not find a config file in builtin:",
+)
+
 
 def cli(args_class):
     """`tyro.cli(args_class)`, and from here on an uncaught UsageError ends the run with `error: <message>`, exit 2.
@@ -80,6 +91,8 @@ def cli(args_class):
     for handler in transformers_logging.get_logger("transformers").handlers:
         handler.addFilter(HARMLESS)  # one instance: a filter already there is not added twice
     logging.getLogger("DeepSpeed").addFilter(HARMLESS)  # before deepspeed makes it: a logger keeps its filters
+    for text in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(text)}")
     transformers_logging.disable_progress_bar()
     _flowing_help(args_class)
     quiet = int(os.environ.get("RANK", "0")) > 0  # under a launcher --help and a usage box print once, from rank 0
