@@ -552,8 +552,10 @@ def main(args: Args) -> None:
         #    log-probs are the training forward's own, detached (TRL skips this pass too)
         #    (--old-logprobs sampler: the sampler's own, and no forward)
         recompute = args.old_logprobs == "recompute" and (args.num_iterations > 1 or step_size < len(rows))
+        forward_start = time.time()
         old_logprobs, ref_logprobs = sampling_logprobs(args, accelerator, policy, ref_model, rollout, recompute, args.beta > 0)
         old_logprobs = sampled if args.old_logprobs == "sampler" else old_logprobs
+        forward_time = time.time() - forward_start
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches
         model.train()
@@ -600,6 +602,7 @@ def main(args: Args) -> None:
                 "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
                 "charts/learning_rate": scheduler.get_last_lr()[0],
                 "time/generate": generate_time,
+                "time/logprobs": forward_time,
                 "time/step": time.time() - update_start,
             }
             | stream.metrics(staleness)

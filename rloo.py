@@ -341,9 +341,11 @@ def main(args: Args) -> None:
             args.beta > 0,
             args.old_logprobs == "recompute",
         )
+        forward_start = time.time()
         old_logprobs, ref_logprobs = sampling_logprobs(
             args, accelerator, policy, ref_model, rollout, recompute and (not on_policy or beta), beta
         )
+        forward_time = time.time() - forward_start
         old_logps = (old_logprobs * loss_mask).sum(1) if old_logprobs is not None else None  # [N]
         old_logps = sampled if not recompute else old_logps
         ref_logps = (ref_logprobs * loss_mask).sum(1) if ref_logprobs is not None else None
@@ -400,6 +402,7 @@ def main(args: Args) -> None:
                 "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
                 "charts/learning_rate": scheduler.get_last_lr()[0],
                 "time/generate": generate_time,
+                "time/logprobs": forward_time,
                 "time/step": time.time() - update_start,
             }
             | stream.metrics(staleness)

@@ -109,7 +109,7 @@ def run(name: str, seed: int, out: str) -> dict:
     )
     for tag in ("staleness/mean", "importance_sampling/ratio_mean", "importance_sampling/corrected_fraction",
                 "importance_sampling/ratio_min", "importance_sampling/ratio_max", "staleness/dropped",
-                "time/waited_for_rollouts", "time/generate"):  # fmt: skip
+                "time/waited_for_rollouts", "time/generate", "time/logprobs"):  # fmt: skip
         values = [v for _, v in scalars(logs, tag)]
         if values:
             result[tag] = values
@@ -271,17 +271,24 @@ def report(results: dict) -> None:
             "where sampling and training would overlap, it has not been measured.",
         ]
     recompute, sampler = results["runs"].get("k1_2it_1"), results["runs"].get("k1_2it_sampler_1")
-    if recompute and sampler:
+    if recompute and "time/logprobs" in recompute:
+        forward, alone = statistics.median(recompute["time/logprobs"]), bool(timed([recompute]))
         lines += [
             "",
             "## The old-log-prob forward",
             "",
             "With one optimizer step per rollout (the recipe) pi_old is the training forward's own, detached, and no "
-            "forward is spent on it. With two passes over each rollout (`--num-iterations 2`, seed 1) it is recomputed "
-            f"at each update's start: {recompute['step_s']:.1f} s per update with the forward, "
-            f"{sampler['step_s']:.1f} s with `--old-logprobs sampler` (pi_old is the sampler's log-probs, kept from "
-            f"the decoding), {recompute['step_s'] - sampler['step_s']:+.1f} s per update.",
+            "forward is spent on it. With two passes over each rollout (`--num-iterations 2`, k = 1, seed 1) it is "
+            "recomputed at each update's start, a forward over the update's 32 completions without a gradient: "
+            f"{forward:.1f} s per update (median of grpo.py's `time/logprobs`), {forward / recompute['step_s']:.0%} of "
+            f"its {recompute['step_s']:.1f} s update{'' if alone else ' (the run shared the machine)'}. "
+            "`--old-logprobs sampler` takes pi_old from the sampler's own log-probs, kept from the decoding, and skips it.",
         ]
+        if sampler and alone and timed([sampler]):
+            lines[-1] += (
+                f" The same run with `--old-logprobs sampler`: {sampler['step_s']:.1f} s per update "
+                f"({sampler['step_s'] - recompute['step_s']:+.1f} s; medians of one run each, both timed alone)."
+            )
     with open(os.path.join(HERE, "RESULTS-offpolicy.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
