@@ -555,6 +555,8 @@ def main(args: Args) -> None:
         forward_start = time.time()
         old_logprobs, ref_logprobs = sampling_logprobs(args, accelerator, policy, ref_model, rollout, recompute, args.beta > 0)
         old_logprobs = sampled if args.old_logprobs == "sampler" else old_logprobs
+        if device.type == "cuda":  # the forwards' own time, not only their launch's
+            torch.cuda.synchronize()
         forward_time = time.time() - forward_start
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches

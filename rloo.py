@@ -345,6 +345,8 @@ def main(args: Args) -> None:
         old_logprobs, ref_logprobs = sampling_logprobs(
             args, accelerator, policy, ref_model, rollout, recompute and (not on_policy or beta), beta
         )
+        if device.type == "cuda":  # the forwards' own time, not only their launch's
+            torch.cuda.synchronize()
         forward_time = time.time() - forward_start
         old_logps = (old_logprobs * loss_mask).sum(1) if old_logprobs is not None else None  # [N]
         old_logps = sampled if not recompute else old_logps
