@@ -17,7 +17,7 @@ sampled accuracy on the 64 held-out problems, the KL to the initial model, the r
 Writes benchmarks/RESULTS-offpolicy.json, RESULTS-offpolicy.md and RESULTS-offpolicy.png; resumable (what is in the
 JSON is kept unless --rerun).
 
-    python benchmarks/offpolicy.py                       # every run, seeds 1 2 3 (about 3 hours on 2 cores: ~10 min a run)
+    python benchmarks/offpolicy.py                       # every run, seeds 1 2 3 (about 4 hours on 2 cores: 10-16 min a run)
     python benchmarks/offpolicy.py --report-only
 """
 
@@ -48,10 +48,10 @@ RUNS = {  # name: (flags, seeds or None for every seed, what it is)
     "k4_none": (["--max-staleness", "4", "--no-importance-sampling-correction"], None, "k = 4, no correction"),
     "k4_sampler": (["--max-staleness", "4", "--old-logprobs", "sampler"], None, "k = 4, ratio to the sampler (AsyncGRPO)"),
     "k1_async": (["--max-staleness", "1", "--async-rollouts"], [1], "k = 1, asynchronous (a sampling thread)"),
-    "k1_2it": (["--max-staleness", "1", "--num-iterations", "2"], [1], "k = 1, two passes, pi_old recomputed"),
+    "k1_2it": (["--max-staleness", "1", "--num-iterations", "2"], None, "k = 1, two passes, pi_old recomputed"),
     "k1_2it_sampler": (
         ["--max-staleness", "1", "--num-iterations", "2", "--old-logprobs", "sampler"],
-        [1],
+        None,
         "k = 1, two passes, pi_old = the sampler (no forward)",
     ),
 }
@@ -109,7 +109,7 @@ def run(name: str, seed: int, out: str) -> dict:
     )
     for tag in ("staleness/mean", "importance_sampling/ratio_mean", "importance_sampling/corrected_fraction",
                 "importance_sampling/ratio_min", "importance_sampling/ratio_max", "staleness/dropped",
-                "time/waited_for_rollouts", "time/generate", "time/logprobs"):  # fmt: skip
+                "time/waited_for_rollouts", "time/generate", "time/logprobs", "clip_ratio/region_mean"):  # fmt: skip
         values = [v for _, v in scalars(logs, tag)]
         if values:
             result[tag] = values
@@ -214,6 +214,7 @@ def reading(results: dict) -> list[str]:
         compare(name, "k0")
     compare("k4", "k4_none")
     compare("k4_sampler", "k4_none")
+    compare("k1_2it_sampler", "k1_2it")
     return lines
 
 
@@ -252,6 +253,23 @@ def report(results: dict) -> None:
                 f"- {RUNS[name][2]}: sequence ratio pi_old / pi_sampler mean {statistics.fmean(means):.3f} over the "
                 f"updates (range {low:.3g} to {high:.3g}); {zeroed:.1%} of the sequences zeroed by the mask on average"
             )
+    clipped = {  # the share of tokens the clip acted on, mean over the updates and the seeds
+        name: statistics.fmean(v for r in rows for v in r["clip_ratio/region_mean"])
+        for name in RUNS
+        if (rows := runs_of(results, name)) and all("clip_ratio/region_mean" in r for r in rows)
+    }
+    if clipped:
+        acting = [f"{RUNS[name][2]} {share:.1%}" for name, share in clipped.items() if share > 0]
+        idle = [RUNS[name][2] for name, share in clipped.items() if share == 0]
+        lines.append(
+            f"- Tokens the clip acted on (`clip_ratio/region_mean`, mean over the updates and seeds): {'; '.join(acting)}"
+            + (
+                f"; none in {', '.join(idle)}: with one optimizer step per rollout the ratio to a recomputed pi_old "
+                "is exactly 1, so only a ratio to the sampler or a second pass meets the clip"
+                if idle
+                else ""
+            )
+        )
     sync, asynchronous = results["runs"].get("k0_1"), results["runs"].get("k1_async_1")
     if sync and asynchronous:
         dropped = asynchronous.get("staleness/dropped", [0])[-1]
@@ -288,6 +306,13 @@ def report(results: dict) -> None:
             lines[-1] += (
                 f" The same run with `--old-logprobs sampler`: {sampler['step_s']:.1f} s per update "
                 f"({sampler['step_s'] - recompute['step_s']:+.1f} s; medians of one run each, both timed alone)."
+            )
+        ours, theirs = runs_of(results, "k1_2it_sampler"), runs_of(results, "k1_2it")
+        if ours and theirs:  # where the two differ beyond the speed: how far each moved from the start
+            kl = [[r["final"]["kl"] for r in rows] for rows in (theirs, ours)]
+            lines[-1] += (
+                f" KL to the start of the final models: {spread(kl[0], 2)} recomputed against {spread(kl[1], 2)} "
+                f"with the sampler's ({len(kl[0])} and {len(kl[1])} seeds)."
             )
     with open(os.path.join(HERE, "RESULTS-offpolicy.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
