@@ -182,7 +182,8 @@ TINY = [
 def test_options_run(tmp_path, flags):
     out = run_script([GRPO, *TINY, *flags], tmp_path)
     assert "grpo: 2 updates" in out
-    for tag in ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio"):
+    tags = ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio")
+    for tag in (*tags, "time/logprobs"):
         assert len(read_scalars(str(tmp_path / "runs"), tag)) == 2, tag
     # TRL's linear decay reaches 0 at the last optimizer step: half the rate after the first of 2 updates
     rates = [5e-5, 0.0] if "linear" in flags else [1e-4, 1e-4]
