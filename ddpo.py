@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from common.checkpoints import read_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, check_scores, exact_div
+from common.core import UsageError, check_args, check_scores, exact_div, sizes
 from common.loading import load_function, load_pipeline, plugin_error
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, start_run
@@ -328,11 +328,12 @@ def check(args: Args) -> None:
         raise UsageError("--train-use-8bit-adam needs bitsandbytes (pip install bitsandbytes) and a GPU.")
     if not 0 < args.train_timestep_fraction <= 1:
         raise UsageError(f"--train-timestep-fraction must be in (0, 1], got {args.train_timestep_fraction}.")
-    exact_div(args.sample_batch_size, args.train_batch_size, "sample_batch_size / train_batch_size")
+    exact_div(args.sample_batch_size, args.train_batch_size, sizes(args, "sample_batch_size"), sizes(args, "train_batch_size"))
     exact_div(
         args.sample_batch_size * args.sample_num_batches_per_epoch,
         args.train_batch_size * args.train_gradient_accumulation_steps,
-        "sample_batch_size * sample_num_batches_per_epoch / (train_batch_size * train_gradient_accumulation_steps)",
+        sizes(args, "sample_batch_size", "sample_num_batches_per_epoch"),
+        sizes(args, "train_batch_size", "train_gradient_accumulation_steps"),
     )
 
 

@@ -50,6 +50,7 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    sizes,
     warn_once,
 )
 from common.loading import (
@@ -608,11 +609,17 @@ def batch_sizes(args: Args, accelerator: Accelerator) -> int:
     args.num_updates, returns the samples of one optimizer step (mini_batch_size x gradient_accumulation_steps)."""
     args.world_size = accelerator.num_processes
     step_size = args.mini_batch_size * args.gradient_accumulation_steps
-    exact_div(args.batch_size, step_size, "batch_size / (mini_batch_size * gradient_accumulation_steps)")
-    args.num_updates = exact_div(
-        args.total_episodes, args.batch_size * args.world_size, "total_episodes / (batch_size * world_size)"
+    exact_div(
+        args.batch_size, step_size, sizes(args, "batch_size"), sizes(args, "mini_batch_size", "gradient_accumulation_steps")
     )
-    exact_div(args.batch_size, args.generation_batch_size or args.batch_size, "batch_size / generation_batch_size")
+    args.num_updates = exact_div(
+        args.total_episodes,
+        args.batch_size * args.world_size,
+        sizes(args, "total_episodes"),
+        sizes(args, "batch_size", processes=args.world_size),
+    )
+    if args.generation_batch_size:
+        exact_div(args.batch_size, args.generation_batch_size, sizes(args, "batch_size"), sizes(args, "generation_batch_size"))
     return step_size
 
 

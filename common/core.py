@@ -237,8 +237,15 @@ def check_args(args, positive: str = "", non_negative: str = "", fractions: str 
                 raise UsageError(f"--{name.replace('_', '-')} {value}: it must be {wanted}.")
 
 
-def exact_div(a: int, b: int, what: str = "") -> int:
-    """a // b, or a clear error naming the two sizes when b does not divide a."""
+def exact_div(a: int, b: int, a_is: str = "", b_is: str = "") -> int:
+    """a // b, or a one-line error naming the flags behind the two sizes (`sizes`) when b does not divide a."""
     if b <= 0 or a % b != 0:
-        raise UsageError(f"{what or 'size'}: {a} is not divisible by {b}; choose sizes where it is.")
+        a_is, b_is = (f"{what} ({n})" if " x " in what else what or str(n) for what, n in ((a_is, a), (b_is, b)))
+        raise UsageError(f"{a_is} is not divisible by {b_is}; choose sizes where it is.")
     return a // b
+
+
+def sizes(args, *names: str, processes: int = 1) -> str:
+    """The flags behind a size, with their values, for exact_div's error: "--batch-size 8 x --num-generations 8"."""
+    terms = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names]
+    return " x ".join(terms + ([f"{processes} processes"] if processes > 1 else []))

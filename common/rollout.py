@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import text_of
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
-from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, warn_once, weight_decay_groups
+from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, sizes, warn_once, weight_decay_groups
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
@@ -160,9 +160,16 @@ def update_sizes(args, accelerator: Accelerator) -> tuple[int, int, int]:
     the completions of one optimizer step on each process, and its optimizer steps (for the learning-rate schedule)."""
     per_process = args.batch_size * args.num_generations  # completions per generation batch on each process
     step_size = args.mini_batch_size * args.gradient_accumulation_steps  # completions per optimizer step
-    exact_div(per_process, step_size, "batch_size * num_generations / (mini_batch_size * gradient_accumulation_steps)")
+    exact_div(
+        per_process,
+        step_size,
+        sizes(args, "batch_size", "num_generations"),
+        sizes(args, "mini_batch_size", "gradient_accumulation_steps"),
+    )
     world = accelerator.num_processes
-    num_updates = exact_div(args.total_prompts, args.batch_size * world, "total_prompts / (batch_size * world_size)")
+    num_updates = exact_div(
+        args.total_prompts, args.batch_size * world, sizes(args, "total_prompts"), sizes(args, "batch_size", processes=world)
+    )
     return num_updates, step_size, num_updates * args.num_iterations * per_process // step_size
 
 

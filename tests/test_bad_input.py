@@ -22,7 +22,7 @@ def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
     printed while the script imports (ddpo.py imports diffusers, whose Stable Diffusion pipeline made transformers
     print two lines about torchvision)."""
     for script, flags, message in (
-        ("ppo", ["--batch-size", "10", "--mini-batch-size", "4"], "is not divisible by 4"),
+        ("ppo", ["--batch-size", "10", "--mini-batch-size", "4"], "--batch-size 10 is not divisible by --mini-batch-size 4"),
         ("ddpo", ["--train-clip-range", "-0.1"], "--train-clip-range -0.1: it must be > 0"),
     ):
         result = subprocess.run(

@@ -24,6 +24,7 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    sizes,
 )
 from common.loading import (
     check_columns,
@@ -390,8 +391,13 @@ def test_check_scores_rejects_bad_rewards():
 
 def test_exact_div():
     assert exact_div(64, 16) == 4
-    with pytest.raises(ValueError, match="batch_size: 10 is not divisible by 4"):
-        exact_div(10, 4, "batch_size")
+    with pytest.raises(ValueError, match="^10 is not divisible by 4; "):
+        exact_div(10, 4)
+    args = SimpleNamespace(batch_size=3, num_generations=4, total_prompts=10)
+    with pytest.raises(ValueError, match=r"^--total-prompts 10 is not divisible by --batch-size 3 x 2 processes \(6\); "):
+        exact_div(10, 6, sizes(args, "total_prompts"), sizes(args, "batch_size", processes=2))
+    with pytest.raises(ValueError, match=r"^--batch-size 3 x --num-generations 4 \(12\) is not divisible by --total-prompts"):
+        exact_div(12, 10, sizes(args, "batch_size", "num_generations"), sizes(args, "total_prompts"))
 
 
 def test_value_head_round_trip(tmp_path):
