@@ -381,7 +381,14 @@ class Engine:
             self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
         if quiet:
             return
-        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+        how, k = "compiled static-cache decoding" if self.fast else "HF generate", getattr(args, "max_staleness", 0)
+        updates = f"{k} update{'s' if k > 1 else ''}"
+        if k and getattr(args, "async_rollouts", False):
+            every = "every update" if args.weight_sync_steps == 1 else f"every {args.weight_sync_steps} updates"
+            how += f"; up to {updates} old, sampled ahead in a background thread whose weights are refreshed {every}"
+        elif k:
+            how += f"; each update trains on a rollout sampled by the weights of {updates} before"
+        accelerator.print(f"rollouts: {how}")
         if task.toolset:
             tools = ", ".join(s["function"]["name"] for s in task.toolset.schemas)
             accelerator.print(f"episodes: tools {tools}; chat template: {task.toolset.template}")

@@ -525,7 +525,8 @@ def test_the_asynchronous_worker_keeps_the_bound_and_its_failure_is_one_line(tmp
     worker that fails ends the run with one line naming the cause, and never hangs the trainer."""
     flags = [GRPO, "--total-prompts", "48", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
     flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--max-staleness", "1", "--async-rollouts"]
-    run_script([*flags, "--log-dir", "runs"], tmp_path)
+    out = run_script([*flags, "--log-dir", "runs"], tmp_path)
+    assert "rollouts: HF generate; up to 1 update old, sampled ahead in a background thread" in out, out[:1000]
     staleness = read_scalars(str(tmp_path / "runs"), "staleness/max")
     assert len(staleness) == 6 and max(staleness) <= 1
     from common.rollout import RolloutWorker
@@ -566,6 +567,7 @@ def test_a_stale_run_without_a_correction_warns_naming_it(tmp_path):
         tmp_path,
     )
     assert "warning: --max-staleness 1 with --no-importance-sampling-correction: nothing corrects" in out
+    assert "each update trains on a rollout sampled by the weights of 1 update before" in out, out[:1000]
 
 
 @pytest.mark.slow
