@@ -25,7 +25,9 @@ replaces it).
 - rm_ppo_small: the same on dpo's pairs (8 replies, up to 4 pairs per question, two epochs): the first try, with a
   third of the pairs (docs/real-model.md, "The learned reward");
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
-  reward and settings, for --trl-steps steps, evaluated as ours.
+  reward and settings, for --trl-steps steps, evaluated as ours;
+- grpo_linear: grpo's command with TRL's learning-rate schedule (--lr-scheduler-type linear: decayed to 0 by the last
+  step, where grpo.py keeps it constant), the one setting in which grpo and trl_grpo differ.
 
     python benchmarks/real_model.py                                  # everything; writes the table and the plot
     python benchmarks/real_model.py --methods grpo rloo --threads 2   # some methods
@@ -68,7 +70,7 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo", "grpo_linear")
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
 SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
 SELF_SAMPLED["rm_ppo_small"] = "self_samples"
@@ -77,7 +79,7 @@ SELF_SAMPLED["rm_ppo_small"] = "self_samples"
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo grpo_linear)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -155,6 +157,11 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             ["grpo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
             + ["--learning-rate", "1e-5"]
             + ["--eval-freq", str(every), *out("grpo")]
+        ],
+        "grpo_linear": [  # TRL's schedule: the learning rate decayed linearly to 0 by the last update
+            ["grpo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
+            + ["--learning-rate", "1e-5", "--lr-scheduler-type", "linear"]
+            + ["--eval-freq", str(every), *out("grpo_linear")]
         ],
         "rloo": [
             ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
@@ -396,11 +403,13 @@ LABELS = {
     "rm_ppo_small": "the first try: reward model on dpo's pairs, then PPO",
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
+    "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
 }
 # (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags, the rollout tag)
 PPO_PHASES = ["time/rollout", "time/score", "time/forward", "time/optimise"]
 CURVES = {
     "grpo": ("grpo", "eval/reward", 32, ["time/step"], "time/generate"),
+    "grpo_linear": ("grpo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo": ("rloo", "eval/reward", 32, ["time/step"], "time/generate"),
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
     "rft": ("rft", None, 0, ["time/step"], None),
@@ -505,11 +514,11 @@ def cell(stat: dict | None, digits: int = 2) -> str:
 
 
 def comparison(stats: dict, problems: int, samples: int) -> str:
-    """Ours against TRL's: the difference of the means, and whether it is larger than the spread (the seeds' min-max
-    ranges do not overlap) and, for accuracies, than the evaluation's own noise (two binomial standard errors of the
-    difference over `problems` x replies)."""
+    """Ours against TRL's, and grpo.py with TRL's learning-rate decay against both: the difference of the means, and
+    whether it is larger than the spread (the seeds' min-max ranges do not overlap) and, for accuracies, than the
+    evaluation's own noise (two binomial standard errors of the difference over `problems` x replies)."""
     lines = []
-    for ours, theirs in (("grpo", "trl_grpo"), ("rloo", "trl_rloo")):
+    for ours, theirs in (("grpo", "trl_grpo"), ("rloo", "trl_rloo"), ("grpo_linear", "trl_grpo"), ("grpo_linear", "grpo")):
         if ours not in stats or theirs not in stats:
             continue
         for key, name in (("greedy", "greedy accuracy"), ("sampled", "sampled accuracy"), ("kl", "KL")):
@@ -530,7 +539,8 @@ def comparison(stats: dict, problems: int, samples: int) -> str:
                         else f"larger than the spread and the evaluation's noise (two standard errors: {noise:.2f})"
                     )
             lines.append(
-                f"- {LABELS[ours].split(' (')[0]} against TRL, {name}: {a['mean']:.2f} against {b['mean']:.2f} "
+                f"- {LABELS[ours].split(' (')[0]} against {LABELS[theirs].split(' (')[0]}, {name}: {a['mean']:.2f} "
+                f"against {b['mean']:.2f} "
                 f"({a['n']} and {b['n']} seeds), difference {difference:+.2f}: {verdict}"
             )
     return "\n".join(lines)
@@ -553,7 +563,7 @@ def machine() -> str:
 
 
 FAMILIES = {  # one panel each
-    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo"),
+    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear"),
     "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
@@ -631,16 +641,19 @@ def report(args: Args, results: dict, folder: str) -> None:
     }
     results["aggregate"] = stats
     base = results["base"]
-    figure, axes = plt.subplots(1, len(FAMILIES), figsize=(16, 4.8), sharey=True)
+    figure, axes = plt.subplots(1, len(FAMILIES), figsize=(16, 6.2), sharey=True)
     for axis, (title, family) in zip(axes, FAMILIES.items()):
         for method in family:
             if method not in stats:
                 continue
             st, color = stats[method], f"C{METHODS.index(method)}"
+            style = "-"
+            if method == "grpo_linear":  # grpo's variant: its own colour (the tenth cycles back to grpo's), dashed
+                color, style = "midnightblue", "--"
             label = f"{LABELS[method]} ({st['sampled']['n']} seeds)"
             if st.get("curve"):
                 xs, mean, low, high = zip(*st["curve"])
-                axis.plot(xs, mean, marker=".", color=color, label=label)
+                axis.plot(xs, mean, marker=".", linestyle=style, color=color, label=label)
                 axis.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
             else:  # the final evaluation: mean and min-max
                 x, y = st["completions"]["mean"], st["sampled"]
@@ -649,7 +662,7 @@ def report(args: Args, results: dict, folder: str) -> None:
                 axis.errorbar([x], [y["mean"]], yerr=error, fmt=marker, ms=8, capsize=4, color=color, label=label)
         axis.axhline(base["sampled"], color="grey", linestyle=":", label="before training")
         axis.set(xlabel="sampled completions used", title=title, ylim=(0, 1))
-        axis.legend(fontsize=7, loc="lower right")
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: clear of the curves
     axes[0].set_ylabel("held-out accuracy (sampled, temperature 1)")
     figure.suptitle(
         "SmolLM2-135M-Instruct, one-digit chain_sum, 64 held-out problems: mean over seeds, band min-max "
@@ -729,7 +742,7 @@ runs on one machine with the same thread count. Machines: {"; ".join(f"{letter[m
 
 ![accuracy against sampled completions]({os.path.basename(plot)})
 
-## Ours against TRL
+## Ours against TRL, and TRL's learning-rate decay in grpo.py
 
 {comparison(stats, args.eval_problems, args.eval_samples) or "(no TRL rows)"}
 

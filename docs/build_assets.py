@@ -102,6 +102,7 @@ def real_model_table() -> str:
         "rm_ppo_small": "the first try: reward model on DPO's pairs, then `ppo.py`",
         "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
         "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
+        "grpo_linear": "`grpo.py` with TRL's learning-rate decay to 0 (`--lr-scheduler-type linear`)",
     }
 
     base = r["base"]
@@ -178,6 +179,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "rm_ppo_small": "the first try: reward model on DPO's pairs (2 epochs), then PPO against it",
     "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
     "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
+    "grpo_linear": "GRPO with TRL's learning-rate decay (`grpo.py --lr-scheduler-type linear`, the same settings)",
 }
 
 
@@ -204,20 +206,21 @@ def real_model_full_table() -> str:
         f"- {REAL_MODEL_ROWS[m].split(' (')[0]} over {r['aggregate'][m]['sampled']['n']} seeds: sampled "
         f"{value(r['aggregate'][m]['sampled'], spread=True)}, greedy {value(r['aggregate'][m]['greedy'], spread=True)}, "
         f"KL {value(r['aggregate'][m]['kl'], spread=True)}"
-        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo")
+        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear")
     ]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from real_model import comparison
 
-    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo")}
+    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear")}
     tests = comparison(stats, problems=64, samples=2)
     return (
         "\n".join(rows)
         + "\n\nEach method over its seeds, mean ± sd [min, max]:\n\n"
         + "\n".join(seeds)
         + (
-            "\n\nEach difference with TRL against the seeds' spread and, for accuracies, against two binomial standard "
-            f"errors of the evaluation (64 problems, 1 or 2 replies each):\n\n{tests}"
+            "\n\nEach difference (with TRL, and of the learning-rate decay) against the seeds' spread and, for "
+            "accuracies, against two binomial standard errors of the evaluation (64 problems, 1 or 2 replies each):"
+            f"\n\n{tests}"
         )
     )
 
