@@ -26,8 +26,8 @@ replaces it).
   third of the pairs (docs/real-model.md, "The learned reward");
 - trl_grpo, trl_rloo: TRL's GRPOTrainer and RLOOTrainer (benchmarks/setup.sh installs TRL) on the same model, data,
   reward and settings, for --trl-steps steps, evaluated as ours;
-- grpo_linear: grpo's command with TRL's learning-rate schedule (--lr-scheduler-type linear: decayed to 0 by the last
-  step, where grpo.py keeps it constant), the one setting in which grpo and trl_grpo differ.
+- grpo_linear, rloo_linear: grpo's and rloo's commands with TRL's learning-rate schedule (--lr-scheduler-type linear:
+  decayed to 0 by the last step, where the scripts keep it constant), the one setting in which ours and TRL's differ.
 
     python benchmarks/real_model.py                                  # everything; writes the table and the plot
     python benchmarks/real_model.py --methods grpo rloo --threads 2   # some methods
@@ -70,7 +70,8 @@ from rewards import distinct_answers, load_task, verifier  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
-METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo", "grpo_linear")
+METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
+METHODS += ("grpo_linear", "rloo_linear")  # grpo and rloo with TRL's learning-rate schedule
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
 SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
 SELF_SAMPLED["rm_ppo_small"] = "self_samples"
@@ -79,7 +80,8 @@ SELF_SAMPLED["rm_ppo_small"] = "self_samples"
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo grpo_linear)"""
+    """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo grpo_linear
+    rloo_linear)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -167,6 +169,11 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
             + ["--learning-rate", "1e-5"]
             + ["--beta", "0", "--eval-freq", str(every), *out("rloo")]
+        ],
+        "rloo_linear": [
+            ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
+            + ["--learning-rate", "1e-5", "--lr-scheduler-type", "linear"]
+            + ["--beta", "0", "--eval-freq", str(every), *out("rloo_linear")]
         ],
         "ppo": [["ppo.py", *ppo, "--reward-funcs", "verifier", *out("ppo")]],
         "rft": [
@@ -404,12 +411,14 @@ LABELS = {
     "trl_grpo": "TRL 1.16 GRPOTrainer (same settings)",
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
     "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
+    "rloo_linear": "RLOO with TRL's learning-rate decay (rloo.py --lr-scheduler-type linear)",
 }
 # (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags, the rollout tag)
 PPO_PHASES = ["time/rollout", "time/score", "time/forward", "time/optimise"]
 CURVES = {
     "grpo": ("grpo", "eval/reward", 32, ["time/step"], "time/generate"),
     "grpo_linear": ("grpo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
+    "rloo_linear": ("rloo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo": ("rloo", "eval/reward", 32, ["time/step"], "time/generate"),
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
     "rft": ("rft", None, 0, ["time/step"], None),
@@ -514,11 +523,12 @@ def cell(stat: dict | None, digits: int = 2) -> str:
 
 
 def comparison(stats: dict, problems: int, samples: int) -> str:
-    """Ours against TRL's, and grpo.py with TRL's learning-rate decay against both: the difference of the means, and
-    whether it is larger than the spread (the seeds' min-max ranges do not overlap) and, for accuracies, than the
-    evaluation's own noise (two binomial standard errors of the difference over `problems` x replies)."""
+    """Ours against TRL's, and grpo.py and rloo.py with TRL's learning-rate decay against both: the difference of the
+    means, and whether it is larger than the spread (the seeds' min-max ranges do not overlap) and, for accuracies,
+    than the evaluation's own noise (two binomial standard errors of the difference over `problems` x replies)."""
     lines = []
-    for ours, theirs in (("grpo", "trl_grpo"), ("rloo", "trl_rloo"), ("grpo_linear", "trl_grpo"), ("grpo_linear", "grpo")):
+    pairs = [("grpo", "trl_grpo"), ("rloo", "trl_rloo"), ("grpo_linear", "trl_grpo"), ("grpo_linear", "grpo")]
+    for ours, theirs in pairs + [("rloo_linear", "trl_rloo"), ("rloo_linear", "rloo")]:
         if ours not in stats or theirs not in stats:
             continue
         for key, name in (("greedy", "greedy accuracy"), ("sampled", "sampled accuracy"), ("kl", "KL")):
@@ -563,7 +573,7 @@ def machine() -> str:
 
 
 FAMILIES = {  # one panel each
-    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear"),
+    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear"),
     "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }
@@ -648,8 +658,8 @@ def report(args: Args, results: dict, folder: str) -> None:
                 continue
             st, color = stats[method], f"C{METHODS.index(method)}"
             style = "-"
-            if method == "grpo_linear":  # grpo's variant: its own colour (the tenth cycles back to grpo's), dashed
-                color, style = "midnightblue", "--"
+            if method.endswith("_linear"):  # grpo's and rloo's variants: dashed, in colours of their own (past ten
+                color, style = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown"}[method], "--"  # C0, C1 again)
             label = f"{LABELS[method]} ({st['sampled']['n']} seeds)"
             if st.get("curve"):
                 xs, mean, low, high = zip(*st["curve"])
@@ -742,7 +752,7 @@ runs on one machine with the same thread count. Machines: {"; ".join(f"{letter[m
 
 ![accuracy against sampled completions]({os.path.basename(plot)})
 
-## Ours against TRL, and TRL's learning-rate decay in grpo.py
+## Ours against TRL, and TRL's learning-rate decay in grpo.py and rloo.py
 
 {comparison(stats, args.eval_problems, args.eval_samples) or "(no TRL rows)"}
 

@@ -103,6 +103,7 @@ def real_model_table() -> str:
         "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
         "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
         "grpo_linear": "`grpo.py` with TRL's learning-rate decay to 0 (`--lr-scheduler-type linear`)",
+        "rloo_linear": "`rloo.py` with TRL's learning-rate decay to 0",
     }
 
     base = r["base"]
@@ -180,6 +181,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "trl_grpo": "TRL 1.16 `GRPOTrainer`, the same settings",
     "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
     "grpo_linear": "GRPO with TRL's learning-rate decay (`grpo.py --lr-scheduler-type linear`, the same settings)",
+    "rloo_linear": "RLOO with TRL's learning-rate decay (`rloo.py --lr-scheduler-type linear`, the same settings)",
 }
 
 
@@ -206,12 +208,12 @@ def real_model_full_table() -> str:
         f"- {REAL_MODEL_ROWS[m].split(' (')[0]} over {r['aggregate'][m]['sampled']['n']} seeds: sampled "
         f"{value(r['aggregate'][m]['sampled'], spread=True)}, greedy {value(r['aggregate'][m]['greedy'], spread=True)}, "
         f"KL {value(r['aggregate'][m]['kl'], spread=True)}"
-        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear")
+        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear")
     ]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from real_model import comparison
 
-    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear")}
+    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear")}
     tests = comparison(stats, problems=64, samples=2)
     return (
         "\n".join(rows)
