@@ -154,27 +154,18 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             ["ppo.py", *ppo, "--reward-model", rm, "--gold-reward-funcs", "verifier", *kl] + out("rm_ppo" + suffix),
         ]
 
+    def critic_free(script: str, name: str, *flags: str) -> list[list[str]]:  # grpo / rloo, 8 x 4 an update
+        return [
+            [script, *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
+            + ["--learning-rate", "1e-5", *flags, "--eval-freq", str(every), *out(name)]
+        ]
+
+    linear = ("--lr-scheduler-type", "linear")  # TRL's schedule: the learning rate decayed to 0 by the last update
     return {
-        "grpo": [
-            ["grpo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
-            + ["--learning-rate", "1e-5"]
-            + ["--eval-freq", str(every), *out("grpo")]
-        ],
-        "grpo_linear": [  # TRL's schedule: the learning rate decayed linearly to 0 by the last update
-            ["grpo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
-            + ["--learning-rate", "1e-5", "--lr-scheduler-type", "linear"]
-            + ["--eval-freq", str(every), *out("grpo_linear")]
-        ],
-        "rloo": [
-            ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
-            + ["--learning-rate", "1e-5"]
-            + ["--beta", "0", "--eval-freq", str(every), *out("rloo")]
-        ],
-        "rloo_linear": [
-            ["rloo.py", *rl, *groups(args.prompts), "--total-prompts", str(args.prompts * args.updates)]
-            + ["--learning-rate", "1e-5", "--lr-scheduler-type", "linear"]
-            + ["--beta", "0", "--eval-freq", str(every), *out("rloo_linear")]
-        ],
+        "grpo": critic_free("grpo.py", "grpo"),
+        "grpo_linear": critic_free("grpo.py", "grpo_linear", *linear),
+        "rloo": critic_free("rloo.py", "rloo", "--beta", "0"),
+        "rloo_linear": critic_free("rloo.py", "rloo_linear", *linear, "--beta", "0"),
         "ppo": [["ppo.py", *ppo, "--reward-funcs", "verifier", *out("ppo")]],
         "rft": [
             ["sft.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "rft.jsonl"), "--prompt-column"]
@@ -522,13 +513,22 @@ def cell(stat: dict | None, digits: int = 2) -> str:
     return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f} [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]"
 
 
+COMPARED = (  # (ours, theirs): ours against TRL, then TRL's schedule in ours against TRL and against ours
+    ("grpo", "trl_grpo"),
+    ("rloo", "trl_rloo"),
+    ("grpo_linear", "trl_grpo"),
+    ("grpo_linear", "grpo"),
+    ("rloo_linear", "trl_rloo"),
+    ("rloo_linear", "rloo"),
+)
+
+
 def comparison(stats: dict, problems: int, samples: int) -> str:
     """Ours against TRL's, and grpo.py and rloo.py with TRL's learning-rate decay against both: the difference of the
     means, and whether it is larger than the spread (the seeds' min-max ranges do not overlap) and, for accuracies,
     than the evaluation's own noise (two binomial standard errors of the difference over `problems` x replies)."""
     lines = []
-    pairs = [("grpo", "trl_grpo"), ("rloo", "trl_rloo"), ("grpo_linear", "trl_grpo"), ("grpo_linear", "grpo")]
-    for ours, theirs in pairs + [("rloo_linear", "trl_rloo"), ("rloo_linear", "rloo")]:
+    for ours, theirs in COMPARED:
         if ours not in stats or theirs not in stats:
             continue
         for key, name in (("greedy", "greedy accuracy"), ("sampled", "sampled accuracy"), ("kl", "KL")):
@@ -572,6 +572,8 @@ def machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
+# the eleventh and twelfth methods: colours of their own (matplotlib's ten would give them grpo's and rloo's again)
+COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown"}
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear"),
     "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
@@ -656,10 +658,8 @@ def report(args: Args, results: dict, folder: str) -> None:
         for method in family:
             if method not in stats:
                 continue
-            st, color = stats[method], f"C{METHODS.index(method)}"
-            style = "-"
-            if method.endswith("_linear"):  # grpo's and rloo's variants: dashed, in colours of their own (past ten
-                color, style = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown"}[method], "--"  # C0, C1 again)
+            st, color = stats[method], COLORS.get(method, f"C{METHODS.index(method)}")
+            style = "--" if method.endswith("_linear") else "-"  # grpo's and rloo's variants: dashed
             label = f"{LABELS[method]} ({st['sampled']['n']} seeds)"
             if st.get("curve"):
                 xs, mean, low, high = zip(*st["curve"])
