@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, require, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common.core import nanstd
