@@ -796,7 +796,7 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         eval_rows = eval_rows[: args.eval_samples]
     else:
         dataset = load_data(args.dataset_name, args.dataset_split)
-        check_columns(dataset, [args.query_column], "--query-column")
+        check_columns(dataset, [args.query_column], "--query-column", prompts=(args.query_column,), source=args.dataset_name)
         verifiable = args.reward_funcs or args.gold_reward_funcs
         if verifiable and args.answer_column in dataset.column_names:  # grpo.py's name for the reference answer
             dataset = answers_as_text(dataset, args.answer_column)

@@ -192,7 +192,9 @@ def load_task(
                 row["prompt"] = [{"role": "user", "content": f"{row['prompt']} {args.task_instruction}".strip()}]
     else:
         dataset = load_data(dataset_name, args.dataset_split)
-        check_columns(dataset, [prompt_column], f"--{prompt_column.replace('_', '-')}")
+        check_columns(
+            dataset, [prompt_column], f"--{prompt_column.replace('_', '-')}", prompts=(prompt_column,), source=dataset_name
+        )
         dataset = answers_as_text(dataset, args.answer_column)
         check_columns(dataset, [args.answer_column], "--answer-column", chat=False)
         dataset = dataset.rename_columns({prompt_column: "prompt", args.answer_column: "answer"})

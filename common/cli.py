@@ -1,6 +1,6 @@
 """The command line every script shares: tyro's parse of its `Args`, the checks of the flags many scripts have, the
-output folders taken before anything loads, and how a run ends on a mistake (one line `error: ...`, exit status 2) or
-on Ctrl-C (one line saying what was kept, exit status 130)."""
+output folders taken before anything loads, and how a run ends on a mistake (one line `error: ...`, exit status 2), on
+Ctrl-C or on SIGTERM (one line saying what was kept, exit status 130 or 143)."""
 
 import ast
 import contextlib
@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -21,23 +22,43 @@ import tyro
 from transformers.utils import logging as transformers_logging
 
 from common.checkpoints import read_checkpoint
-from common.core import UsageError, warn_once
+from common.core import Terminated, UsageError, die_with_parent, warn_once
 from common.loading import FLAGS
 from common.outputs import check_outputs, hold_outputs, interrupted_line, release_outputs
+
+_TERMINATED = []  # set once SIGTERM arrived: whatever exception the run then ends with, it ends as terminated
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM: raise Terminated in the main thread, once (a second SIGTERM while the run unwinds is not raised again)."""
+    if not _TERMINATED:
+        _TERMINATED.append(True)
+        raise Terminated()
+
+
+def handle_signals() -> None:
+    """SIGTERM ends the run as Ctrl-C does (`_report`), with exit status 143. A process started by a launcher (`accelerate
+    launch`, `torchrun`) also gets SIGTERM when its launcher dies: accelerate's one-process launcher does not pass a
+    SIGTERM on, and a launcher killed outright would otherwise leave its workers training with nobody to stop them."""
+    signal.signal(signal.SIGTERM, _terminate)
+    launched = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND"))
+    if launched and sys.platform == "linux":
+        die_with_parent(signal.SIGTERM)
 
 
 def _report(kind, error, traceback) -> None:
     """argparse's convention for a UsageError: one line `error: ...` on stderr, exit status 2; anything unexpected keeps
     its traceback. With several processes every rank raises the same mistake and the main one reports it: another rank
-    reports its own only if it is still running a moment later (the launcher stops every rank once one has failed)."""
+    reports its own only if it is still running a moment later (the launcher stops every rank once one has failed).
+    Ctrl-C and SIGTERM (also when another rank's exit broke a collective first) end with the line of what was kept."""
     rank = int(os.environ.get("RANK", "0"))
-    if issubclass(kind, KeyboardInterrupt):  # Ctrl-C: what was kept, in one line (a save in progress was undone)
+    if issubclass(kind, KeyboardInterrupt) or _TERMINATED:  # what was kept, in one line (a save in progress was undone)
         sys.stdout.flush()
         if not rank:
             sys.__stderr__.write(f"{interrupted_line()}\n")
             sys.__stderr__.flush()
         release_outputs()
-        os._exit(130)  # the shell's status for SIGINT
+        os._exit(143 if _TERMINATED else 130)  # the shell's statuses for SIGTERM and SIGINT
     if issubclass(kind, UsageError):
         sys.stdout.flush()
         if rank:
@@ -88,6 +109,7 @@ def cli(args_class):
     A `resume_from` folder is checked here, before any model or data is loaded. transformers' per-file progress bars
     (loading, writing) are off, so that the run's own bars stay readable."""
     sys.excepthook = _report
+    handle_signals()
     for handler in transformers_logging.get_logger("transformers").handlers:
         handler.addFilter(HARMLESS)  # one instance: a filter already there is not added twice
     logging.getLogger("DeepSpeed").addFilter(HARMLESS)  # before deepspeed makes it: a logger keeps its filters

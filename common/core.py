@@ -2,6 +2,7 @@
 (Ziegler et al. 2019) and the small checks every script runs on its arguments and rewards. Masks are float or bool
 tensors of the shape of the values they mask."""
 
+import ctypes
 import json
 import os
 
@@ -30,6 +31,20 @@ def plain(tensor):
 class UsageError(ValueError):
     """An anticipated mistake in the input (a flag, a file, a dataset column, a reward function): reported as one line
     `error: ...` without a traceback by the handler that `common.cli` installs."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, SLURM, Kubernetes, a launcher stopping its workers), raised in the main thread: the run ends
+    as on Ctrl-C (what it kept in one line, a save in progress undone, its folders released), with exit status 143."""
+
+
+def die_with_parent(signum: int) -> None:
+    """Ask the kernel to send this process `signum` when its parent dies (Linux's PR_SET_PDEATHSIG); a parent already
+    gone by then (this process adopted by init or a subreaper) sends it at once."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signum)
 
 
 # Log-prob written into positions that are padding: an obviously-wrong value makes a masking bug visible

@@ -253,10 +253,18 @@ def reward_model_text(tokenizer, prompt, response, ended: bool = True, chat: boo
 
 
 def check_columns(
-    dataset: Dataset, columns: list[str], flag_hint: str = "the --*-column arguments", numeric: tuple = (), chat: bool = True
+    dataset: Dataset,
+    columns: list[str],
+    flag_hint: str = "the --*-column arguments",
+    numeric: tuple = (),
+    chat: bool = True,
+    prompts: tuple = (),
+    source: str = "",
 ) -> None:
     """A clear error naming the missing columns and the ones the dataset has, or a value of the wrong kind with its column
-    and row: the `numeric` columns hold numbers, the others text, or (with `chat`) chat messages in every row."""
+    and row: the `numeric` columns hold numbers, the others text, or (with `chat`) chat messages in every row; the
+    `prompts` columns (what a policy samples from) hold no empty or whitespace-only prompt. `source`, the dataset's name,
+    starts the line of a bad row."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise UsageError(
@@ -285,6 +293,12 @@ def check_columns(
                 raise UsageError(
                     f"The column {column!r}, row {row}: a conversation of system messages only, with nothing to train on "
                     "or answer (add a user or assistant turn, or drop that row)."
+                )
+            text = " ".join(m["content"] for m in value if m["role"] != "system") if messages else value
+            if column in prompts and not text.strip():  # nothing to sample from: refused, never skipped silently
+                raise UsageError(
+                    f"{source + ': ' if source else ''}the column {column!r}, row {row}: the prompt is empty (write a "
+                    "prompt or drop that row)."
                 )
             if column in numeric and not math.isfinite(value):  # one NaN in a reward or margin turns every weight NaN
                 raise UsageError(

@@ -245,18 +245,23 @@ def _checkpoints(folder: str) -> list[tuple[str, dict]]:
 
 @contextlib.contextmanager
 def _uninterrupted():
-    """Hold Ctrl-C back for the block (the renames of a finished save) and deliver it right after."""
+    """Hold Ctrl-C and SIGTERM back for the block (the renames of a finished save) and deliver them right after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    caught = {}
+    previous = {s: signal.signal(s, lambda n, frame: caught.setdefault(n, frame)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for s, frame in caught.items():  # delivered as it would have been, by the handler that was there
+        handler = previous[s]
+        if callable(handler):
+            handler(s, frame)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(s)
 
 
 # ================================ atomic saves ================================

@@ -31,7 +31,7 @@ import time
 
 from transformers.utils import get_json_schema
 
-from common.core import UsageError, error_line
+from common.core import UsageError, die_with_parent, error_line
 from common.loading import load_function, plugin_error
 
 # ChatML with Hermes-style tool calls (Qwen2.5's form): the tool schemas in the system message, calls as JSON in
@@ -274,7 +274,10 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
     receive, send = context.Pipe(duplex=False)
     worker = context.Process(target=_call_worker, args=(calls, toolboxes, send), daemon=True)
     worker.start()
+    with contextlib.suppress(OSError):  # its own process group, which the worker also makes itself (no race either way)
+        os.setpgid(worker.pid, worker.pid)
     send.close()
+    stop = lambda: _stop_group(worker.pid)  # noqa: E731 - the worker and every process its tools started
     try:
         while waiting:  # until every episode's calls are done, or stuck in a call past its timeout
             now = time.monotonic()
@@ -283,24 +286,31 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
                 break
             if not receive.poll(max(0.0, min(waiting[e] for e in running) + timeout - now)):
                 continue
+            watchdog = threading.Timer(timeout, stop)  # a message cut off midway by a hung worker: stop it, read EOF
+            watchdog.start()
             try:
                 e, k, name, text, failed, state = receive.recv()
-            except EOFError:  # the process ended before its calls did: a tool ended it (os._exit, a crash)
-                worker.join()
+            except (EOFError, OSError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as error:
+                # the pipe broke: a tool ended the process (os._exit, a crash), closed or wrote into the pipe
+                stop()
+                worker.join(timeout)
+                why = "ended its process" if isinstance(error, EOFError) else f"broke its pipe ({error_line(error)})"
+                exit_status = worker.exitcode if worker.exitcode is not None and worker.exitcode >= 0 else None
+                why += f" (exit status {exit_status})" if isinstance(error, EOFError) and exit_status is not None else ""
                 for e in waiting:
-                    results[e][results[e].index(None)] = _failure(
-                        calls[e][results[e].index(None)], f"the tool ended its process (exit status {worker.exitcode})"
-                    )
+                    results[e][results[e].index(None)] = _failure(calls[e][results[e].index(None)], f"the tool {why}")
                 waiting.clear()
                 break
+            finally:
+                watchdog.cancel()
             results[e][k] = name, text, failed
             _restore(toolboxes[e], state)
             waiting[e] = time.monotonic()
             if None not in results[e]:
                 del waiting[e]
-    finally:  # stopped, whatever still runs in it: no call outlives the round (Ctrl-C included)
-        worker.kill()
-        worker.join()
+    finally:  # stopped, whatever still runs in it: no call outlives the round (Ctrl-C and SIGTERM included)
+        stop()
+        worker.join(timeout)  # SIGKILL'd: it is gone at once; the bound keeps a wait from ever hanging the run
         receive.close()
     for e in waiting:  # each is in a call past its timeout
         k = results[e].index(None)
@@ -312,6 +322,14 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
     return results
 
 
+def _stop_group(pid: int) -> None:
+    """SIGKILL the worker's process group: the worker and whatever its tools started (unless one left the group)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)  # a worker not yet in its group (killed right after the fork)
+
+
 def _failure(call: dict, why: str) -> tuple[str, str, bool]:
     return call.get("name", "invalid"), json.dumps({"error": why}), True
 
@@ -321,6 +339,13 @@ def _call_worker(calls: list[list[dict]], toolboxes: list[dict], connection) -> 
     it comes with the state of the environments behind the tools (pickled); then an exit that runs no handler of the
     run's (os._exit), once every thread is done (the run stops this process if one hangs)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops this process
+    # a process group of its own, which the run stops whole: the processes a tool starts go with it; and if the run
+    # dies without stopping it (SIGKILL, the OOM killer), the kernel's SIGTERM makes it stop its group itself
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    if sys.platform == "linux":
+        die_with_parent(signal.SIGTERM)
     lock = threading.Lock()
 
     def episode(e: int) -> None:

@@ -62,10 +62,12 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
     import gc
     import io
     import runpy
+    import signal
 
     from accelerate.state import AcceleratorState, GradientState
 
     old_argv, old_cwd, old_env = sys.argv, os.getcwd(), dict(os.environ)
+    old_sigterm = signal.getsignal(signal.SIGTERM)  # cli() installs the run's SIGTERM handler: not the test process's
     sys.argv, error, output = [str(a) for a in args], None, io.StringIO()
     os.environ.update(env_overrides)
     os.chdir(cwd)
@@ -83,6 +85,7 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
 
         release_outputs()  # as a real process does on its way out (an error, or the end of the run)
         sys.argv = old_argv
+        signal.signal(signal.SIGTERM, old_sigterm)
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)

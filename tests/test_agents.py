@@ -7,13 +7,15 @@ import itertools
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from conftest import read_scalars, run_failing, run_script
+from conftest import ROOT, read_scalars, run_failing, run_script
 
 from common.core import UsageError
 from common.loading import load_tokenizer
@@ -28,7 +30,6 @@ from common.tools import (
 )
 from presets.agents import GuessInRange, GuessTheNumber, calculator, guess_progress
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
 
 
@@ -142,6 +143,92 @@ def test_a_tool_that_exits_or_interrupts_is_a_failed_call_with_its_reason(tmp_pa
             ("calculator", '{"error": "not run: an earlier call of this turn failed to return"}', True),
         ]
     ]
+
+
+def breaks_pipe(then: str) -> str:
+    """Write the start of a message into the worker's pipe to the run, then hang or exit (a tool gone wrong).
+
+    Args:
+        then: "hang" or "exit"
+    """
+    import gc
+    import multiprocessing.connection
+
+    (pipe,) = [c for c in gc.get_objects() if isinstance(c, multiprocessing.connection.Connection) and c.writable]
+    os.write(pipe.fileno(), b"\x00\x00\x03\xe8abc")  # a header announcing 1,000 bytes, and 3 of them
+    if then == "exit":
+        os._exit(0)
+    time.sleep(60)
+    return "never"
+
+
+def test_a_worker_that_breaks_its_pipe_fails_its_call_within_the_timeout():
+    """A tool that leaves half a message in the pipe and hangs, or exits: the run reads no result, stops the worker within
+    --tool-timeout, and the call fails saying so; the run goes on."""
+    for then in ("hang", "exit"):
+        start = time.monotonic()
+        calls = [
+            [{"name": "breaks_pipe", "arguments": {"then": then}}],
+            [{"name": "calculator", "arguments": {"expression": "2"}}],
+        ]
+        results = run_calls(calls, [{"breaks_pipe": breaks_pipe, "calculator": calculator}] * 2, timeout=2)
+        assert time.monotonic() - start < 4, then
+        ((name, text, failed),) = results[0]
+        assert name == "breaks_pipe" and failed and "the tool broke its pipe" in text, results
+
+
+DRIVER = """
+import os, subprocess, sys, time
+from common.cli import _report, handle_signals
+from common.tools import run_calls
+
+sys.excepthook, here = _report, sys.argv[1]
+handle_signals()  # as every script's cli() does
+
+
+def slow_tool(seconds: int) -> str:
+    \"\"\"Start a process of its own, sleep, then act.
+
+    Args:
+        seconds: how long
+    \"\"\"
+    child = subprocess.Popen(["sleep", "60"])
+    open(os.path.join(here, "started"), "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(seconds)
+    open(os.path.join(here, "side-effect"), "w").write("the tool acted after its run ended")
+    return "done"
+
+
+run_calls([[{"name": "slow_tool", "arguments": {"seconds": 3}}]], [{"slow_tool": slow_tool}], timeout=60)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_tool_never_outlives_its_run(tmp_path, signum):
+    """A tool asleep in its call, with a process of its own, when its run gets SIGTERM (the run stops the tool's process
+    group) or SIGKILL (the kernel tells the tool's worker, which stops its group): both are gone at once, and what the
+    tool would have done after the run ended never happens."""
+    (tmp_path / "driver.py").write_text(DRIVER)
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    run = subprocess.Popen([sys.executable, "driver.py", str(tmp_path)], cwd=tmp_path, env=environment, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() or len((tmp_path / "started").read_text().split()) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+    worker, child = map(int, (tmp_path / "started").read_text().split())
+    run.send_signal(signum)
+    _, stderr = run.communicate(timeout=30)
+    assert run.returncode == (143 if signum == signal.SIGTERM else -signal.SIGKILL), stderr
+    if signum == signal.SIGTERM:
+        assert stderr.decode().strip() == "interrupted: nothing was saved.", stderr
+    for pid in (worker, child):
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+            assert time.monotonic() < deadline, f"process {pid} outlived its run"
+            time.sleep(0.05)
+    time.sleep(4)  # past the moment the tool would have acted
+    assert not (tmp_path / "side-effect").exists()
 
 
 class Counter:  # an environment whose second tool is slow (module-level: environments pickle by name)

@@ -352,6 +352,25 @@ def test_an_integer_answer_column_is_accepted(tmp_path):
     assert "grpo: 2 updates" in out
 
 
+@pytest.mark.parametrize("script", ["grpo", "rloo", "gkd", "ppo"])
+def test_an_empty_or_blank_prompt_is_one_line_naming_the_file_and_the_row(tmp_path, script):
+    """An empty or whitespace-only prompt (text, or a chat whose messages are blank) is refused before any model loads,
+    naming the file and the row: refused rather than skipped, since the data then trains on other rows than it says
+    (TRL fails inside `generate` on it)."""
+    rows = [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(12)]
+    for bad, value in ((3, ""), (5, " \n\t")):
+        data = [dict(r) for r in rows]
+        data[bad]["prompt"] = value
+        (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in data))
+        error = run_failing([os.path.join(ROOT, f"{script}.py"), "--dataset-name", "data.jsonl"], tmp_path)
+        assert f"UsageError: data.jsonl: the column 'prompt', row {bad}: the prompt is empty" in error, error
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    chats[7]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in chats))
+    error = run_failing([os.path.join(ROOT, f"{script}.py"), "--dataset-name", "chats.jsonl"], tmp_path)
+    assert "chats.jsonl: the column 'prompt', row 7: the prompt is empty" in error, error
+
+
 # ---------------------------------------------------------------- the same checks everywhere
 def test_ppo_catches_what_grpo_catches(tmp_path):
     (tmp_path / "unscored.py").write_text("def unscored(prompts, completions, **kw):\n    return [None] * len(completions)\n")
@@ -361,7 +380,7 @@ def test_ppo_catches_what_grpo_catches(tmp_path):
     error = run_failing([SCRIPTS["ppo"], *tiny, "--reward-weights", "1.0"], tmp_path)
     assert "--reward-weights weighs the --reward-funcs: pass the reward functions too" in error, error
     error = run_failing([SCRIPTS["ppo"], *tiny, "--dataset-name", "empty.jsonl", "--reward-model", "None"], tmp_path)
-    assert "--query-column prompt: every query is empty once tokenised" in error, error
+    assert "empty.jsonl: the column 'prompt', row 0: the prompt is empty" in error, error
     out = run_script([SCRIPTS["ppo"], *tiny, "--total-episodes", "8", "--reward-funcs", "unscored.py:unscored"], tmp_path)
     assert "warning: no reward function scored a batch of responses (all returned None)" in out
 

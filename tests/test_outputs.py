@@ -1,15 +1,16 @@
-"""What a run writes (common/outputs.py): one run per output folder at a time, links written through, and Ctrl-C
-that ends a run with one line, its previous model intact."""
+"""What a run writes (common/outputs.py): one run per output folder at a time, links written through, and Ctrl-C or
+SIGTERM (under every launcher) that ends a run with one line, its previous model intact."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import RANDOM_MODEL, ROOT, run_failing, run_script
+from conftest import RANDOM_MODEL, ROOT, free_port, run_failing, run_script
 
 SFT = os.path.join(ROOT, "sft.py")
 TINY_SFT = [SFT, *RANDOM_MODEL, "--max-seq-length", "32", "--eval-steps", "1000"]
@@ -148,3 +149,70 @@ def test_ctrl_c_while_training_says_nothing_was_saved(tmp_path):
     assert run.returncode == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted at step 2: nothing was saved to out/model.", stderr[-2000:]
     assert os.listdir(tmp_path / "out") == ["model_checkpoints"] and os.listdir(tmp_path / "out" / "model_checkpoints") == []
+
+
+@pytest.mark.slow
+def test_sigterm_while_training_is_one_line_exit_143_and_frees_the_folder_at_once(tmp_path):
+    """SIGTERM (timeout, SLURM, Kubernetes) in the middle of a checkpoint's save: the Ctrl-C line, exit status 143, the
+    half-written folder and the lock file removed; the next run into the same folder starts at once and saves."""
+    (tmp_path / "PAUSE").write_text(PAUSE_SAVE)
+    command = [*TINY_SFT, "--max-steps", "4", "--save-steps", "2", "--output-dir", "out/model"]
+    run = start(["PAUSE", *command], tmp_path, PAUSE_IN="step_2", PAUSED="paused")
+    wait_for(tmp_path / "paused", run)
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 143 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted at step 2: nothing was saved to out/model.", stderr[-2000:]
+    assert os.listdir(tmp_path / "out") == ["model_checkpoints"] and os.listdir(tmp_path / "out" / "model_checkpoints") == []
+    assert "model saved to out/model" in run_script([*TINY_SFT, "--max-steps", "1", "--output-dir", "out/model"], tmp_path)
+
+
+def holder_pid(tmp_path, folder: str, process: subprocess.Popen) -> int:
+    """The process that holds `folder` (its lock file names it): the training process under a launcher."""
+    lock = tmp_path / "out" / f".{folder}.lock"
+    wait_for(lock, process)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(lock.read_text())["pid"]
+        except (ValueError, KeyError, FileNotFoundError):
+            time.sleep(0.05)
+    raise AssertionError("the lock file never named its holder")
+
+
+def gone(pid: int, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_sigterm_to_a_launcher_stops_its_runs_with_the_line(tmp_path, launcher):
+    """SIGTERM to the launcher alone, as Kubernetes sends it to a container's first process: torchrun passes it to its
+    workers; accelerate's one-process launcher dies without passing it on, and the run then gets it from the kernel
+    (it asked for SIGTERM at its parent's death). Either way the run ends with the line and leaves no lock file."""
+    if launcher == "accelerate":
+        launch = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"]
+    else:
+        launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    command = [*TINY_SFT, "--max-steps", "2000", "--output-dir", "out/model"]
+    environment = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    with open(tmp_path / "stderr", "w") as log:
+        run = subprocess.Popen([sys.executable, *launch, *command], cwd=tmp_path, env=environment, stderr=log)
+    pid = holder_pid(tmp_path, "model", run)
+    deadline = time.monotonic() + 120
+    while not re.search(r" [1-9]\d*/2000 ", (tmp_path / "stderr").read_text()):  # in the training loop
+        assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.1)
+    run.send_signal(signal.SIGTERM)
+    run.wait(timeout=90)
+    assert gone(pid), f"the run {pid} outlived its launcher"
+    stderr = (tmp_path / "stderr").read_text()
+    assert re.search(r"^interrupted at step \d+: nothing was saved to out/model\.$", stderr, re.M), stderr[-3000:]
+    assert not (tmp_path / "out").exists()  # no lock file, no half-written folder: the folder made for the lock removed
