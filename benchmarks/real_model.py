@@ -72,6 +72,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and 
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
 METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
 METHODS += ("grpo_linear", "rloo_linear")  # grpo and rloo with TRL's learning-rate schedule
+METHODS += ("grpo_vllm",)  # grpo sampling through vLLM (--use-vllm)
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
 SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
 SELF_SAMPLED["rm_ppo_small"] = "self_samples"
@@ -81,7 +82,7 @@ SELF_SAMPLED["rm_ppo_small"] = "self_samples"
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo grpo_linear
-    rloo_linear)"""
+    rloo_linear grpo_vllm)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -164,6 +165,7 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     return {
         "grpo": critic_free("grpo.py", "grpo"),
         "grpo_linear": critic_free("grpo.py", "grpo_linear", *linear),
+        "grpo_vllm": critic_free("grpo.py", "grpo_vllm", "--use-vllm"),
         "rloo": critic_free("rloo.py", "rloo", "--beta", "0"),
         "rloo_linear": critic_free("rloo.py", "rloo_linear", *linear, "--beta", "0"),
         "ppo": [["ppo.py", *ppo, "--reward-funcs", "verifier", *out("ppo")]],
@@ -403,12 +405,14 @@ LABELS = {
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
     "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (rloo.py --lr-scheduler-type linear)",
+    "grpo_vllm": "GRPO sampling through vLLM (grpo.py --use-vllm)",
 }
 # (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags, the rollout tag)
 PPO_PHASES = ["time/rollout", "time/score", "time/forward", "time/optimise"]
 CURVES = {
     "grpo": ("grpo", "eval/reward", 32, ["time/step"], "time/generate"),
     "grpo_linear": ("grpo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
+    "grpo_vllm": ("grpo_vllm", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo_linear": ("rloo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo": ("rloo", "eval/reward", 32, ["time/step"], "time/generate"),
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
@@ -456,6 +460,9 @@ def with_curve(r: dict, folder: str, method: str) -> dict:
         r["completions"] = drawn + per_update * r["updates"]
         curve = scalars(os.path.join(folder, "runs", run), tag) if tag else []
         r["curve"] = [(drawn + per_update * step, value) for step, value in curve]
+        gap = scalars(os.path.join(folder, "runs", run), "sampling/sampling_logp_difference/mean")
+        if gap:  # the sampler-trainer gap per token, where a run logs it (--use-vllm)
+            r["sampler_gap"] = [(drawn + per_update * step, value) for step, value in gap]
     if method.startswith("rm_ppo") and os.path.isdir(os.path.join(folder, "runs", method)):  # the learned reward
         r["learned_reward"] = learned_reward(folder, method, drawn)
     return r
@@ -520,6 +527,7 @@ COMPARED = (  # (ours, theirs): ours against TRL, then TRL's schedule in ours ag
     ("grpo_linear", "grpo"),
     ("rloo_linear", "trl_rloo"),
     ("rloo_linear", "rloo"),
+    ("grpo_vllm", "grpo"),
 )
 
 
@@ -573,9 +581,9 @@ def machine() -> str:
 
 
 # the eleventh and twelfth methods: colours of their own (matplotlib's ten would give them grpo's and rloo's again)
-COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown"}
+COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown", "grpo_vllm": "darkorange"}
 FAMILIES = {  # one panel each
-    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear"),
+    "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm"),
     "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo"),
 }

@@ -4,10 +4,12 @@ prompts, 8 prompts x 4 completions of 32 tokens, learning rate 1e-5, beta 0, flo
 otherwise, gradient checkpointing and bf16 off as ours have neither), each side a fresh process per run, the runs
 interleaved (ours, TRL's, TRL's, ours, ...) for `--rounds` rounds so that the machine's drift hits both alike. A run's
 step time is the median of its steps after the first; a row gives the min / median / max over the rounds and the ratio
-of the medians. Writes benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is rendered.
+of the medians. With --vllm, grpo.py --use-vllm runs as a third side in the same rounds. Writes
+benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is rendered.
 
     python benchmarks/speed_cpu.py                      # grpo and rloo, 3 rounds of 4 steps (about 40 minutes on 2 cores)
     python benchmarks/speed_cpu.py --algos grpo --rounds 3 --steps 4
+    python benchmarks/speed_cpu.py --algos grpo rloo --vllm     # and grpo.py --use-vllm beside them
 """
 
 import json
@@ -39,13 +41,15 @@ class Args:
     """interleaved rounds: one run of each side per round"""
     steps: int = 4
     """optimizer steps (updates) per run; the first is left out of the timing"""
+    vllm: bool = False
+    """also grpo.py --use-vllm (vLLM colocated, float32), a third side in grpo's rounds"""
     worker: str | None = None
     """internal: run one side once (JSON spec) and print its step times"""
 
 
-def ours(algo: str, steps: int, folder: str) -> list[float]:
-    """`python {algo}.py` at the recipe for `steps` updates; its logged time/step per update."""
-    command = [sys.executable, f"{algo}.py", *RECIPE, "--total-prompts", str(8 * steps)]
+def ours(algo: str, steps: int, folder: str, *flags: str) -> list[float]:
+    """`python {algo}.py` at the recipe (and `flags`) for `steps` updates; its logged time/step per update."""
+    command = [sys.executable, f"{algo}.py", *RECIPE, *flags, "--total-prompts", str(8 * steps)]
     command += ["--output-dir", os.path.join(folder, "out"), "--log-dir", os.path.join(folder, "runs")]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -116,16 +120,20 @@ if __name__ == "__main__":
     if args.worker:
         spec = json.loads(args.worker)
         with tempfile.TemporaryDirectory() as folder:
-            times = (ours if spec["side"] == "ours" else trl)(spec["algo"], spec["steps"], folder)
+            if spec["side"] == "trl":
+                times = trl(spec["algo"], spec["steps"], folder)
+            else:
+                times = ours(spec["algo"], spec["steps"], folder, *(["--use-vllm"] if spec["side"] == "vllm" else []))
         print(json.dumps(times))
         sys.exit(0)
     import torch
 
     rows = {}
     for algo in args.algos:
-        medians = {"ours": [], "trl": []}
+        sides = ("ours", "vllm", "trl") if args.vllm and algo == "grpo" else ("ours", "trl")
+        medians = {side: [] for side in sides}
         for round_ in range(args.rounds):
-            order = ("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")
+            order = sides if round_ % 2 == 0 else sides[::-1]
             for side in order:
                 spec = json.dumps(dict(algo=algo, side=side, steps=args.steps))
                 done = subprocess.run(
@@ -136,8 +144,10 @@ if __name__ == "__main__":
                 print(f"{algo} round {round_ + 1} {side}: {medians[side][-1]:.1f} s per step ({times})", flush=True)
         rows[algo] = {side: dict(min=min(v), median=statistics.median(v), max=max(v), runs=v) for side, v in medians.items()}
         rows[algo]["ratio"] = rows[algo]["ours"]["median"] / rows[algo]["trl"]["median"]
+        if "vllm" in rows[algo]:
+            rows[algo]["vllm_ratio"] = rows[algo]["vllm"]["median"] / rows[algo]["trl"]["median"]
     record = dict(
-        command=f"python benchmarks/speed_cpu.py --rounds {args.rounds} --steps {args.steps}",
+        command=f"python benchmarks/speed_cpu.py --rounds {args.rounds} --steps {args.steps}" + (" --vllm" * args.vllm),
         machine=machine(),
         launcher="python",
         threads=torch.get_num_threads(),

@@ -261,6 +261,13 @@ def speed_cpu() -> str:
             f"| {names[algo][0]} against {names[algo][1]} | {ours['median']:.1f} [{ours['min']:.1f}, {ours['max']:.1f}] | "
             f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | **{row['ratio']:.2f}x** |"
         )
+        if "vllm" in row:  # the same rounds, a third side: grpo.py sampling through vLLM
+            v = row["vllm"]
+            rows.append(
+                f"| {names[algo][0]} --use-vllm against {names[algo][1]} | {v['median']:.1f} [{v['min']:.1f}, "
+                f"{v['max']:.1f}] | {theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
+                f"**{row['vllm_ratio']:.2f}x** |"
+            )
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
     return "\n".join(rows) + (
         f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: each side a fresh process per "
@@ -293,7 +300,31 @@ def tool_calls() -> str:
     return "\n".join(rows) + f"\n\n{r['machine']}; `{r['command']}`."
 
 
+def vllm_speed() -> str:
+    """Rollout tokens/s of HF generate and vLLM on CPU (benchmarks/RESULTS-vllm-speed.json, `python
+    benchmarks/vllm_speed.py`)."""
+    r = record("RESULTS-vllm-speed.json")
+    names = {
+        "hf_inverse_cdf": "HF `generate`, inverse-CDF draw (the engine on CPU)",
+        "hf_do_sample": "HF `generate`, `do_sample=True`",
+        "vllm_float32": "vLLM, float32 (`--use-vllm`)",
+        "vllm_bfloat16": "vLLM, bfloat16 (`--use-vllm --vllm-dtype bfloat16`)",
+    }
+    shapes = [f"{row['prompts']} x {row['new_tokens']}" for row in r["rows"]]
+    lines = ["| sampler | " + " | ".join(f"{s} tokens/s" for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
+    for side, label in names.items():
+        base = [row["hf_inverse_cdf"]["tokens_per_s"] for row in r["rows"]]
+        cells = [f"{row[side]['tokens_per_s']:.0f} ({row[side]['tokens_per_s'] / b:.1f}x)" for row, b in zip(r["rows"], base)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nSmolLM2-135M-Instruct, prompts x new tokens with EOS suppressed (equal work), in brackets against the "
+        f"first row; {r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: each side a fresh "
+        "process, the median of its timed calls after a warm-up call."
+    )
+
+
 FIGURES = {
+    "vllm-speed": vllm_speed,
     "tool-calls": tool_calls,
     "offpolicy": offpolicy,
     "speed-cpu": speed_cpu,

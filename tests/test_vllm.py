@@ -46,10 +46,8 @@ args = SimpleNamespace(
     max_prompt_length=64, max_completion_length=12, vllm_enable_sleep_mode=False, seed=0, temperature=1.0, top_k=0, top_p=1.0,
 )
 sampler = VLLMSampler(args, tokenizer, policy, accelerator)
-prompts = [
-    tokenizer.apply_chat_template([{"role": "user", "content": f"What is {i} + 3?"}], add_generation_prompt=True, return_dict=False)
-    for i in range(4)
-]
+chats = [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(4)]
+prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) for chat in chats]
 def gap():
     completions, logprobs = sampler.generate(prompts, 12, seed=1)
     width = max(map(len, completions))
