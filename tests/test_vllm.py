@@ -131,3 +131,40 @@ def test_without_vllm_the_flag_is_one_line_naming_the_install_command(tmp_path):
     assert (
         line.startswith("error: --use-vllm needs vLLM, which is not installed") and "pip install -r requirements-vllm" in line
     )
+
+
+# Under FSDP2 x2 (configs/fsdp_cpu.yaml, gloo): what `policy_weights` sends to vLLM from the sharded policy, on each
+# rank, against the unsharded weights it started from (no engine is started: the gather is the part FSDP changes)
+GATHER = """
+import torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+from common.run import check_launch
+from common.vllm_engine import policy_weights
+
+accelerator = Accelerator()
+check_launch(accelerator)
+config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, tie_word_embeddings=True)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config)
+full = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+assert any(hasattr(p, "full_tensor") for p in model.parameters()), "not sharded"
+sent = dict(policy_weights(model, accelerator))
+assert sorted(sent) == sorted(full), (sorted(sent), sorted(full))  # the tied head under its own name too
+assert all(torch.equal(sent[name].cpu(), full[name]) for name in full)
+print(f"rank {accelerator.process_index}: {len(sent)} tensors gathered whole")
+"""
+
+
+@pytest.mark.slow
+def test_under_fsdp2_every_rank_sends_vllm_the_whole_weights(tmp_path):
+    """The FSDP2 path of the weight sync, without engines: every rank gathers each sharded parameter whole (a collective)
+    and sends the same tensors, under the checkpoint's names, that the unsharded model holds, the tied head included."""
+    from conftest import DDP_ENV, fsdp_launch
+
+    (tmp_path / "gather.py").write_text(GATHER)
+    result = python([*fsdp_launch(), "gather.py"], tmp_path, **DDP_ENV)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "rank 0: 21 tensors gathered whole" in result.stdout and "rank 1: 21 tensors" in result.stdout, result.stdout
