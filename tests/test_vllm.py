@@ -119,6 +119,22 @@ def test_a_run_samples_through_vllm_and_logs_the_sampler_gap(tmp_path, script, f
         assert read_scalars(tmp_path / "runs", "episodes/turns"), "no episode metrics"
 
 
+@pytest.mark.slow
+def test_asynchronous_rollouts_sample_through_the_shared_engine(tmp_path):
+    """--async-rollouts with --use-vllm (grpo.py's offline default, a GPT-2 built-in): the background worker samples
+    through the trainer's engine, every update trains on a rollout at most one update old, the sync after each update
+    refreshes it, and the sampler's correction and metrics follow."""
+    require("vllm")
+    flags = ["--use-vllm", "--total-prompts", "64", "--max-staleness", "1", "--async-rollouts"]
+    result = python([os.path.join(ROOT, "grpo.py"), *flags], tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "up to 1 update old, sampled ahead in a background thread" in result.stdout
+    assert "grpo: 4 updates, 64 prompts x 8" in result.stdout, result.stdout[-2000:]
+    staleness = read_scalars(tmp_path / "runs", "staleness/max")
+    assert len(staleness) == 4 and max(staleness) <= 1, staleness
+    assert len(read_scalars(tmp_path / "runs", "sampling/importance_sampling_ratio/mean")) == 4
+
+
 def test_without_vllm_the_flag_is_one_line_naming_the_install_command(tmp_path):
     """A machine without vLLM: --use-vllm stops before anything loads with the install line for this machine."""
     (tmp_path / "vllm").mkdir()
