@@ -26,21 +26,24 @@ from common.core import Terminated, UsageError, die_with_parent, warn_once
 from common.loading import FLAGS
 from common.outputs import check_outputs, hold_outputs, interrupted_line, release_outputs
 
-_TERMINATED = []  # set once SIGTERM arrived: whatever exception the run then ends with, it ends as terminated
+_TERMINATED = []  # the signal, once SIGTERM or SIGHUP arrived: whatever exception the run then ends with, it ends so
 
 
 def _terminate(signum, frame) -> None:
-    """SIGTERM: raise Terminated in the main thread, once (a second SIGTERM while the run unwinds is not raised again)."""
+    """SIGTERM or SIGHUP: raise Terminated in the main thread, once (a second signal while the run unwinds is not)."""
     if not _TERMINATED:
-        _TERMINATED.append(True)
+        _TERMINATED.append(signum)
         raise Terminated()
 
 
 def handle_signals() -> None:
-    """SIGTERM ends the run as Ctrl-C does (`_report`), with exit status 143. A process started by a launcher (`accelerate
-    launch`, `torchrun`) also gets SIGTERM when its launcher dies: accelerate's one-process launcher does not pass a
-    SIGTERM on, and a launcher killed outright would otherwise leave its workers training with nobody to stop them."""
+    """SIGTERM (and SIGHUP: the terminal or ssh session closed) ends the run as Ctrl-C does (`_report`), with exit
+    status 143 (129). A process started by a launcher (`accelerate launch`, `torchrun`) also gets SIGTERM when its
+    launcher dies: accelerate's one-process launcher does not pass a SIGTERM on, and a launcher killed outright would
+    otherwise leave its workers training with nobody to stop them."""
     signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup, which ignores it on purpose
+        signal.signal(signal.SIGHUP, _terminate)
     launched = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND"))
     if launched and sys.platform == "linux":
         die_with_parent(signal.SIGTERM)
@@ -58,7 +61,7 @@ def _report(kind, error, traceback) -> None:
             sys.__stderr__.write(f"{interrupted_line()}\n")
             sys.__stderr__.flush()
         release_outputs()
-        os._exit(143 if _TERMINATED else 130)  # the shell's statuses for SIGTERM and SIGINT
+        os._exit(128 + _TERMINATED[0] if _TERMINATED else 130)  # the shell's statuses: SIGTERM 143, SIGHUP 129, SIGINT 130
     if issubclass(kind, UsageError):
         sys.stdout.flush()
         if rank:

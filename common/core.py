@@ -34,8 +34,9 @@ class UsageError(ValueError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (`timeout`, SLURM, Kubernetes, a launcher stopping its workers), raised in the main thread: the run ends
-    as on Ctrl-C (what it kept in one line, a save in progress undone, its folders released), with exit status 143."""
+    """SIGTERM (`timeout`, SLURM, Kubernetes, a launcher stopping its workers) or SIGHUP (the terminal closed), raised in
+    the main thread: the run ends as on Ctrl-C (what it kept in one line, a save in progress undone, its folders
+    released), with exit status 143 (129)."""
 
 
 def die_with_parent(signum: int) -> None:

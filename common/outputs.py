@@ -245,12 +245,15 @@ def _checkpoints(folder: str) -> list[tuple[str, dict]]:
 
 @contextlib.contextmanager
 def _uninterrupted():
-    """Hold Ctrl-C and SIGTERM back for the block (the renames of a finished save) and deliver them right after."""
+    """Hold Ctrl-C, SIGTERM and SIGHUP back for the block (the renames of a finished save) and deliver them after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = {}
-    previous = {s: signal.signal(s, lambda n, frame: caught.setdefault(n, frame)) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda n, frame: caught.setdefault(n, frame))
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         yield
     finally:

@@ -71,7 +71,7 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
     from accelerate.state import AcceleratorState, GradientState
 
     old_argv, old_cwd, old_env = sys.argv, os.getcwd(), dict(os.environ)
-    old_sigterm = signal.getsignal(signal.SIGTERM)  # cli() installs the run's SIGTERM handler: not the test process's
+    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}  # cli() installs the run's own
     sys.argv, error, output = [str(a) for a in args], None, io.StringIO()
     os.environ.update(env_overrides)
     os.chdir(cwd)
@@ -89,7 +89,8 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
 
         release_outputs()  # as a real process does on its way out (an error, or the end of the run)
         sys.argv = old_argv
-        signal.signal(signal.SIGTERM, old_sigterm)
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)
