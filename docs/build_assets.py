@@ -104,6 +104,7 @@ def real_model_table() -> str:
         "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
         "grpo_linear": "`grpo.py` with TRL's learning-rate decay to 0 (`--lr-scheduler-type linear`)",
         "rloo_linear": "`rloo.py` with TRL's learning-rate decay to 0",
+        "grpo_vllm": "`grpo.py --use-vllm` (rollouts sampled by vLLM)",
     }
 
     base = r["base"]
@@ -182,6 +183,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
     "grpo_linear": "GRPO with TRL's learning-rate decay (`grpo.py --lr-scheduler-type linear`, the same settings)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (`rloo.py --lr-scheduler-type linear`, the same settings)",
+    "grpo_vllm": "GRPO sampling through vLLM (`grpo.py --use-vllm`, float32, the same settings)",
 }
 
 
@@ -208,12 +210,13 @@ def real_model_full_table() -> str:
         f"- {REAL_MODEL_ROWS[m].split(' (')[0]} over {r['aggregate'][m]['sampled']['n']} seeds: sampled "
         f"{value(r['aggregate'][m]['sampled'], spread=True)}, greedy {value(r['aggregate'][m]['greedy'], spread=True)}, "
         f"KL {value(r['aggregate'][m]['kl'], spread=True)}"
-        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear")
+        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
     ]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from real_model import comparison
 
-    stats = {m: r["aggregate"][m] for m in ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear")}
+    compared = ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
+    stats = {m: r["aggregate"][m] for m in compared}
     tests = comparison(stats, problems=64, samples=2)
     return (
         "\n".join(rows)
@@ -323,7 +326,38 @@ def vllm_speed() -> str:
     )
 
 
+def vllm_learning() -> str:
+    """grpo.py --use-vllm on the real-model recipe against grpo.py with HF generate (benchmarks/RESULTS-real-model.json,
+    `python benchmarks/real_model.py --methods grpo_vllm --seeds 1 2 3`): accuracy, KL, step time and the
+    sampler-trainer gap per token over each run."""
+    r = record("RESULTS-real-model.json")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from real_model import comparison
+
+    a, b = r["aggregate"]["grpo_vllm"], r["aggregate"]["grpo"]
+    seeds = sorted(s for s, runs in r["seeds"].items() if "grpo_vllm" in runs)
+    gaps = [[v for _, v in r["seeds"][s]["grpo_vllm"]["sampler_gap"]] for s in seeds]
+    machines = sorted({r["seeds"][s]["grpo_vllm"]["machine"] for s in seeds})
+    rows = [
+        "| sampler | seeds | greedy accuracy | sampled accuracy [min, max] | KL to the start | s per update |",
+        "|---|---|---|---|---|---|",
+        f"| vLLM (`--use-vllm`) | {a['sampled']['n']} | {value(a['greedy'])} | {value(a['sampled'], spread=True)} | "
+        f"{value(a['kl'])} | {value(a['step_s'], 1)} |",
+        f"| HF `generate` | {b['sampled']['n']} | {value(b['greedy'])} | {value(b['sampled'], spread=True)} | "
+        f"{value(b['kl'])} | {value(b['step_s'], 1)} |",
+    ]
+    gap = "; ".join(f"seed {s}: {g[0]:.1e} at the first update, {g[-1]:.1e} at the last, {max(g):.1e} at most"
+                    for s, g in zip(seeds, gaps))  # fmt: skip
+    return (
+        "\n".join(rows)
+        + f"\n\n{comparison({'grpo_vllm': a, 'grpo': b}, problems=64, samples=2)}\n\n"
+        + f"The sampler-trainer gap per token (`sampling/sampling_logp_difference/mean`), {gap}. "
+        + f"{', '.join(machines)}, `python`, 2 threads; the HF rows' machines as the results file gives them."
+    )
+
+
 FIGURES = {
+    "vllm-learning": vllm_learning,
     "vllm-speed": vllm_speed,
     "tool-calls": tool_calls,
     "offpolicy": offpolicy,
