@@ -76,7 +76,7 @@ class VLLMSampler:
         # the policy's own in (LoRA merged, a resumed checkpoint's), so a built-in made in memory samples too
         base = peft_model_of(policy).get_base_model() if peft_model_of(policy) is not None else policy
         config = copy.deepcopy(base.config)
-        config.architectures = [type(base).__name__]
+        config.architectures = [next(c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))]  # FSDP2
         # vLLM's reload gives each layer its own new tensors: a head tied to the embeddings would keep the old ones, so
         # vLLM holds the two apart and `policy_weights` sends the tied tensor under both names
         config.tie_word_embeddings = False
@@ -137,9 +137,12 @@ class VLLMSampler:
         return completions, logprobs
 
     def close(self) -> None:
-        """Shut the engine down while the process group it may share with the trainer still exists (vLLM's own hook at
-        interpreter exit would find it destroyed by accelerate's end_training)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shut the engine down while the process group exists (vLLM's own hook at interpreter exit would find it
+        destroyed by accelerate's end_training). With several processes vLLM runs on the trainer's own group
+        (external_launcher), which its shutdown would destroy under the trainer: the run's end (`end_run`) ends the group,
+        and the process leaves with os._exit, running no hook."""
+        if self.accelerator.num_processes == 1:
+            self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()
     def load(self, policy) -> None:

@@ -184,3 +184,26 @@ def test_under_fsdp2_every_rank_sends_vllm_the_whole_weights(tmp_path):
     result = python([*fsdp_launch(), "gather.py"], tmp_path, **DDP_ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "rank 0: 21 tensors gathered whole" in result.stdout and "rank 1: 21 tensors" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
+    """Two processes, a vLLM engine in each (external_launcher on the trainer's gloo group): DDP x2 and FSDP2 x2 sample
+    the same completions and train the same model, as without vLLM (tests/test_launchers.py); under FSDP2 the second
+    update's rollout comes from weights gathered whole on each rank, so this checks the sharded sync with real engines."""
+    require("vllm")
+    from conftest import DDP_ENV, ddp_launch, fsdp_launch
+    from safetensors.torch import load_file
+
+    grpo = [os.path.join(ROOT, "grpo.py"), "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+    grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
+    grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
+    for name, launch in (("ddp", ddp_launch), ("fsdp", fsdp_launch)):
+        result = python([*launch(), *grpo, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert "rollouts: vLLM, colocated" in result.stdout and "grpo: 2 updates" in result.stdout, result.stdout[-2000:]
+    for tag in ("reward", "entropy", "grad_norm", "sampling/sampling_logp_difference/mean"):
+        ddp, fsdp = (read_scalars(tmp_path / f"{name}_runs", tag) for name in ("ddp", "fsdp"))
+        assert len(ddp) == 2 and ddp == pytest.approx(fsdp, rel=1e-5), (tag, ddp, fsdp)
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
