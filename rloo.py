@@ -173,7 +173,7 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
     vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size)"""
+    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size); only 1 for now"""
     vllm_enable_sleep_mode: bool = False
     """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
     vllm_dtype: str = "auto"

@@ -80,6 +80,11 @@ def check_vllm_args(args) -> None:
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
         raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
     check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
+    if args.vllm_tensor_parallel_size > 1:  # TRL gathers each group's prompts onto every rank of it, then slices
+        raise UsageError(
+            f"--vllm-tensor-parallel-size {args.vllm_tensor_parallel_size}: an engine spanning several GPUs needs each "
+            "tensor-parallel group's prompts gathered, which is not built yet; use 1 (one engine per process)."
+        )
     if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():

@@ -63,6 +63,9 @@ def gap():
 out = {}
 sampler.load(policy)
 out["synced"] = gap()
+completions, _ = sampler.generate(prompts, 64, seed=2)  # long enough to end: EOS kept as the last token, once
+eos = tokenizer.eos_token_id
+out["ended"] = [c[-1] == eos and eos not in c[:-1] for c in completions if eos in c or len(c) < 64]
 with torch.no_grad():  # a training step's worth of change: the adapter alone, or the embeddings (tied) and MLPs
     for name, parameter in policy.named_parameters():
         if ("lora_B" in name) if sys.argv[2] == "lora" else ("embed_tokens" in name or "mlp" in name):
@@ -90,6 +93,7 @@ def test_after_a_sync_vllm_log_probs_equal_the_policys_and_without_one_they_do_n
         mean, largest = gaps[when]
         assert mean < 2e-5 and largest < 2e-4, gaps
     assert gaps["not synced"][0] > 1e-2, gaps  # the sampler kept the old weights: the policy's log-probs moved
+    assert gaps["ended"] and all(gaps["ended"]), gaps  # a reply that stops ends with its EOS token
 
 
 @pytest.mark.slow
@@ -207,3 +211,19 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
         assert len(ddp) == 2 and ddp == pytest.approx(fsdp, rel=1e-5), (tag, ddp, fsdp)
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization 1.5: it lies in (0, 1]"),
+        (["--vllm-tensor-parallel-size", "2"], "--vllm-tensor-parallel-size 2: an engine spanning several GPUs"),
+        (["--vllm-enable-sleep-mode"], "--vllm-enable-sleep-mode frees GPU memory: there is no GPU here"),
+        (["--vllm-dtype", "int8"], "--vllm-dtype int8: choose auto, float32, bfloat16 or float16"),
+    ],
+)
+def test_bad_vllm_flags_are_one_line_before_anything_loads(tmp_path, flags, message):
+    from conftest import run_failing
+
+    error = run_failing([os.path.join(ROOT, "rloo.py"), "--use-vllm", *flags], tmp_path)
+    assert error.startswith("UsageError: ") and message in error, error
