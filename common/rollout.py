@@ -110,8 +110,8 @@ def check_off_policy_args(args) -> None:
         warn_once("--async-rollouts takes effect with --max-staleness > 0 (at 0 every rollout is the current policy's)")
     if off_policy and (args.tools or args.environment):
         raise UsageError(
-            "--max-staleness with --tools / --environment: the sampler's log-probs are not kept over multi-turn episodes "
-            "yet; train on-policy (--max-staleness 0)."
+            "--max-staleness with --tools / --environment: stale multi-turn episodes are not supported yet; train "
+            "on-policy (--max-staleness 0)."
         )
     if off_policy and args.resume_from and not args.async_rollouts:
         raise UsageError(

@@ -547,7 +547,7 @@ def test_the_asynchronous_worker_keeps_the_bound_and_its_failure_is_one_line(tmp
     [
         (["--loss-type", "luspo"], "add --importance-sampling-level sequence"),
         (["--loss-type", "vespo", "--max-staleness", "2"], "choose --importance-sampling-mode token_truncate"),
-        (["--max-staleness", "1", "--tools", "calculator"], "not kept over multi-turn episodes"),
+        (["--max-staleness", "1", "--tools", "calculator"], "stale multi-turn episodes are not supported yet"),
         (["--max-staleness", "1", "--resume-from", "checkpoint"], "could not continue as it would have"),
         (["--importance-sampling-clip-min", "2", "--importance-sampling-clip-max", "1"], "the lower below the upper"),
         (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile 1.5: it lies in [0, 1]"),
