@@ -31,6 +31,7 @@ from common.chat import render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import UsageError, check_args, masked_mean, pad_right, plain, weight_decay_groups
+from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
     context_length,
@@ -44,7 +45,6 @@ from common.loading import (
 from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
-from fast_paths import chunkable_head, lm_token_logprobs
 
 
 @dataclass

@@ -44,13 +44,13 @@ from common.core import (
     warn_once,
     weight_decay_groups,
 )
+from common.fast_paths import sampling_kwargs
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import place_frozen
 from common.outputs import check_finite
+from common.rewards import distinct_answers, is_number, load_task, verifier
 from common.rollout import save_policy
 from common.run import end_run, start_run
-from fast_paths import sampling_kwargs
-from rewards import distinct_answers, is_number, load_task, verifier
 
 
 @dataclass

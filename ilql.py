@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right, plain
+from common.fast_paths import cache_argument
 from common.loading import (
     check_columns,
     context_length,
@@ -42,7 +43,6 @@ from common.loading import (
 from common.models import peft_model_of
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
-from fast_paths import cache_argument
 
 HEADS_FILE = "ilql_heads.safetensors"
 

@@ -53,6 +53,7 @@ from common.core import (
     sizes,
     warn_once,
 )
+from common.fast_paths import FastGenerator, sampling_kwargs
 from common.loading import (
     answers_as_text,
     check_columns,
@@ -76,9 +77,8 @@ from common.models import (
     reference_context,
 )
 from common.outputs import atomic_directory, check_finite, write_model_card
+from common.rewards import load_rewards, load_task, score_completions
 from common.run import end_run, start_run
-from fast_paths import FastGenerator, sampling_kwargs
-from rewards import load_rewards, load_task, score_completions
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Args:
     """nucleus sampling (1.0: off)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
-    (fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
+    (common/fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; decoder-only policies without a logit
     mask, quantisation, FSDP or DeepSpeed); --no-fast-generation: HF `generate`"""

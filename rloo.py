@@ -161,7 +161,7 @@ class Args:
     """top-k sampling (0: off)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
-    (fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
+    (common/fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""
     fast_generation: bool = True
     """on CUDA, sample with `FastGenerator` (static KV cache, compiled decoding step; not with FSDP / DeepSpeed);
     --no-fast-generation: HF `generate`"""

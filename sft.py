@@ -29,6 +29,7 @@ from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import UsageError, check_args, pad_right, plain, weight_decay_groups
+from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
     context_length,
@@ -43,7 +44,6 @@ from common.models import check_lora_targets, peft_model_of
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
 from common.tools import use_tool_template
-from fast_paths import chunkable_head, lm_token_logprobs
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Args:
     gradient_checkpointing: bool = False
     """trade compute for memory"""
     chunked_loss: bool = True
-    """the loss from the last hidden states with the LM head run on 1024 tokens at a time (fast_paths.py: no
+    """the loss from the last hidden states with the LM head run on 1024 tokens at a time (common/fast_paths.py: no
     [batch, length, vocab] logits); off, and under FSDP / DeepSpeed or with logit soft-capping: `model(**batch).loss`"""
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""

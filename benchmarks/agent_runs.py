@@ -50,10 +50,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import grpo  # noqa: E402
 from common.cli import cli  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
+from common.rewards import distinct_answers, extract_answer, load_task, verifier  # noqa: E402
 from common.rollout import Engine, Task, per_token_logprobs  # noqa: E402
 from common.tools import Toolset  # noqa: E402
 from presets.agents import PRODUCTS, guess_progress  # noqa: E402
-from rewards import distinct_answers, extract_answer, load_task, verifier  # noqa: E402
 
 BASE = "builtin:smollm2-135m-instruct"
 TASK = ["--dataset-name", "reasoning-gym:products", "--task-config", json.dumps(PRODUCTS)]

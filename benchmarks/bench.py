@@ -491,9 +491,9 @@ def rollouts(spec, env, tmp) -> dict:
     from trl import AutoModelForCausalLMWithValueHead as TrlValueHead
     from trl import PPOConfig, PPOTrainer
 
+    from common.fast_paths import FastGenerator, sampling_kwargs
     from common.loading import load_tokenizer
     from common.models import AutoModelForCausalLMWithValueHead
-    from fast_paths import FastGenerator, sampling_kwargs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours_model = AutoModelForCausalLMWithValueHead.from_pretrained(env["model"]).eval().to(device)
@@ -721,7 +721,7 @@ def worker(spec: dict) -> dict:
     from peft import LoraConfig  # noqa: F401
 
     import common  # noqa: F401
-    from fast_paths import keep_freed_memory
+    from common.fast_paths import keep_freed_memory
 
     if not torch.cuda.is_available():  # what our scripts' start_run does, here for both sides from the start
         keep_freed_memory()

@@ -32,9 +32,9 @@ sys.path.insert(0, ROOT)
 from records import machine, scalars  # noqa: E402
 
 from common.core import logprobs_from_logits  # noqa: E402
+from common.fast_paths import sampling_kwargs  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
-from fast_paths import sampling_kwargs  # noqa: E402
-from rewards import distinct_answers, load_task, verifier  # noqa: E402
+from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
 
 
 @dataclass

@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(1, os.path.join(HERE, ".trl-0.8.6"))
 
 from common.cli import cli  # noqa: E402
+from common.fast_paths import FastGenerator, sampling_kwargs  # noqa: E402
 from common.loading import load_data, load_tokenizer  # noqa: E402
-from fast_paths import FastGenerator, sampling_kwargs  # noqa: E402
 
 
 @dataclass

@@ -63,9 +63,9 @@ sys.path.insert(0, ROOT)
 from common.chat import render  # noqa: E402
 from common.cli import cli  # noqa: E402
 from common.core import logprobs_from_logits  # noqa: E402
+from common.fast_paths import sampling_kwargs  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
-from fast_paths import sampling_kwargs  # noqa: E402
-from rewards import distinct_answers, load_task, verifier  # noqa: E402
+from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike

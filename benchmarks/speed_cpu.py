@@ -70,7 +70,7 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
 
     sys.path.insert(0, ROOT)
     from common.loading import load_pretrained, load_tokenizer
-    from rewards import load_task, verifier
+    from common.rewards import load_task, verifier
 
     tokenizer = load_tokenizer(MODEL, padding_side="left")
     task_args = tyro.cli(__import__(algo).Args, args=RECIPE)

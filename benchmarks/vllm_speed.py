@@ -38,7 +38,7 @@ class Args:
 def prompts(n: int, tokenizer) -> list[list[int]]:
     """n chat prompts of the real-model task (reasoning-gym chain_sum questions, as grpo.py renders them)."""
     sys.path.insert(0, ROOT)
-    from rewards import prompt_ids, reasoning_gym_rows
+    from common.rewards import prompt_ids, reasoning_gym_rows
 
     rows = reasoning_gym_rows("chain_sum", {}, n, 1)
     return [prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}], True) for r in rows]
@@ -66,7 +66,7 @@ def time_side(side: str, n: int, length: int, repeats: int) -> list[float]:
     else:
         from transformers import AutoModelForCausalLM
 
-        from fast_paths import sampling_kwargs
+        from common.fast_paths import sampling_kwargs
 
         model = load_pretrained(MODEL, AutoModelForCausalLM).eval()
         batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")

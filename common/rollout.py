@@ -27,14 +27,22 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import text_of
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, sizes, warn_once, weight_decay_groups
+from common.fast_paths import FastGenerator, sampling_kwargs
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
+from common.rewards import (
+    degenerate_batch,
+    distinct_answers,
+    is_number,
+    load_rewards,
+    load_task,
+    prompt_ids,
+    score_completions,
+)
 from common.run import rank_batches
 from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
 from common.vllm_engine import VLLMSampler, check_vllm
-from fast_paths import FastGenerator, sampling_kwargs
-from rewards import degenerate_batch, distinct_answers, is_number, load_rewards, load_task, prompt_ids, score_completions
 
 # ================================ the flags every online script shares ================================
 SHARED_POSITIVE = (

@@ -14,8 +14,8 @@ from rich.table import Table
 from transformers.integrations import deepspeed as transformers_deepspeed
 
 from common.core import UsageError
+from common.fast_paths import keep_freed_memory
 from common.outputs import RUN, release_outputs
-from fast_paths import keep_freed_memory
 
 
 def check_launch(accelerator: Accelerator, args=None) -> None:

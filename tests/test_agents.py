@@ -373,8 +373,8 @@ def test_the_guessing_games_held_out_numbers_are_never_trained_on(tokenizer, dat
     `--eval-fraction 0.2` holds out 20 numbers and trains on the other 80, the ones the SFT traces play."""
     from types import SimpleNamespace
 
+    from common.rewards import load_task
     from presets.agents import guess_number_traces, training_secrets
-    from rewards import load_task
 
     args = SimpleNamespace(dataset_name=dataset_name, dataset_split="train", answer_column="answer", seed=1)
     args.__dict__.update(eval_fraction=0.2, eval_size=64, chat_template=True, system_prompt=None)

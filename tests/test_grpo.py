@@ -8,8 +8,8 @@ from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, requ
 from transformers import AutoModelForCausalLM
 
 from common.core import nanstd
+from common.rewards import reward_model_function
 from grpo import group_advantages, grpo_loss
-from rewards import reward_model_function
 
 GRPO = os.path.join(ROOT, "grpo.py")
 

@@ -49,6 +49,9 @@ def test_no_import_cycle():
     # every other module reaches the built-ins by name (agents.py's by "presets.agents:calculator", imported when used)
     reach = {n for n, deps in graph.items() if any(d.split(".")[0] == "presets" for d in deps)}
     assert {n for n in reach if not n.startswith(("presets", "common.loading", "agent_runs"))} == set()
+    # common/ imports point down: nothing above it (a script, pipeline.py, a benchmark) is imported from it
+    upward = {f"{n} -> {d}" for n, deps in graph.items() if n.startswith("common") for d in deps}
+    assert {u for u in upward if not u.split(" -> ")[1].startswith(("common", "presets"))} == set()
     state, stack = {}, []
 
     def visit(name: str) -> None:
@@ -95,11 +98,11 @@ def definitions(path: str) -> dict[str, set[str]]:
 
 def test_common_holds_what_two_scripts_share_and_no_builtin():
     """Every public function and class in common/ is used by two algorithm scripts or more (directly, or through
-    common/, rewards.py or fast_paths.py), or is on the design's list; the built-ins live in presets/."""
+    common/), or is on the design's list; the built-ins live in presets/."""
     files = glob.glob(os.path.join(ROOT, "common", "*.py"))
     assert "chatterbot" not in "".join(open(f).read() for f in files)
     graph, checked = {}, set()
-    for path in files + [os.path.join(ROOT, "rewards.py"), os.path.join(ROOT, "fast_paths.py")]:
+    for path in files:
         found = definitions(path)
         graph |= found
         if os.sep + "common" + os.sep in path:

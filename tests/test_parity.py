@@ -19,7 +19,7 @@ def test_differences_catch_one_ulp_and_missing_tensors():
 
 def test_every_algorithm_script_has_a_parity_run():
     scripts = (
-        {  # the runnable files at the top (not the modules they share: rewards.py, fast_paths.py)
+        {  # the runnable files at the top, but pipeline.py
             name[: -len(".py")]
             for name in os.listdir(ROOT)
             if name.endswith(".py") and '__name__ == "__main__"' in open(os.path.join(ROOT, name)).read()

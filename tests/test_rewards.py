@@ -1,4 +1,4 @@
-"""rewards.py: answer extraction, the built-in reward functions under TRL 1.x's contract, reward checks, and the
+"""common/rewards.py: answer extraction, the built-in reward functions under TRL 1.x's contract, reward checks, and the
 held-out split of a task's distinct questions."""
 
 import json
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rewards import (
+from common.rewards import (
     check_rewards,
     distinct_answers,
     extract_answer,
