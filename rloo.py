@@ -39,7 +39,6 @@ from common.rollout import (
     pooled,
     resume,
     rollout_metrics,
-    sampler_gap,
     sampling_logprobs,
     save_policy,
     score,
@@ -47,6 +46,7 @@ from common.rollout import (
     update_sizes,
 )
 from common.run import end_run, start_run
+from common.sampling import sampler_gap
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The rollout engine of the online scripts (grpo.py, rloo.py): the task and its rewards, the policy and its reference,
-sampling completions (HF `generate` or `FastGenerator`) or whole multi-turn episodes with tools, log-probs over
-completions, held-out evaluation, resuming and the final save. Written once here; each script keeps its algorithm
-(losses, advantages) and its loop.
+sampling completions (common/sampling.py: HF `generate`, `FastGenerator` or vLLM) or whole multi-turn episodes with
+tools, log-probs over completions, held-out evaluation, resuming and the final save. Written once here; each script
+keeps its algorithm (losses, advantages) and its loop.
 
 An episode (`run_episodes`): the model generates until its turn ends (EOS); each tool call in the turn (in the chat
 template's format, common/tools.py) is run and its result appended as a tool message rendered by the template;
@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import text_of
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, sizes, warn_once, weight_decay_groups
-from common.fast_paths import FastGenerator, sampling_kwargs
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
@@ -41,8 +40,9 @@ from common.rewards import (
     score_completions,
 )
 from common.run import rank_batches
+from common.sampling import Sampler
 from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
-from common.vllm_engine import VLLMSampler, check_vllm
+from common.vllm_engine import check_vllm_args
 
 # ================================ the flags every online script shares ================================
 SHARED_POSITIVE = (
@@ -81,23 +81,6 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
             f"{len(args.reward_weights)} --reward-weights for {sources} rewards (--reward-funcs, then --reward-model): "
             "give one weight each."
         )
-
-
-def check_vllm_args(args) -> None:
-    """--use-vllm's flags, and vLLM itself importable (the install line where it is not)."""
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
-    check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
-    if args.vllm_tensor_parallel_size > 1:  # TRL gathers each group's prompts onto every rank of it, then slices
-        raise UsageError(
-            f"--vllm-tensor-parallel-size {args.vllm_tensor_parallel_size}: an engine spanning several GPUs needs each "
-            "tensor-parallel group's prompts gathered, which is not built yet; use 1 (one engine per process)."
-        )
-    if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
-    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
-    check_vllm()
 
 
 def check_off_policy_args(args) -> None:
@@ -399,39 +382,26 @@ class Rollout:
 
 
 class Engine:
-    """Left-padded prompts and sampled completions of the policy: HF `generate` with the inverse-CDF draw, on CUDA
-    `FastGenerator` (the same distribution), or with --use-vllm a vLLM engine in this process holding a copy of the
-    policy's weights (`sync` after each update); with tools, multi-turn episodes (`run_episodes`). `vllm` shares
-    another engine's vLLM (the asynchronous worker's)."""
+    """Left-padded prompts and sampled completions of the policy through the run's `Sampler` (HF `generate`, on CUDA
+    `FastGenerator`, or with --use-vllm a vLLM engine in this process holding a copy of the policy's weights, `sync`ed
+    after updates); with tools, multi-turn episodes (`run_episodes`). `vllm` shares another engine's vLLM (the
+    asynchronous worker's)."""
 
     def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False, vllm=None):
         self.args, self.task, self.tokenizer, self.policy, self.accelerator = args, task, task.tokenizer, policy, accelerator
-        self.sampling = sampling_kwargs(args.temperature, args.top_k, args.top_p, args.inverse_cdf_sampling)
-        # vLLM: whether it holds the policy's weights yet (a shared one does), and how many updates they lag behind
-        self.vllm, self.loaded, self.lag = vllm, vllm is not None, 0
-        if getattr(args, "use_vllm", False) and vllm is None:
-            self.vllm = VLLMSampler(args, task.tokenizer, policy, accelerator)
+        length = args.max_prompt_length + args.max_completion_length
+        self.sampler = Sampler(args, task.tokenizer, policy, accelerator, length, vllm=vllm)
+        self.vllm, self.lag = self.sampler.vllm, 0  # how many updates vLLM's weights lag behind the policy's
         # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler); vLLM's differ from the trainer's
         # numerics even on-policy, so they are always kept there (TRL's vllm_importance_sampling_correction)
         keep = getattr(args, "max_staleness", 0) > 0 or getattr(args, "old_logprobs", "") == "sampler"
         self.keep_logprobs = keep or self.vllm is not None
-        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        self.fast = None
-        if (
-            args.fast_generation
-            and self.vllm is None
-            and accelerator.device.type == "cuda"
-            and args.inverse_cdf_sampling
-            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
-        ):
-            self.fast = FastGenerator(policy, args.temperature, args.top_k, args.top_p)
         if quiet:
             return
-        how = "vLLM, colocated" if self.vllm else "compiled static-cache decoding" if self.fast else "HF generate"
-        k = getattr(args, "max_staleness", 0)
+        how, k = self.sampler.name, getattr(args, "max_staleness", 0)
         if self.vllm is not None:
             every = "update" if args.weight_sync_steps == 1 else f"{args.weight_sync_steps} updates"
-            how += f" ({self.vllm.dtype}, weights synced every {every}; sampler log-probs kept for the correction)"
+            how = f"vLLM, colocated ({self.vllm.dtype}, weights synced every {every}; sampler log-probs kept for the correction)"
         updates = f"{k} update{'s' if k > 1 else ''}"
         if k and getattr(args, "async_rollouts", False):
             every = "every update" if args.weight_sync_steps == 1 else f"every {args.weight_sync_steps} updates"
@@ -494,56 +464,17 @@ class Engine:
 
     def close(self) -> None:
         """The end of sampling: vLLM shut down (HF generate has nothing to close)."""
-        if self.vllm is not None:
-            self.vllm.close()
+        self.sampler.close()
 
     def sync(self, policy) -> None:
         """vLLM's copy of the weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered)."""
-        self.vllm.load(policy)
-        self.loaded, self.lag = True, 0
+        self.sampler.sync(policy)
+        self.lag = 0
 
-    @torch.no_grad()
     def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None, logprobs: bool = False):
-        """Completions [N, T] cut after the first EOS, their mask [N, T], whether each ended with EOS [N] and, with
-        `logprobs`, each token's log-prob under the sampling policy [N, T] (log_softmax(logits / temperature), read off
-        the decoding steps: no extra forward), else None."""
-        tokenizer, length = self.tokenizer, max_new_tokens or self.args.max_completion_length
-        sampled = None
-        with self.accelerator.autocast():
-            if self.vllm is not None:
-                if not self.loaded:  # the first rollout or evaluation: the policy as loaded (or resumed)
-                    self.sync(self.policy)
-                token_lists = [row[m.bool()].tolist() for row, m in zip(prompts, prompt_mask)]
-                seed = int(torch.randint(2**30, ()))  # from the run's RNG: a seeded run samples the same completions
-                new, new_logprobs = self.vllm.generate(token_lists, length, seed)
-                width, device = max(1, *map(len, new)), prompts.device
-                completions = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in new], device=device)
-                sampled = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in new_logprobs], device=device)
-            elif self.fast is not None:
-                completions, sampled = self.fast(
-                    prompts, prompt_mask, length, tokenizer.eos_token_id, tokenizer.pad_token_id, return_logprobs=logprobs
-                )
-            else:
-                out = self.policy.generate(
-                    input_ids=prompts,
-                    attention_mask=prompt_mask,
-                    **self.sampling,
-                    max_new_tokens=length,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
-                    **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
-                )
-                completions = (out.sequences if logprobs else out)[:, prompts.shape[1] :]
-                if logprobs:  # the raw logits of each step, at the sampling temperature
-                    steps = [torch.log_softmax(step.float() / self.args.temperature, -1) for step in out.logits]
-                    sampled = torch.stack([s.gather(-1, t[:, None])[:, 0] for s, t in zip(steps, completions.T)], 1)
-        is_eos = completions == tokenizer.eos_token_id
-        ended = is_eos.any(1)
-        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
-        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
-        sampled = sampled.masked_fill(~mask, 0.0) if sampled is not None else None
-        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended, sampled
+        """`Sampler.generate` at --max-completion-length unless told otherwise: completions [N, T] cut after the first
+        EOS, their mask, whether each ended, and with `logprobs` the sampler's log-prob of each token."""
+        return self.sampler.generate(prompts, prompt_mask, max_new_tokens or self.args.max_completion_length, logprobs)
 
 
 class RolloutStream:
@@ -847,18 +778,6 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     """[groups]: whether a group's rewards are all equal (std 0), or fewer than two are scorable (TRL 1.x: isclose)."""
     std = nanstd(rewards.view(-1, num_generations), dim=1)
     return torch.isclose(std, torch.zeros_like(std)) | std.isnan()
-
-
-def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
-    """How far the sampler's per-token log-probs lie from the trainer's (TRL 1.16's sampling/sampling_logp_difference):
-    |log pi_old - log pi_sampler| over the tokens of `mask` [B, T], as [sum, count] and [max, 1] pairs for `pooled`."""
-    delta = (old.detach() - sampled).abs()[mask.bool()]
-    count = torch.tensor(float(delta.numel()), device=mask.device)
-    largest = delta.max() if delta.numel() else torch.zeros((), device=mask.device)
-    return {
-        "sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), count]),
-        "sampling/sampling_logp_difference/max": torch.stack([largest, torch.ones((), device=mask.device)]),
-    }
 
 
 def pooled(accelerator: Accelerator, stats_list: list[dict]) -> dict[str, float]:

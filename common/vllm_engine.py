@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from common.core import UsageError
+from common.core import UsageError, check_args
 from common.models import peft_model_of
 
 INSTALL = {
@@ -60,10 +60,27 @@ def check_vllm() -> None:
         ) from None
 
 
+def check_vllm_args(args) -> None:
+    """--use-vllm's flags, and vLLM itself importable (the install line where it is not)."""
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
+    check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
+    if args.vllm_tensor_parallel_size > 1:  # TRL gathers each group's prompts onto every rank of it, then slices
+        raise UsageError(
+            f"--vllm-tensor-parallel-size {args.vllm_tensor_parallel_size}: an engine spanning several GPUs needs each "
+            "tensor-parallel group's prompts gathered, which is not built yet; use 1 (one engine per process)."
+        )
+    if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
+    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
+    check_vllm()
+
+
 class VLLMSampler:
     """An `LLM` in this process holding a copy of the policy, and the sampling settings of the run."""
 
-    def __init__(self, args, tokenizer, policy, accelerator):
+    def __init__(self, args, tokenizer, policy, accelerator, max_model_len: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights go in by reference
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))  # GiB, on CPU
         from vllm import LLM
@@ -91,7 +108,7 @@ class VLLMSampler:
             dtype=self.dtype,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_len=args.max_prompt_length + args.max_completion_length,
+            max_model_len=max_model_len,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             enforce_eager=accelerator.device.type != "cuda",
             seed=args.seed + accelerator.process_index,
@@ -115,8 +132,8 @@ class VLLMSampler:
         params = [
             SamplingParams(
                 temperature=args.temperature,
-                top_k=args.top_k or -1,
-                top_p=args.top_p,
+                top_k=getattr(args, "top_k", 0) or -1,
+                top_p=getattr(args, "top_p", 1.0),
                 max_tokens=max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=[self.eos],

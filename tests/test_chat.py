@@ -151,13 +151,15 @@ def test_rl_scripts_on_chat_prompts(chat_llama, chat_data):
 def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama):
     """pad == EOS: a completion's first <|im_end|> ends it and is part of its mask (trained and scored); what follows is
     padding. The same holds for ppo.py's truncation."""
-    from common.rollout import Engine, Task
+    from common.sampling import Sampler
     from ppo import truncate_responses
 
     tokenizer = AutoTokenizer.from_pretrained(chat_llama, padding_side="left")
     eos = tokenizer.eos_token_id
 
     class Policy:  # generate() returns prompt + these fixed completions
+        config = SimpleNamespace(is_encoder_decoder=False)
+
         def generate(self, input_ids, **kwargs):
             return torch.cat([input_ids, torch.tensor([[5, eos, eos, eos], [5, 6, 7, 8]])], 1)
 
@@ -168,9 +170,8 @@ def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama
         autocast=lambda: torch.autocast("cpu", enabled=False),
         distributed_type="NO",
     )
-    task = Task(tokenizer, [], [], True, [], torch.ones(0), None)
-    sampler = Engine(SimpleNamespace(**vars(args), max_completion_length=4), task, Policy(), accelerator)
-    completions, mask, ended, _ = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long))
+    sampler = Sampler(args, tokenizer, Policy(), accelerator, max_model_len=6)
+    completions, mask, ended, _ = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long), 4)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and ended.tolist() == [True, False]
     responses, mask, ended = truncate_responses(torch.tensor([[5, eos, eos, eos]]), eos, eos)
     assert mask.tolist() == [[1, 1, 0, 0]] and ended.tolist() == [True]

@@ -1,0 +1,128 @@
+"""The one sampling call of every online script: a policy's completions of left-padded prompts, cut after the first EOS,
+with their mask, whether each ended and, when asked, each token's log-prob under the weights that sampled it. Three
+backends behind it, chosen once at start:
+
+- HF `generate` with the inverse-CDF draw (`sampling_kwargs`), on any device;
+- `FastGenerator` on CUDA (a static KV cache, one compiled graph per decoding step), the same distribution;
+- vLLM in this process (`--use-vllm`, common/vllm_engine.py), which holds a copy of the weights: `sync` after each
+  update puts the trained ones in. The other two sample the policy itself, and `sync` does nothing.
+
+The rollout engine (common/rollout.py: grpo.py, rloo.py), ppo.py's rollouts and gkd.py's student samples all go
+through `Sampler.generate`; a script's loop never asks which backend runs.
+"""
+
+import torch
+from accelerate import Accelerator, DistributedType
+
+from common.fast_paths import FastGenerator, sampling_kwargs
+from common.vllm_engine import VLLMSampler
+
+
+class Sampler:
+    """Samples of `policy` (an LM, or a value-head wrapper around one) at the run's temperature / top-k / top-p.
+
+    `max_model_len`: the longest prompt plus the longest completion (vLLM sizes its cache by it). `processors`: logits
+    processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none. `fast`: whether
+    the fast path may serve (not for a quantized policy). `vllm`: another sampler's vLLM engine to share (the
+    asynchronous worker's), already loaded."""
+
+    def __init__(
+        self, args, tokenizer, policy, accelerator: Accelerator, max_model_len: int, processors=(), fast=True, vllm=None
+    ):
+        self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
+        top_k, top_p = getattr(args, "top_k", 0), getattr(args, "top_p", 1.0)
+        inverse_cdf = getattr(args, "inverse_cdf_sampling", True)
+        self.temperature = args.temperature
+        self.sampling = sampling_kwargs(args.temperature, top_k, top_p, inverse_cdf, list(processors))
+        self.encoder_decoder = policy.config.is_encoder_decoder
+        self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        language_model = getattr(policy, "pretrained_model", policy)  # a value-head wrapper samples from its LM
+        # vLLM: whether it holds the policy's weights yet (a shared one does)
+        self.vllm, self.loaded = vllm, vllm is not None
+        if getattr(args, "use_vllm", False) and vllm is None:
+            self.vllm = VLLMSampler(args, tokenizer, language_model, accelerator, max_model_len)
+        self.fast = None
+        if (
+            fast
+            and getattr(args, "fast_generation", False)
+            and self.vllm is None
+            and accelerator.device.type == "cuda"
+            and inverse_cdf
+            and not processors
+            and not self.encoder_decoder
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        ):
+            self.fast = FastGenerator(language_model, args.temperature, top_k, top_p)
+        self.name = "vLLM, colocated" if self.vllm else "compiled static-cache decoding" if self.fast else "HF generate"
+        if self.vllm is not None:
+            self.name += f" ({self.vllm.dtype})"
+
+    def sync(self, policy) -> None:
+        """vLLM's copy of the weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered); the
+        other backends sample the policy itself."""
+        if self.vllm is not None:
+            self.vllm.load(getattr(policy, "pretrained_model", policy))
+            self.loaded = True
+
+    def close(self) -> None:
+        """The end of sampling: vLLM shut down while the process group exists (the others have nothing to close)."""
+        if self.vllm is not None:
+            self.vllm.close()
+
+    @torch.no_grad()
+    def generate(self, prompts, prompt_mask, max_new_tokens: int, logprobs: bool = False, model=None, own: bool = True):
+        """Completions [N, T] of left-padded prompts [N, P], cut after the first EOS (pad after it), their mask [N, T],
+        whether each ended with EOS [N] and, with `logprobs`, each token's log-prob under the sampling weights [N, T]
+        (log_softmax(logits / temperature), read off the decoding steps: no extra forward), else None.
+
+        `model`: the model HF `generate` runs (default: the policy). `own`: the policy's own samples, which vLLM or the
+        fast path draw where there is one; False: `model`'s, with HF `generate` (the reference, a teacher)."""
+        tokenizer, sampled = self.tokenizer, None
+        with self.accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
+            if own and self.vllm is not None:
+                if not self.loaded:  # the first rollout or evaluation: the policy as loaded (or resumed)
+                    self.sync(self.policy)
+                token_lists = [row[m.bool()].tolist() for row, m in zip(prompts, prompt_mask)]
+                seed = int(torch.randint(2**30, ()))  # from the run's RNG: a seeded run samples the same completions
+                new, new_logprobs = self.vllm.generate(token_lists, max_new_tokens, seed)
+                width, device = max(1, *map(len, new)), prompts.device
+                completions = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in new], device=device)
+                sampled = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in new_logprobs], device=device)
+            elif own and self.fast is not None:
+                ends = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                completions, sampled = self.fast(prompts, prompt_mask, max_new_tokens, **ends, return_logprobs=logprobs)
+            else:
+                out = (model or self.policy).generate(
+                    input_ids=prompts,
+                    attention_mask=prompt_mask,
+                    **self.sampling,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
+                    **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
+                )
+                sequences = out.sequences if logprobs else out
+                # a decoder-only model returns the prompt too; an encoder-decoder its decoder start token
+                completions = sequences[:, 1:] if self.encoder_decoder else sequences[:, prompts.shape[1] :]
+                if logprobs:  # the raw logits of each step, at the sampling temperature
+                    steps = [torch.log_softmax(step.float() / self.temperature, -1) for step in out.logits]
+                    sampled = torch.stack([s.gather(-1, t[:, None])[:, 0] for s, t in zip(steps, completions.T)], 1)
+        is_eos = completions == tokenizer.eos_token_id
+        ended = is_eos.any(1)
+        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
+        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
+        sampled = sampled.masked_fill(~mask, 0.0) if sampled is not None else None
+        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended, sampled
+
+
+def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
+    """How far the sampler's per-token log-probs lie from the trainer's (TRL 1.16's sampling/sampling_logp_difference):
+    |log pi_old - log pi_sampler| over the tokens of `mask` [B, T], as [sum, count] and [max, 1] pairs for `pooled`."""
+    delta = (old.detach() - sampled).abs()[mask.bool()]
+    count = torch.tensor(float(delta.numel()), device=mask.device)
+    largest = delta.max() if delta.numel() else torch.zeros((), device=mask.device)
+    return {
+        "sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), count]),
+        "sampling/sampling_logp_difference/max": torch.stack([largest, torch.ones((), device=mask.device)]),
+    }
