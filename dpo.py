@@ -1,5 +1,6 @@
-"""Direct Preference Optimization (Rafailov et al. 2023) and its TRL 0.7-0.8 variants: hinge, IPO, KTO-pair,
-conservative DPO (label smoothing), reference-free.
+"""Direct Preference Optimization (Rafailov et al. 2023) and TRL 1.16's loss family (`dpo_loss`: hinge, IPO, EXO, NCA,
+robust, BCO, SPPO, AOT, APO, DiscoPOP, SFT, length-normalised sigmoid; weighted sums of them as in MPO; LD-DPO's length
+weighting, f-DPO's divergences), with TRL 0.8's KTO-pair and conservative DPO (label smoothing), reference-free.
 
 The policy is trained directly on (prompt, chosen, rejected) pairs: the loss compares the policy's log-ratio
 log pi(chosen) - log pi(rejected) with the reference model's, so no reward model and no sampling are needed.
@@ -8,15 +9,17 @@ The implicit reward of a response is beta * (log pi(y|x) - log pi_ref(y|x)).
 Usage:
     python dpo.py                                   # offline: builtin:tiny-chat on the built-in VADER-labelled pairs
     accelerate launch dpo.py --loss-type ipo --beta 0.5
+    python dpo.py --loss-type sigmoid bco_pair sft --loss-weights 0.8 0.2 1.0   # MPO
     accelerate launch --config_file configs/multi_gpu.yaml dpo.py --model-name outputs/sft --use-peft
     python dpo.py --model-name builtin:tiny-t5       # encoder-decoder: prompt to the encoder, responses as labels
 """
 
 import contextlib
 import gc
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -101,10 +104,25 @@ class Args:
     # DPO
     beta: float = 0.1
     """temperature of the implicit reward (IPO: the regulariser tau)"""
-    loss_type: Literal["sigmoid", "hinge", "ipo", "kto_pair"] = "sigmoid"
-    """sigmoid (DPO), hinge (SLiC), ipo (log-probs averaged per token), kto_pair"""
+    loss_type: list[
+        Literal[
+            "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+            "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair",
+        ]
+    ] = field(default_factory=lambda: ["sigmoid"])  # fmt: skip
+    """TRL 1.16's losses (`dpo_loss`; kto_pair is TRL 0.8's); several are summed with --loss-weights (MPO)"""
+    loss_weights: list[float] | None = None
+    """one weight per --loss-type (None: 1 each)"""
     label_smoothing: float = 0.0
-    """conservative DPO: the probability that a label is flipped (sigmoid loss only)"""
+    """the chance a label is flipped: conservative DPO with sigmoid (TRL 0.8), robust, exo_pair, aot"""
+    ld_alpha: float | None = None
+    """LD-DPO: the weight of the tokens past the shorter reply of a pair, in [0, 1] (None: 1)"""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    """the f-divergence to the reference (f-DPO); reverse_kl is DPO's"""
+    f_alpha_divergence_coef: float = 0.5
+    """alpha of --f-divergence-type alpha_divergence"""
+    discopop_tau: float = 0.05
+    """the temperature of DiscoPOP's mixing (--loss-type discopop)"""
     reference_free: bool = False
     """ignore the reference model (an implicit uniform reference)"""
     precompute_ref_log_probs: bool = False
@@ -170,11 +188,20 @@ class Args:
     """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
-def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100, is_encoder_decoder=False) -> torch.Tensor:
-    """Sum (or mean) of log p(label) over the labelled tokens: logits [B, T, V], labels [B, T] -> [B].
+LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair",
+)  # fmt: skip
+# the losses built on the chosen-rejected score difference: the only ones an f-divergence generalises (TRL 1.16)
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 
-    Decoder-only: logits at position t predict the token at t + 1, so labels are shifted left by one. Encoder-decoder:
-    the decoder input is already shifted right (<start> + labels[:-1]), so logits at t predict labels at t.
+
+def get_batch_token_logps(logits, labels, label_pad_token_id=-100, is_encoder_decoder=False):
+    """log p(label) of each labelled token and the mask of labelled tokens: logits [B, T, V], labels [B, T] -> [B, T'].
+
+    Decoder-only: logits at position t predict the token at t + 1, so labels are shifted left by one (T' = T - 1).
+    Encoder-decoder: the decoder input is already shifted right (<start> + labels[:-1]), so logits at t predict labels
+    at t (T' = T).
     """
     if not is_encoder_decoder:
         labels, logits = labels[:, 1:], logits[:, :-1]
@@ -184,9 +211,44 @@ def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-
     # log_softmax gathered at the labels, without materialising the [B, T, V] log-softmax
     logits = logits.float()
     per_token_logps = torch.gather(logits, 2, labels.unsqueeze(2)).squeeze(2) - torch.logsumexp(logits, -1)
-    if average_log_prob:  # IPO's length-normalised log-probs
+    return per_token_logps * loss_mask, loss_mask
+
+
+def get_batch_logps(logits, labels, average_log_prob=False, label_pad_token_id=-100, is_encoder_decoder=False) -> torch.Tensor:
+    """Sum (or mean) of log p(label) over the labelled tokens: logits [B, T, V], labels [B, T] -> [B]."""
+    per_token_logps, loss_mask = get_batch_token_logps(logits, labels, label_pad_token_id, is_encoder_decoder)
+    if average_log_prob:  # TRL 0.8's IPO: log-probs averaged per token
         return masked_mean(per_token_logps, loss_mask, axis=-1)
-    return (per_token_logps * loss_mask).sum(-1)
+    return per_token_logps.sum(-1)
+
+
+def sequence_logps(per_token_logps, mask, ld_alpha: float | None = None) -> torch.Tensor:
+    """A sequence's log-prob from its tokens' [2B, T] (the first B rows chosen, the last B rejected): the sum over its
+    tokens, or with `ld_alpha` LD-DPO's (Liu et al. 2024, eq. 5): the tokens up to the shorter of its pair's two
+    lengths count whole, the longer one's extra tokens count ld_alpha times."""
+    if ld_alpha is None:
+        return (per_token_logps * mask).sum(-1)
+    position = mask.cumsum(-1)  # 1, 2, ... over each sequence's own tokens
+    shared = torch.minimum(*mask.sum(-1).chunk(2)).repeat(2)[:, None]  # the pair's shorter length, on both rows
+    weights = ((position > 0) & (position <= shared)).float() + ld_alpha * (position > shared).float()
+    return (per_token_logps * mask * weights).sum(-1)
+
+
+def f_divergence_scores(logratios, f_divergence_type: str = "reverse_kl", alpha: float = 0.5):
+    """The score f'(pi / pi_ref) that replaces the log-ratio under an f-divergence regulariser (f-DPO, Wang et al. 2023,
+    Table 1; TRL 1.16): reverse KL log u (DPO), forward KL 1 - 1/u, Jensen-Shannon log(2u / (1 + u)), alpha-divergence
+    (u^(alpha - 1) - 1) / (alpha - 1), with u = pi / pi_ref = exp(logratio)."""
+    if f_divergence_type == "reverse_kl" or (f_divergence_type == "alpha_divergence" and abs(alpha - 1) < 1e-6):
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":  # the exponent clamped so that exp stays finite (TRL)
+        clamp = {torch.float16: 11.0, torch.bfloat16: 80.0}.get(logratios.dtype, 80.0)
+        exponent = ((alpha - 1) * logratios).float().clamp(max=clamp)
+        return (torch.exp(exponent) - 1).to(logratios.dtype) / (alpha - 1)
+    raise ValueError(f"Unknown f_divergence_type {f_divergence_type!r}")
 
 
 def dpo_loss(
@@ -198,30 +260,86 @@ def dpo_loss(
     loss_type="sigmoid",
     label_smoothing=0.0,
     reference_free=False,
+    chosen_lengths=None,
+    rejected_lengths=None,
+    f_divergence_type="reverse_kl",
+    f_alpha_divergence_coef=0.5,
+    discopop_tau=0.05,
+    chosen_nll=None,
 ):
     """Per-pair losses and the detached implicit rewards beta * (log pi - log pi_ref) of chosen and rejected.
 
-    With h = (log pi(y_w) - log pi(y_l)) - (log pi_ref(y_w) - log pi_ref(y_l)):
-    - sigmoid: -log sigmoid(beta h) (DPO, Rafailov et al. 2023, eq. 7); with label smoothing eps,
-      -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h) (conservative DPO, Mitchell 2023).
+    With r_w, r_l the chosen and rejected log-ratios log pi - log pi_ref, s_w, s_l their f-divergence scores
+    (`f_divergence_scores`; the log-ratios themselves by default), h = s_w - s_l and eps the label smoothing:
+    - sigmoid: -log sigmoid(beta h) (DPO, Rafailov et al. 2023, eq. 7); with eps, TRL 0.8's conservative DPO
+      -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h) (Mitchell 2023). TRL 1.16's sigmoid ignores eps.
     - hinge: relu(1 - beta h) (SLiC, Zhao et al. 2023, eq. 10 with delta = 1/beta).
-    - ipo: (h - 1 / (2 beta))^2 (IPO, Azar et al. 2023, eq. 17; log-probs averaged per token by the caller).
-    - kto_pair: 1 - sigmoid(beta (log-ratio_w - KL_l)) and 1 - sigmoid(beta (KL_w - log-ratio_l)), each KL the
-      clamped batch mean of the other half's log-ratio (KTO, Ethayarajh et al. 2023, eq. 7); 2B losses.
-    reference_free: the reference log-probs are taken as 0 (a uniform reference).
+    - ipo: (s_w / |y_w| - s_l / |y_l| - 1 / (2 beta))^2 (IPO, Azar et al. 2023, eq. 17, per token as TRL).
+    - exo_pair: KL(softmax(beta s) || [1 - eps, eps]) over the pair (EXO, Ji et al. 2024, eq. 16); eps > 0.
+    - nca_pair: -log sigmoid(beta r_w) - (log sigmoid(-beta r_w) + log sigmoid(-beta r_l)) / 2 (NCA, Chen et al. 2024).
+    - robust: ((1 - eps) (-log sigmoid(beta h)) - eps (-log sigmoid(-beta h))) / (1 - 2 eps) (Chowdhury et al. 2024, eq. 4).
+    - bco_pair: -log sigmoid(beta r_w) - log sigmoid(-beta r_l) (BCO, Jung et al. 2024, without its reward shift).
+    - sppo_hard: (r_w - 1 / (2 beta))^2 + (r_l + 1 / (2 beta))^2 (SPPO, Wu et al. 2024, eq. 4.7 with hard P).
+    - aot / aot_unpaired: the sigmoid loss with eps on the sorted policy-minus-reference log-ratio differences of the
+      batch (AOT, Melnyk et al. 2024): paired, sort(log pi_w - log pi_l) - sort(log ref_w - log ref_l); unpaired,
+      sort(r_w) - sort(r_l).
+    - apo_zero: 1 - sigmoid(beta r_w) + sigmoid(beta r_l); apo_down: sigmoid(beta r_w) + 1 - sigmoid(beta (r_w - r_l))
+      (APO, D'Oosterlinck et al. 2024, eqs. 7 and 8).
+    - discopop: with z = beta h, m = sigmoid(z / tau): (1 - m) (-log sigmoid(z)) + m exp(-z) (DiscoPOP, Chris Lu et
+      al. 2024, eq. 5).
+    - sft: the chosen replies' negative log-likelihood per token, `chosen_nll` (the same for every pair).
+    - sigmoid_norm: -log sigmoid(beta (s_w / |y_w| - s_l / |y_l|)).
+    - kto_pair: TRL 0.8's: 1 - sigmoid(beta (r_w - KL_l)) and 1 - sigmoid(beta (KL_w - r_l)), each KL the clamped
+      batch mean of the other half's log-ratio (KTO, Ethayarajh et al. 2023, eq. 7); 2B losses.
+    `chosen_lengths` / `rejected_lengths`: the replies' token counts (ipo, sigmoid_norm). reference_free: the
+    reference log-probs are taken as 0 (a uniform reference).
     """
     if reference_free:
         reference_chosen_logps = torch.zeros_like(policy_chosen_logps)
         reference_rejected_logps = torch.zeros_like(policy_rejected_logps)
     chosen_logratios = policy_chosen_logps - reference_chosen_logps
     rejected_logratios = policy_rejected_logps - reference_rejected_logps
-    logits = chosen_logratios - rejected_logratios
+    chosen_scores = f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+    rejected_scores = f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    h, eps = chosen_scores - rejected_scores, label_smoothing
     if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+        losses = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
     elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * logits)
-    elif loss_type == "ipo":
-        losses = (logits - 1 / (2 * beta)) ** 2
+        losses = torch.relu(1 - beta * h)
+    elif loss_type in ("ipo", "sigmoid_norm"):  # the scores per token of their replies (lengths None: already are)
+        n_w, n_l = (1, 1) if chosen_lengths is None else (chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1))
+        h = chosen_scores / n_w - rejected_scores / n_l
+        losses = (h - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * h)
+    elif loss_type == "exo_pair":
+        eps = torch.tensor(eps, device=h.device)
+        q_w, q_l = torch.sigmoid(beta * h), torch.sigmoid(-beta * h)
+        losses = q_w * (F.logsigmoid(beta * h) - torch.log1p(-eps)) + q_l * (F.logsigmoid(-beta * h) - torch.log(eps))
+    elif loss_type == "nca_pair":
+        w, l = beta * chosen_logratios, beta * rejected_logratios  # noqa: E741
+        losses = -F.logsigmoid(w) - 0.5 * F.logsigmoid(-w) - 0.5 * F.logsigmoid(-l)
+    elif loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss_type == "bco_pair":
+        losses = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
+    elif loss_type == "sppo_hard":
+        losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+    elif loss_type in ("aot", "aot_unpaired"):
+        if loss_type == "aot":
+            policy = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0)[0]
+            delta = policy - torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0)[0]
+        else:
+            delta = torch.sort(chosen_logratios, dim=0)[0] - torch.sort(rejected_logratios, dim=0)[0]
+        losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+    elif loss_type == "apo_zero":
+        losses = 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
+    elif loss_type == "discopop":
+        z = beta * h
+        mix = torch.sigmoid(z / discopop_tau)
+        losses = -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+    elif loss_type == "sft":
+        losses = chosen_nll.expand(len(policy_chosen_logps))
     elif loss_type == "kto_pair":
         chosen_kl = chosen_logratios.mean().clamp(min=0)
         rejected_kl = rejected_logratios.mean().clamp(min=0)
@@ -233,7 +351,7 @@ def dpo_loss(
             0,
         )
     else:
-        raise ValueError(f"Unknown loss_type {loss_type!r}: choose sigmoid, hinge, ipo or kto_pair.")
+        raise ValueError(f"Unknown loss_type {loss_type!r}: choose one of {', '.join(LOSS_TYPES)}.")
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
@@ -324,8 +442,25 @@ def check(args: Args) -> None:
             f"--label-smoothing {args.label_smoothing}, --warmup-ratio {args.warmup_ratio}: label smoothing "
             "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1)."
         )
-    if args.label_smoothing and args.loss_type != "sigmoid":
-        raise UsageError("--label-smoothing applies to the sigmoid loss only.")
+    types = args.loss_type
+    smoothed = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+    if not types or len(set(types)) < len(types):
+        raise UsageError(f"--loss-type {' '.join(types)}: name each loss once (one or more of {', '.join(LOSS_TYPES)}).")
+    if args.loss_weights is not None and len(args.loss_weights) != len(types):
+        raise UsageError(f"{len(args.loss_weights)} --loss-weights for {len(types)} --loss-type: give one weight each.")
+    if args.label_smoothing and not set(types) & set(smoothed):
+        raise UsageError(f"--label-smoothing applies to the {', '.join(smoothed)} losses, not {' '.join(types)}.")
+    if "exo_pair" in types and args.label_smoothing == 0:
+        raise UsageError("--loss-type exo_pair needs --label-smoothing above 0 (its target [1 - eps, eps]; EXO uses 1e-3).")
+    if args.ld_alpha is not None and not 0 <= args.ld_alpha <= 1:
+        raise UsageError(f"--ld-alpha {args.ld_alpha}: it lies in [0, 1] (1: no down-weighting, 0: extra tokens left out).")
+    if args.f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE_LOSSES):
+        raise UsageError(
+            f"--f-divergence-type {args.f_divergence_type} with --loss-type {' '.join(types)}: only "
+            f"{', '.join(F_DIVERGENCE_LOSSES)} generalise to an f-divergence; use reverse_kl with the others."
+        )
+    if args.discopop_tau <= 0:
+        raise UsageError(f"--discopop-tau {args.discopop_tau}: it must be positive.")
 
 
 @dataclass
@@ -456,26 +591,22 @@ class Scorer:
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         self.chunked = args.chunked_logps and not self.is_encoder_decoder and chunkable_head(model, self.sharded) is not None
 
-    def sequence_logps(self, policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs [2B] of the labelled tokens (averaged per token for IPO) and mean logits [2B]."""
-        args = self.args
+    def token_logps(self, policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs [2B, T] of the labelled tokens, their mask [2B, T] and the mean logits [2B]."""
         if self.chunked:
             head = self.accelerator.unwrap_model(policy).get_output_embeddings()
             with self.accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
                 per_token, mask, hidden = lm_token_logprobs(
                     policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
                 )
-            logps = masked_mean(per_token, mask, axis=-1) if args.loss_type == "ipo" else per_token.sum(-1)
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
                 mean_logits += 0 if head.bias is None else head.bias.float().mean()
-            return logps, mean_logits
+            return per_token * mask, mask, mean_logits
         decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if self.is_encoder_decoder else {}
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
-        logps = get_batch_logps(
-            logits, batch["labels"], average_log_prob=args.loss_type == "ipo", is_encoder_decoder=self.is_encoder_decoder
-        )
-        return logps, logits.detach().float().mean((1, 2))
+        per_token, mask = get_batch_token_logps(logits, batch["labels"], is_encoder_decoder=self.is_encoder_decoder)
+        return per_token, mask.float(), logits.detach().float().mean((1, 2))
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> torch.Tensor:
@@ -484,20 +615,28 @@ class Scorer:
             return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=self.accelerator.device))
         policy = self.accelerator.unwrap_model(self.model)
         with reference_context(policy, self.ref_model):
-            return self.sequence_logps(self.ref_model if self.ref_model is not None else policy, batch)[0]
+            per_token, mask, _ = self.token_logps(self.ref_model if self.ref_model is not None else policy, batch)
+            return sequence_logps(per_token, mask, self.args.ld_alpha)
 
     def pair_metrics(self, batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
-        """The DPO loss of a batch and TRL's metrics (rewards/, logps/, logits/)."""
+        """The DPO loss of a batch (the --loss-weights sum of each --loss-type's mean, MPO) and TRL's metrics
+        (rewards/, logps/, logits/)."""
         args = self.args
-        logps, mean_logits = self.sequence_logps(self.model, batch)
-        policy_chosen, policy_rejected = logps.chunk(2)
+        per_token, mask, mean_logits = self.token_logps(self.model, batch)
+        policy_chosen, policy_rejected = sequence_logps(per_token, mask, args.ld_alpha).chunk(2)
         ref_chosen, ref_rejected = self.reference_logps(batch).chunk(2)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, args.loss_type, args.label_smoothing,
-            args.reference_free,
-        )  # fmt: skip
+        chosen_lengths, rejected_lengths = mask.sum(-1).chunk(2)
+        chosen_nll = -per_token.chunk(2)[0].sum() / chosen_lengths.sum().clamp(min=1)  # the sft loss, per chosen token
+        loss = 0.0
+        for loss_type, weight in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)):
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, loss_type, args.label_smoothing,
+                args.reference_free, chosen_lengths, rejected_lengths, args.f_divergence_type,
+                args.f_alpha_divergence_coef, args.discopop_tau, chosen_nll,
+            )  # fmt: skip
+            loss = loss + weight * losses.mean()
         metrics = {
-            "loss": losses.mean().detach(),
+            "loss": loss.detach(),
             "rewards/chosen": chosen_rewards.mean(),
             "rewards/rejected": rejected_rewards.mean(),
             "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
@@ -507,7 +646,7 @@ class Scorer:
             "logits/chosen": mean_logits.chunk(2)[0].mean(),
             "logits/rejected": mean_logits.chunk(2)[1].mean(),
         }
-        return losses.mean(), {f"{prefix}/{k}": v for k, v in metrics.items()}
+        return loss, {f"{prefix}/{k}": v for k, v in metrics.items()}
 
     def precompute_reference(self, pairs: Pairs, batches: Batches) -> None:
         """--precompute-ref-log-probs: every pair's reference log-probs stored with it, then the frozen copy freed."""

@@ -50,6 +50,12 @@ def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
         ("ddpo", ["--num-epochs", "0"], "--num-epochs 0: it must be > 0"),
         # values that would silently train something else
         ("dpo", ["--label-smoothing", "0.5"], "label smoothing (the chance a label is flipped) lies in [0, 0.5)"),
+        ("dpo", ["--loss-type", "sigmoid", "sigmoid"], "--loss-type sigmoid sigmoid: name each loss once"),
+        ("dpo", ["--loss-type", "sigmoid", "sft", "--loss-weights", "1"], "1 --loss-weights for 2 --loss-type"),
+        ("dpo", ["--loss-type", "exo_pair"], "--loss-type exo_pair needs --label-smoothing above 0"),
+        ("dpo", ["--loss-type", "hinge", "--label-smoothing", "0.1"], "--label-smoothing applies to the sigmoid, robust"),
+        ("dpo", ["--ld-alpha", "1.5"], "--ld-alpha 1.5: it lies in [0, 1]"),
+        ("dpo", ["--loss-type", "bco_pair", "--f-divergence-type", "forward_kl"], "only sigmoid, sigmoid_norm, hinge"),
         ("dpo", ["--max-prompt-length", "0"], "--max-prompt-length 0: it must be > 0"),
         ("sft", ["--max-seq-length", "1"], "a sequence needs at least 2 tokens"),
         ("ppo", ["--learning-rate", "0"], "--learning-rate 0.0: it must be > 0"),

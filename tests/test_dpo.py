@@ -10,13 +10,14 @@ from conftest import (
     check_model_card,
     check_resume,
     read_scalars,
+    require,
     run_failing,
     run_script,
 )
 from safetensors.torch import load_file
 
 from common.loading import load_tokenizer
-from dpo import dpo_loss, get_batch_logps, tokenize_pair, tokenize_pair_seq2seq
+from dpo import LOSS_TYPES, dpo_loss, get_batch_logps, sequence_logps, tokenize_pair, tokenize_pair_seq2seq
 
 DPO = os.path.join(ROOT, "dpo.py")
 
@@ -58,6 +59,130 @@ def test_reference_free_and_unknown_loss():
     assert chosen_rewards.item() == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="Unknown loss_type"):
         dpo_loss(PC, PR, RC, RR, 0.5, "nope")
+
+
+def test_trl_116_losses_by_hand():
+    """A few of TRL 1.16's losses at r_w = 0.5, r_l = -0.5 (h = 1), worked out from their papers' equations."""
+    beta = 0.5
+
+    def loss(loss_type, **kw):
+        return dpo_loss(PC, PR, RC, RR, beta, loss_type, **kw)[0].item()
+
+    assert loss("nca_pair") == pytest.approx(-math.log(sig(0.25)) - 0.5 * math.log(sig(-0.25)) - 0.5 * math.log(sig(0.25)))
+    assert loss("bco_pair") == pytest.approx(-2 * math.log(sig(0.25)))
+    assert loss("sppo_hard") == pytest.approx((0.5 - 1.0) ** 2 + (-0.5 + 1.0) ** 2)
+    assert loss("apo_zero") == pytest.approx(1 - sig(0.25) + sig(-0.25))
+    assert loss("apo_down") == pytest.approx(sig(0.25) + 1 - sig(0.5))
+    assert loss("robust", label_smoothing=0.1) == pytest.approx((-0.9 * math.log(sig(0.5)) + 0.1 * math.log(sig(-0.5))) / 0.8)
+    lengths = torch.tensor([2.0]), torch.tensor([4.0])  # h per token: 0.5 / 2 + 0.5 / 4
+    assert dpo_loss(PC, PR, RC, RR, beta, "sigmoid_norm", 0, False, *lengths)[0].item() == pytest.approx(
+        -math.log(sig(beta * 0.375))
+    )
+    # forward KL: s = 1 - exp(-r), so h = (1 - e^-0.5) - (1 - e^0.5)
+    h = math.exp(0.5) - math.exp(-0.5)
+    assert loss("sigmoid", f_divergence_type="forward_kl") == pytest.approx(-math.log(sig(beta * h)))
+
+
+def test_ld_dpo_weights_the_tokens_past_the_shorter_reply():
+    """LD-DPO: a pair of 2 and 4 tokens counts the longer reply's last 2 tokens alpha times; alpha 1 is the plain sum."""
+    per_token = torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-1.0, -1.0, -3.0, -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert sequence_logps(per_token, mask, 0.5).tolist() == [-3.0, -2.0 + 0.5 * -8.0]
+    assert sequence_logps(per_token, mask, 1.0).tolist() == sequence_logps(per_token, mask).tolist() == [-3.0, -10.0]
+
+
+class _TrlModel(torch.nn.Module):
+    """What TRL 1.16's fused LM head returns, for given per-token log-probs."""
+
+    is_gradient_checkpointing = False
+
+    def __init__(self, log_probs):
+        super().__init__()
+        self.log_probs = log_probs
+
+    def forward(self, **kwargs):
+        from types import SimpleNamespace
+
+        zeros = torch.zeros_like(self.log_probs)
+        return SimpleNamespace(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+
+def trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **config):
+    """TRL 1.16's own `DPOTrainer._compute_loss` on these per-token log-probs [2B, T] (chosen rows first): its method
+    called with a stand-in trainer whose model and reference return them."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    require("trl")
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    identity = lambda x: x  # noqa: E731
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=identity, gather=identity)
+    model = _TrlModel(per_token * mask)
+    trainer = SimpleNamespace(
+        model=model, ref_model=_TrlModel(ref_per_token * mask), accelerator=accelerator, aux_loss_enabled=False,
+        precompute_ref_logps=False, loss_types=loss_types, loss_weights=loss_weights, use_weighting=False,
+        args=SimpleNamespace(discopop_tau=config.pop("discopop_tau", 0.05), gradient_checkpointing_kwargs=None),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+        **{"ld_alpha": None, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5, "label_smoothing": 0.0}
+        | config,
+    )  # fmt: skip
+    completion_mask = torch.cat([torch.zeros(len(mask), 1), mask], 1).long()  # the first token is the prompt's
+    ids = torch.ones_like(completion_mask)
+    inputs = {"input_ids": ids, "attention_mask": ids, "completion_mask": completion_mask}
+    return DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+
+
+def our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **config):
+    """dpo.py's loss (Scorer.pair_metrics' sum over --loss-type) on the same per-token log-probs."""
+    ld_alpha, beta = config.pop("ld_alpha", None), config.pop("beta")
+    chosen, rejected = sequence_logps(per_token * mask, mask, ld_alpha).chunk(2)
+    ref_chosen, ref_rejected = sequence_logps(ref_per_token * mask, mask, ld_alpha).chunk(2)
+    lengths = mask.sum(-1).chunk(2)
+    chosen_nll = -(per_token * mask).chunk(2)[0].sum() / lengths[0].sum()
+    total = 0.0
+    for loss_type, weight in zip(loss_types, loss_weights):
+        losses = dpo_loss(
+            chosen, rejected, ref_chosen, ref_rejected, beta, loss_type, config.get("label_smoothing", 0.0), False,
+            *lengths, config.get("f_divergence_type", "reverse_kl"), config.get("f_alpha_divergence_coef", 0.5),
+            config.get("discopop_tau", 0.05), chosen_nll,
+        )[0]  # fmt: skip
+        total = total + weight * losses.mean()
+    return total
+
+
+TRL_CASES = [([t], [1.0], {}) for t in LOSS_TYPES if t not in ("kto_pair", "exo_pair")] + [
+    (["exo_pair"], [1.0], {"label_smoothing": 1e-3}),
+    (["robust"], [1.0], {"label_smoothing": 0.1}),
+    (["aot"], [1.0], {"label_smoothing": 0.1}),
+    (["aot_unpaired"], [1.0], {"label_smoothing": 0.1}),
+    (["sigmoid"], [1.0], {"f_divergence_type": "forward_kl"}),
+    (["ipo"], [1.0], {"f_divergence_type": "js_divergence"}),
+    (["hinge"], [1.0], {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+    (["sigmoid"], [1.0], {"ld_alpha": 0.5}),
+    (["discopop"], [1.0], {"discopop_tau": 0.2}),
+    (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], {}),  # MPO's mix
+]
+
+
+@pytest.mark.parametrize("loss_types, loss_weights, config", TRL_CASES, ids=lambda c: str(c))
+def test_every_loss_equals_trls_own_code_in_value_and_gradient(loss_types, loss_weights, config):
+    """dpo.py's losses against TRL 1.16's `DPOTrainer._compute_loss` on random per-token log-probs of 4 pairs of
+    different lengths: the same loss and the same gradient with respect to every token's log-prob."""
+    generator = torch.Generator().manual_seed(0)
+    B, T = 4, 6
+    lengths = torch.tensor([2, 6, 3, 5, 6, 1, 4, 4])  # chosen rows, then rejected
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    per_token = (-torch.rand(2 * B, T, generator=generator) * 3).requires_grad_()
+    ref_per_token = -torch.rand(2 * B, T, generator=generator) * 3
+    beta = 0.5
+    trl = trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, beta=beta, **config)
+    (trl_grad,) = torch.autograd.grad(trl, per_token)
+    ours = our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, beta=beta, **config)
+    (our_grad,) = torch.autograd.grad(ours, per_token)
+    assert ours.item() == pytest.approx(trl.item(), rel=1e-6, abs=1e-7)
+    assert torch.allclose(our_grad, trl_grad, rtol=1e-5, atol=1e-7)
+    assert our_grad.abs().sum() > 0  # a loss that moves the policy
 
 
 def test_get_batch_logps_against_explicit_loop():
