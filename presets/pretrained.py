@@ -42,9 +42,9 @@ from presets.tiny import gpt2_tokenizer
 
 # Bump a version when its recipe changes: the cache then builds the new one beside the old
 FOLDERS = {
-    "builtin:tiny-chat": "tiny-chat-v1",
-    "builtin:tiny-chat-rm": "tiny-chat-rm-v1",
-    "builtin:tiny-arith": "tiny-arith-v2",
+    "builtin:tiny-chat": "tiny-chat-v2",  # v2: built on one thread (v1: on the calling run's threads)
+    "builtin:tiny-chat-rm": "tiny-chat-rm-v2",
+    "builtin:tiny-arith": "tiny-arith-v3",
     "builtin:smollm2-135m-instruct": "smollm2-135m-instruct-v1",
     "builtin:smollm2-student": "smollm2-student-v1",
 }
@@ -83,7 +83,9 @@ def pretrained_folder(name: str) -> str:
                     "builtin:smollm2-135m-instruct": build_smollm2,
                     "builtin:smollm2-student": build_smollm2_student,
                 }
-                with untouched_random_state():  # the run that triggered the build draws as if it were cached
+                # the run that triggered the build draws as if it were cached; one thread: the same weights whatever
+                # thread count that run has (torch splits a float sum by thread, and the order changes its rounding)
+                with untouched_random_state(), one_thread():
                     builders[name](tmp)
                 write_manifest(tmp)
                 os.chmod(tmp, 0o755)
@@ -102,6 +104,17 @@ def pretrained_folder(name: str) -> str:
             "that folder, or set XDG_CACHE_HOME to a writable place"
         ) from None
     return folder
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one CPU thread, then give the caller its thread count back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -505,7 +505,7 @@ def test_building_a_builtin_leaves_the_callers_random_state_and_clears_a_killed_
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(pretrained, "build_tiny_chat", functools.partial(pretrained.build_tiny_chat, max_steps=2))
-    leftover = tmp_path / "rlhf-builtin" / ".tmp-tiny-chat-v1-abcd1234"
+    leftover = tmp_path / "rlhf-builtin" / ".tmp-tiny-chat-v2-abcd1234"
     leftover.mkdir(parents=True)
 
     def draws():
@@ -518,6 +518,28 @@ def test_building_a_builtin_leaves_the_callers_random_state_and_clears_a_killed_
         presets.folder("builtin:tiny-chat")
         runs.append((first, draws()))
     assert runs[0] == runs[1] and not leftover.exists()
+
+
+def test_a_builtin_is_built_on_one_thread_whatever_the_callers_count(tmp_path, monkeypatch):
+    """torch splits a float sum by thread, so a build's weights would depend on the run that triggered it: the build
+    runs on one thread (what the test suite's builds use), and the caller gets its own count back."""
+    from presets import pretrained
+
+    seen = []
+
+    def build(folder):
+        seen.append(torch.get_num_threads())
+        open(os.path.join(folder, "config.json"), "w").write("{}")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(pretrained, "build_tiny_chat", build)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pretrained.pretrained_folder("builtin:tiny-chat")
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
@@ -542,7 +564,7 @@ def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_
         tokenizer = load_tokenizer("builtin:tiny-gpt2")
         assert f"the cached tokenizer {cache / 'gpt2'} is damaged ({name}" in capsys.readouterr().out
         assert tokenizer.pad_token_id == reference.pad_token_id and len(tokenizer) == len(reference)
-    folder = cache / "tiny-chat-v1"
+    folder = cache / "tiny-chat-v2"
     assert resolve("builtin:tiny-chat") == str(folder)
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
@@ -558,7 +580,7 @@ def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_
 
     monkeypatch.setattr(pretrained, "file_lock", read_only)
     monkeypatch.setattr(tiny.tempfile, "mkdtemp", read_only)
-    with pytest.raises(UsageError, match=r"tiny-chat-v1 is damaged \(config.json is missing\) and cannot be rebuilt"):
+    with pytest.raises(UsageError, match=r"tiny-chat-v2 is damaged \(config.json is missing\) and cannot be rebuilt"):
         resolve("builtin:tiny-chat")
     with pytest.raises(UsageError, match=r"gpt2 is damaged \(tokenizer.json has 1 bytes, not \d+\) .*delete that folder"):
         load_tokenizer("builtin:tiny-gpt2")
