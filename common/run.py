@@ -152,14 +152,15 @@ class RunLogger:
 
 def end_run(accelerator: Accelerator, logger: RunLogger) -> None:
     """The last line of every script: the logger closed, one last barrier, the process group destroyed by every rank
-    together; a run of several processes then leaves with os._exit, before a C++ destructor at interpreter exit can
-    abort it ("terminate called without an active exception", about one 2-process CPU run in a hundred)."""
+    together; a run with a process group (several processes, or DeepSpeed's one) then leaves with os._exit, before a
+    C++ destructor or a hook at interpreter exit can abort it ("terminate called without an active exception", about
+    one 2-process CPU run in a hundred; vLLM's shutdown hook on the destroyed group)."""
     logger.close()
     release_outputs()
     accelerator.wait_for_everyone()
-    several = accelerator.num_processes > 1
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     accelerator.end_training()
-    if several:
+    if grouped:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

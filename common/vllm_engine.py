@@ -99,6 +99,7 @@ class VLLMSampler:
         config.tie_word_embeddings = False
         self.folder = tempfile.TemporaryDirectory(prefix="rlhf-vllm-config-")  # removed with this object
         config.save_pretrained(self.folder.name)
+        self.external = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.dtype = args.vllm_dtype if args.vllm_dtype != "auto" else args.dtype
         self.eos = tokenizer.eos_token_id
         self.llm = LLM(
@@ -113,7 +114,8 @@ class VLLMSampler:
             enforce_eager=accelerator.device.type != "cuda",
             seed=args.seed + accelerator.process_index,
             logprobs_mode="processed_logprobs",  # after the temperature, as the trainer's log_softmax(logits / T) (TRL)
-            distributed_executor_backend="external_launcher" if accelerator.num_processes > 1 else None,
+            # a trainer with a process group (several processes, or DeepSpeed's one): vLLM runs on it
+            distributed_executor_backend="external_launcher" if self.external else None,
         )
         self.args, self.accelerator, self.lock, self.sleeping = args, accelerator, threading.Lock(), False
         self.cpu = accelerator.device.type != "cuda"
@@ -155,10 +157,10 @@ class VLLMSampler:
 
     def close(self) -> None:
         """Shut the engine down while the process group exists (vLLM's own hook at interpreter exit would find it
-        destroyed by accelerate's end_training). With several processes vLLM runs on the trainer's own group
-        (external_launcher), which its shutdown would destroy under the trainer: the run's end (`end_run`) ends the group,
-        and the process leaves with os._exit, running no hook."""
-        if self.accelerator.num_processes == 1:
+        destroyed by accelerate's end_training). On a trainer's process group (several processes, or DeepSpeed's one;
+        external_launcher) its shutdown would destroy that group under the trainer: the run's end (`end_run`) ends the
+        group, and the process leaves with os._exit, running no hook."""
+        if not self.external:
             self.llm.llm_engine.engine_core.shutdown()
 
     @torch.no_grad()

@@ -8,6 +8,9 @@ for key, value in dict(
     os.environ.setdefault(key, value)
 if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: one core per worker, no oversubscription (set before torch)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a test that runs more threads than its core (the README's 2-thread run) sleeps instead of spinning while it waits
+    # for them: the other worker keeps its core (the wait policy changes no number)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
