@@ -401,7 +401,8 @@ class Engine:
         how, k = self.sampler.name, getattr(args, "max_staleness", 0)
         if self.vllm is not None:
             every = "update" if args.weight_sync_steps == 1 else f"{args.weight_sync_steps} updates"
-            how = f"vLLM, colocated ({self.vllm.dtype}, weights synced every {every}; sampler log-probs kept for the correction)"
+            how = f"vLLM, colocated ({self.vllm.dtype}, weights synced every {every}; "
+            how += "sampler log-probs kept for the correction)"
         updates = f"{k} update{'s' if k > 1 else ''}"
         if k and getattr(args, "async_rollouts", False):
             every = "every update" if args.weight_sync_steps == 1 else f"every {args.weight_sync_steps} updates"

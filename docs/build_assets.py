@@ -368,8 +368,11 @@ def first_run() -> str:
         f"```\n{warm['line']}\n```\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`): the "
         f"first run, the two built-ins built, took {minutes(cold['seconds'])} at a peak of {cold['peak_gib']:.1f} GiB "
         f"resident; a later one {minutes(warm['seconds'])}, {warm['peak_gib']:.1f} GiB. "
-        + ("Both ended on this line, but for the time." if strip_time(cold["line"]) == strip_time(warm["line"]) else
-           f"The first run ended on another line: `{cold['line']}`.")
+        + (
+            "Both ended on this line, but for the time."
+            if strip_time(cold["line"]) == strip_time(warm["line"])
+            else f"The first run ended on another line: `{cold['line']}`."
+        )
     )
 
 
@@ -377,7 +380,8 @@ def ppo_default_runs() -> str:
     """ppo.py's default run over seeds (benchmarks/RESULTS-ppo-default.json, `python benchmarks/ppo_default.py`)."""
     r = record("RESULTS-ppo-default.json")
     rows = [
-        "| seed | eval reward | initial std | KL, last tenth (target 6) | VADER sentiment | distinct words | distinct-2 | top token |",
+        "| seed | eval reward | initial std | KL, last tenth (target 6) | VADER sentiment | distinct words | distinct-2 "
+        "| top token |",
         "|---|---|---|---|---|---|---|---|",
     ]
     gains, kls, vader_up = [], [], 0
@@ -396,10 +400,10 @@ def ppo_default_runs() -> str:
         "\n".join(rows)
         + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); seed {first} ended on\n\n"
         + f"```\n{r['runs'][first]['line']}\n```\n\n"
-        + f"The held-out reward rises by {min(gains):.2f}-{max(gains):.2f} standard deviations of the initial policy's held-out "
-        + f"rewards over these {len(gains)} seeds, at a KL of {min(kls):.2f}-{max(kls):.2f} over the last tenth of the run "
-        + f"(the controller's target: 6), and VADER, the labeller behind the reward model's preference pairs, rises with it "
-        + f"on {vader_up} of them."
+        + f"The held-out reward rises by {min(gains):.2f}-{max(gains):.2f} standard deviations of the initial policy's "
+        + f"held-out rewards over these {len(gains)} seeds, at a KL of {min(kls):.2f}-{max(kls):.2f} over the last tenth of "
+        + "the run (the controller's target: 6), and VADER, the labeller behind the reward model's preference pairs, rises "
+        + f"with it on {vader_up} of them."
     )
 
 

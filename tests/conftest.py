@@ -19,6 +19,12 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first, each file's order kept: `pytest -n 2` hands tests out in this order, and a long run
+    handed out last would run on one worker while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_configure(config):
     """`-m "not slow"` is the fast tier a forker runs after a change; CI runs everything."""
     config.addinivalue_line(
