@@ -580,7 +580,17 @@ def test_default_run_ends_on_the_readmes_line_and_learns_inside_its_kl_budget(tm
     out = result.stdout + result.stderr
     line = next(line for line in out.splitlines() if line.startswith("ppo: "))
     untimed = lambda text: re.sub(r" in \d+s;", " in Ns;", text)  # noqa: E731
-    assert untimed(line) == untimed(record["warm"]["line"]), (line, record["warm"]["line"])
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from records import machine
+
+    here = (machine(), torch.__version__)
+    if here == (record["machine"], record["torch"]):  # the same CPU kind and torch: the same numbers, bit for bit
+        assert untimed(line) == untimed(record["warm"]["line"]), (line, record["warm"]["line"])
+    else:  # another CPU's kernels round differently: the learning checks below still hold
+        import warnings
+
+        recorded = f"{record['machine']}, torch {record['torch']}"
+        warnings.warn(f"the README's line was recorded on {recorded}, not compared here ({here})", stacklevel=1)
     summary = out.split("eval reward ")[1]
     first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
     initial_std = float(summary.split("initial std ")[1].split(")")[0])
