@@ -528,7 +528,7 @@ def main(args: Args) -> None:
         queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
-        responses, response_mask, ended, sampled = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)  # [B, T]
+        responses, response_mask, ended, sampler_logprobs = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)
         mask = response_mask.float()
         marks.append(clock(device))
 
@@ -597,8 +597,8 @@ def main(args: Args) -> None:
         batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
         watched = scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
         metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
-        if sampled is not None:  # vLLM: how far its log-probs lie from the trainer's, TRL 1.16's sampling/* metrics
-            metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampled, mask)])
+        if sampler_logprobs is not None:  # vLLM: how far its log-probs lie from the trainer's (TRL 1.16's sampling/*)
+            metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampler_logprobs, mask)])
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
         kl_history.append(metrics["objective/kl"])
