@@ -14,7 +14,6 @@ Usage:
     python dpo.py --model-name builtin:tiny-t5       # encoder-decoder: prompt to the encoder, responses as labels
 """
 
-import contextlib
 import gc
 import math
 import os
@@ -48,6 +47,7 @@ from common.loading import (
 from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
+from common.sampling import held_out_samples
 
 
 @dataclass
@@ -123,6 +123,8 @@ class Args:
     """alpha of --f-divergence-type alpha_divergence"""
     discopop_tau: float = 0.05
     """the temperature of DiscoPOP's mixing (--loss-type discopop)"""
+    use_weighting: bool = False
+    """WPO: weight each pair's loss by its replies' length-normalised probabilities under the policy (TRL 1.16)"""
     reference_free: bool = False
     """ignore the reference model (an implicit uniform reference)"""
     precompute_ref_log_probs: bool = False
@@ -158,7 +160,8 @@ class Args:
     eval_steps: int = 100
     """evaluate every this many optimizer steps (and at the end)"""
     generate_during_eval: bool = True
-    """print a table of policy and reference sample generations at each evaluation (TRL's default: off)"""
+    """at each evaluation, sample replies to held-out prompts: log their KL to the reference, length and diversity, and
+    print a table of policy and reference replies (TRL's default: off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0: only the final model)"""
     save_total_limit: int | None = None
@@ -232,6 +235,21 @@ def sequence_logps(per_token_logps, mask, ld_alpha: float | None = None) -> torc
     shared = torch.minimum(*mask.sum(-1).chunk(2)).repeat(2)[:, None]  # the pair's shorter length, on both rows
     weights = ((position > 0) & (position <= shared)).float() + ld_alpha * (position > shared).float()
     return (per_token_logps * mask * weights).sum(-1)
+
+
+def log_sum_squared_probs(logits) -> torch.Tensor:
+    """log sum_v p_v^2 of each position's next-token distribution: logits [..., V] -> [...] (no gradient)."""
+    with torch.no_grad():
+        return torch.logsumexp(2 * torch.log_softmax(logits.float(), -1), -1)
+
+
+def wpo_weights(per_token_logps, log_sum_sq_probs, mask) -> torch.Tensor:
+    """WPO's weight of each sequence [2B] (Zhou et al. 2024, eq. 2, as TRL 1.16's use_weighting):
+    exp(mean over its tokens of log p(y_t) - log sum_v p_v^2), the probability of its tokens relative to the policy's
+    own sampling distribution, detached; a pair's losses are multiplied by its chosen and rejected weights."""
+    with torch.no_grad():
+        aligned = ((per_token_logps - log_sum_sq_probs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return torch.exp(aligned)
 
 
 def f_divergence_scores(logratios, f_divergence_type: str = "reverse_kl", alpha: float = 0.5):
@@ -461,6 +479,11 @@ def check(args: Args) -> None:
         )
     if args.discopop_tau <= 0:
         raise UsageError(f"--discopop-tau {args.discopop_tau}: it must be positive.")
+    if args.use_weighting and set(types) & {"aot", "aot_unpaired", "kto_pair"}:
+        raise UsageError(
+            f"--use-weighting with --loss-type {' '.join(types)}: aot and aot_unpaired sort the batch and kto_pair "
+            "splits it, so a pair's weight has no loss of its own to scale (TRL refuses aot too)."
+        )
 
 
 @dataclass
@@ -591,8 +614,9 @@ class Scorer:
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         self.chunked = args.chunked_logps and not self.is_encoder_decoder and chunkable_head(model, self.sharded) is not None
 
-    def token_logps(self, policy, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs [2B, T] of the labelled tokens, their mask [2B, T] and the mean logits [2B]."""
+    def token_logps(self, policy, batch: dict, weighting: bool = False) -> tuple[torch.Tensor, ...]:
+        """Log-probs [2B, T] of the labelled tokens, their mask [2B, T], the mean logits [2B] and, with `weighting`,
+        log sum_v p_v^2 at each labelled token [2B, T] (else None)."""
         if self.chunked:
             head = self.accelerator.unwrap_model(policy).get_output_embeddings()
             with self.accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
@@ -602,11 +626,21 @@ class Scorer:
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
                 mean_logits += 0 if head.bias is None else head.bias.float().mean()
-            return per_token * mask, mask, mean_logits
+                squared = None
+                if weighting:  # the head over the labelled positions, 1024 at a time, as the log-probs
+                    rows = hidden[:, :-1][mask].float()
+                    bias = None if head.bias is None else head.bias.float()
+                    chunks = [F.linear(rows[i : i + 1024], head.weight.float(), bias) for i in range(0, len(rows), 1024)]
+                    squared = torch.cat([log_sum_squared_probs(c) for c in chunks]) if chunks else rows[:, 0]
+                    squared = torch.zeros(mask.shape, device=rows.device).masked_scatter(mask, squared)
+            return per_token * mask, mask, mean_logits, squared
         decoder = {"decoder_input_ids": batch["decoder_input_ids"]} if self.is_encoder_decoder else {}
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **decoder).logits
         per_token, mask = get_batch_token_logps(logits, batch["labels"], is_encoder_decoder=self.is_encoder_decoder)
-        return per_token, mask.float(), logits.detach().float().mean((1, 2))
+        squared = None
+        if weighting:
+            squared = log_sum_squared_probs(logits if self.is_encoder_decoder else logits[:, :-1]) * mask
+        return per_token, mask.float(), logits.detach().float().mean((1, 2)), squared
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> torch.Tensor:
@@ -615,18 +649,22 @@ class Scorer:
             return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=self.accelerator.device))
         policy = self.accelerator.unwrap_model(self.model)
         with reference_context(policy, self.ref_model):
-            per_token, mask, _ = self.token_logps(self.ref_model if self.ref_model is not None else policy, batch)
+            per_token, mask, *_ = self.token_logps(self.ref_model if self.ref_model is not None else policy, batch)
             return sequence_logps(per_token, mask, self.args.ld_alpha)
 
     def pair_metrics(self, batch: dict, prefix: str) -> tuple[torch.Tensor, dict]:
         """The DPO loss of a batch (the --loss-weights sum of each --loss-type's mean, MPO) and TRL's metrics
         (rewards/, logps/, logits/)."""
         args = self.args
-        per_token, mask, mean_logits = self.token_logps(self.model, batch)
+        per_token, mask, mean_logits, squared = self.token_logps(self.model, batch, args.use_weighting)
         policy_chosen, policy_rejected = sequence_logps(per_token, mask, args.ld_alpha).chunk(2)
         ref_chosen, ref_rejected = self.reference_logps(batch).chunk(2)
         chosen_lengths, rejected_lengths = mask.sum(-1).chunk(2)
         chosen_nll = -per_token.chunk(2)[0].sum() / chosen_lengths.sum().clamp(min=1)  # the sft loss, per chosen token
+        pair_weights = 1.0
+        if args.use_weighting:  # WPO: each pair's losses times its chosen and rejected replies' weights
+            chosen_weights, rejected_weights = wpo_weights(per_token, squared, mask).chunk(2)
+            pair_weights = chosen_weights * rejected_weights
         loss = 0.0
         for loss_type, weight in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)):
             losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -634,7 +672,7 @@ class Scorer:
                 args.reference_free, chosen_lengths, rejected_lengths, args.f_divergence_type,
                 args.f_alpha_divergence_coef, args.discopop_tau, chosen_nll,
             )  # fmt: skip
-            loss = loss + weight * losses.mean()
+            loss = loss + weight * (losses * pair_weights).mean()
         metrics = {
             "loss": loss.detach(),
             "rewards/chosen": chosen_rewards.mean(),
@@ -675,32 +713,19 @@ def evaluate(args: Args, scorer: Scorer, pairs: Pairs, batches: Batches, tokeniz
         count += n
     total = accelerator.reduce(torch.tensor(float(count), device=accelerator.device), "sum")
     results = {k: (accelerator.reduce(v, "sum") / total).item() for k, v in sums.items()}
-    logger.log(results, step)
     if args.generate_during_eval and (accelerator.is_main_process or scorer.sharded):  # sharded: every rank decodes
-        raw = pairs.eval_rows[args.prompt_column][:4]
+        raw = pairs.eval_rows[args.prompt_column][:32]
         chat, seq2seq = pairs.chat, pairs.is_encoder_decoder
         prompts = [render(tokenizer, p, system_prompt=args.system_prompt)[0] if chat else p + " " for p in raw]
-        policy, ref_model = accelerator.unwrap_model(model), scorer.ref_model
         # prompts cut as in training (truncation_mode), leaving a causal model room for the 24 new tokens
         keep = args.max_prompt_length if seq2seq else max(1, min(args.max_prompt_length, args.max_length - 24))
-        ids = [
-            (i[-keep:] if args.truncation_mode == "keep_end" else i[:keep])
-            for i in tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
-        ]
-        inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
-        samplers = {"policy": (policy, contextlib.nullcontext())}
-        if ref_model is not None or peft_model_of(policy) is not None:  # else freed after precomputing
-            samplers["reference"] = (ref_model if ref_model is not None else policy, reference_context(policy, ref_model))
-        texts = {}
-        for name, (sampler, context) in samplers.items():
-            with context:
-                out = sampler.generate(
-                    **inputs, max_new_tokens=24, do_sample=True, top_k=50, pad_token_id=tokenizer.pad_token_id,
-                    synced_gpus=scorer.sharded,
-                )  # fmt: skip
-            new = out[:, 1:] if seq2seq else out[:, inputs["input_ids"].shape[1] :]  # no start token / prompt
-            texts[name] = tokenizer.batch_decode(new, skip_special_tokens=True)
-        logger.samples("eval samples", {"prompt": [text_of(p) for p in raw], **texts}, step)
+        stats, replies = held_out_samples(
+            accelerator, model, scorer.ref_model, tokenizer, prompts, not chat, keep, args.truncation_mode == "keep_end",
+            scorer.sharded,
+        )  # fmt: skip
+        results |= {f"eval/samples/{k}": v for k, v in stats.items()}
+        logger.samples("eval samples", {"prompt": [text_of(p) for p in raw[:4]], **replies}, step)
+    logger.log(results, step)
     model.train()
     return results
 

@@ -40,7 +40,7 @@ from common.rewards import (
     score_completions,
 )
 from common.run import rank_batches
-from common.sampling import Sampler
+from common.sampling import Sampler, per_token_logprobs
 from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
 from common.vllm_engine import check_vllm_args
 
@@ -628,23 +628,6 @@ class RolloutWorker:
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(timeout=60)
-
-
-def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
-    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
-    [N, T] (for the logs; None otherwise)."""
-    input_ids = torch.cat([prompts, completions], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
-    T = completions.shape[1]
-    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
-    logits = logits[:, :-1]
-    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
-    with torch.no_grad():
-        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
-    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
 
 
 @torch.no_grad()

@@ -11,10 +11,13 @@ The rollout engine (common/rollout.py: grpo.py, rloo.py), ppo.py's rollouts and 
 through `Sampler.generate`; a script's loop never asks which backend runs.
 """
 
+from types import SimpleNamespace
+
 import torch
 from accelerate import Accelerator, DistributedType
 
 from common.fast_paths import FastGenerator, sampling_kwargs
+from common.models import peft_model_of, reference_context
 from common.vllm_engine import VLLMSampler
 
 
@@ -126,3 +129,70 @@ def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
         "sampling/sampling_logp_difference/mean": torch.stack([delta.sum(), count]),
         "sampling/sampling_logp_difference/max": torch.stack([largest, torch.ones((), device=mask.device)]),
     }
+
+
+def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
+    """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
+    [N, T] (for the logs; None otherwise)."""
+    input_ids = torch.cat([prompts, completions], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
+    T = completions.shape[1]
+    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
+    logits = logits[:, :-1]
+    if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
+    with torch.no_grad():
+        entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
+    return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies
+
+
+@torch.no_grad()
+def held_out_samples(
+    accelerator: Accelerator,
+    model,
+    ref_model,
+    tokenizer,
+    prompts: list[str] | list[list[int]],
+    add_special_tokens: bool,
+    keep: int,
+    keep_end: bool = True,
+    sharded: bool = False,
+    table: int = 4,
+    max_new_tokens: int = 24,
+) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The offline scripts' look at their policy (dpo.py, kto.py): its replies to held-out `prompts` (rendered texts, or
+    their token ids), each cut to `keep` tokens from the end `keep_end` drops, sampled at temperature 1.
+
+    Returns statistics and a table. Statistics: `kl` (decoder-only), the mean over replies of sum_t log pi - log pi_ref
+    over the reply's tokens (an unbiased estimate of KL(pi || pi_ref) per reply); `length` in tokens (EOS included);
+    `distinct`, the share of distinct replies. The table: the first `table` prompts' replies of the policy and of its
+    reference (the frozen copy, or the policy with its LoRA adapter off; none when it was freed). `model` may be
+    wrapped; `sharded`: every rank decodes (FSDP / ZeRO-3)."""
+    ids = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if isinstance(prompts[0], str) else prompts
+    ids = [(i[-keep:] if keep_end else i[:keep]) for i in ids]
+    inputs = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
+    policy = accelerator.unwrap_model(model)
+    sampler = Sampler(SimpleNamespace(temperature=1.0), tokenizer, policy, accelerator, max_model_len=0)
+    completions, mask, _, _ = sampler.generate(prompt_ids, prompt_mask, max_new_tokens)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    stats = {}
+    has_reference = ref_model is not None or peft_model_of(policy) is not None
+    if has_reference and not sampler.encoder_decoder:
+        logprobs = per_token_logprobs(policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
+        with reference_context(policy, ref_model):
+            ref_logprobs = per_token_logprobs(ref_model or policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
+        stats["kl"] = ((logprobs - ref_logprobs) * mask).sum(1).mean().item()
+    stats["length"] = mask.sum(1).mean().item()
+    stats["distinct"] = len(set(texts)) / len(texts)
+    replies = {"policy": texts[:table]}
+    if has_reference:
+        with reference_context(policy, ref_model):
+            rows = slice(0, table)
+            ref_completions = sampler.generate(
+                prompt_ids[rows], prompt_mask[rows], max_new_tokens, model=ref_model or policy, own=False
+            )[0]
+        replies["reference"] = tokenizer.batch_decode(ref_completions, skip_special_tokens=True)
+    return stats, replies

@@ -953,3 +953,47 @@ def test_rank_batches_give_every_rank_as_many_batches_and_every_item_once():
     # 9 items, 2 ranks, batches of 4: rank 0 holds 5 (two batches), rank 1 holds 4 and a stand-in
     batches = rank_batches(list(range(9)), 4, SimpleNamespace(process_index=1, num_processes=2))
     assert batches == [([1, 3, 5, 7], 1.0), ([0], 0.0)]
+
+
+def test_held_out_samples_measure_the_kl_to_the_reference_on_the_policys_own_replies():
+    """dpo.py's and kto.py's look at their policy: the replies' KL to the reference is 0 for the reference itself, and
+    otherwise the mean over replies of the summed log-ratio of their tokens under both models (recomputed here from
+    the policy's and the reference's logits); a LoRA policy's reference is its adapter switched off."""
+    import copy
+
+    from accelerate import Accelerator
+
+    from common.loading import load_tokenizer
+    from common.sampling import held_out_samples
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
+    reference = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
+    prompts = [f"prompt number {i} says" for i in range(6)]
+    torch.manual_seed(0)
+    stats, table = held_out_samples(accelerator, copy.deepcopy(reference), reference, tokenizer, prompts, True, 16)
+    assert stats["kl"] == 0 and 1 <= stats["length"] <= 24 and 0 < stats["distinct"] <= 1
+    assert len(table["policy"]) == len(table["reference"]) == 4
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.05 * torch.randn_like(policy.lm_head.weight))  # tied: the embeddings move too
+    torch.manual_seed(1)
+    stats, _ = held_out_samples(accelerator, policy, reference, tokenizer, prompts, True, 16)
+    torch.manual_seed(1)  # the same draws, by hand
+    ids = tokenizer(prompts, padding=True, return_tensors="pt")
+    out = policy.generate(**ids, **sampling_kwargs(1.0, 0, 1.0), max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+    replies = out[:, ids["input_ids"].shape[1] :]
+    is_eos = replies == tokenizer.eos_token_id
+    last = torch.where(is_eos.any(1), is_eos.float().argmax(1), replies.shape[1] - 1)
+    mask = torch.arange(replies.shape[1])[None] <= last[:, None]
+    attention = torch.cat([ids["attention_mask"], mask.long()], 1)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    width = ids["input_ids"].shape[1]
+    with torch.no_grad():
+        logits = [m(out, attention_mask=attention, position_ids=position_ids).logits for m in (policy, reference)]
+        logp = [logprobs_from_logits(x[:, width - 1 : -1], replies) for x in logits]
+    expected = ((logp[0] - logp[1]) * mask).sum(1).mean().item()
+    assert stats["kl"] == pytest.approx(expected, rel=1e-4) and stats["kl"] > 0.1
+    lora = get_peft_model(copy.deepcopy(reference), LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
+    stats, table = held_out_samples(accelerator, lora, None, tokenizer, prompts, True, 16)
+    assert stats["kl"] != 0 and "reference" in table  # the adapter on, then off

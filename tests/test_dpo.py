@@ -17,7 +17,16 @@ from conftest import (
 from safetensors.torch import load_file
 
 from common.loading import load_tokenizer
-from dpo import LOSS_TYPES, dpo_loss, get_batch_logps, sequence_logps, tokenize_pair, tokenize_pair_seq2seq
+from dpo import (
+    LOSS_TYPES,
+    dpo_loss,
+    get_batch_logps,
+    log_sum_squared_probs,
+    sequence_logps,
+    tokenize_pair,
+    tokenize_pair_seq2seq,
+    wpo_weights,
+)
 
 DPO = os.path.join(ROOT, "dpo.py")
 
@@ -96,15 +105,16 @@ class _TrlModel(torch.nn.Module):
 
     is_gradient_checkpointing = False
 
-    def __init__(self, log_probs):
+    def __init__(self, log_probs, log_sum_sq_probs=None):
         super().__init__()
-        self.log_probs = log_probs
+        self.log_probs, self.log_sum_sq_probs = log_probs, log_sum_sq_probs
 
     def forward(self, **kwargs):
         from types import SimpleNamespace
 
         zeros = torch.zeros_like(self.log_probs)
-        return SimpleNamespace(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        outputs = dict(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        return SimpleNamespace(**outputs, log_sum_sq_probs=self.log_sum_sq_probs)
 
 
 def trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **config):
@@ -118,10 +128,12 @@ def trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **con
 
     identity = lambda x: x  # noqa: E731
     accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=identity, gather=identity)
-    model = _TrlModel(per_token * mask)
+    squared = config.pop("log_sum_sq_probs", None)
+    model = _TrlModel(per_token * mask, None if squared is None else squared * mask)
     trainer = SimpleNamespace(
         model=model, ref_model=_TrlModel(ref_per_token * mask), accelerator=accelerator, aux_loss_enabled=False,
-        precompute_ref_logps=False, loss_types=loss_types, loss_weights=loss_weights, use_weighting=False,
+        precompute_ref_logps=False, loss_types=loss_types, loss_weights=loss_weights,
+        use_weighting=config.pop("use_weighting", False),
         args=SimpleNamespace(discopop_tau=config.pop("discopop_tau", 0.05), gradient_checkpointing_kwargs=None),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
         **{"ld_alpha": None, "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5, "label_smoothing": 0.0}
@@ -135,7 +147,11 @@ def trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **con
 
 def our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **config):
     """dpo.py's loss (Scorer.pair_metrics' sum over --loss-type) on the same per-token log-probs."""
-    ld_alpha, beta = config.pop("ld_alpha", None), config.pop("beta")
+    ld_alpha, beta, squared = config.pop("ld_alpha", None), config.pop("beta"), config.pop("log_sum_sq_probs", None)
+    pair_weights = 1.0
+    if config.pop("use_weighting", False):
+        chosen_weights, rejected_weights = wpo_weights(per_token * mask, squared * mask, mask).chunk(2)
+        pair_weights = chosen_weights * rejected_weights
     chosen, rejected = sequence_logps(per_token * mask, mask, ld_alpha).chunk(2)
     ref_chosen, ref_rejected = sequence_logps(ref_per_token * mask, mask, ld_alpha).chunk(2)
     lengths = mask.sum(-1).chunk(2)
@@ -147,7 +163,7 @@ def our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **con
             *lengths, config.get("f_divergence_type", "reverse_kl"), config.get("f_alpha_divergence_coef", 0.5),
             config.get("discopop_tau", 0.05), chosen_nll,
         )[0]  # fmt: skip
-        total = total + weight * losses.mean()
+        total = total + weight * (losses * pair_weights).mean()
     return total
 
 
@@ -162,6 +178,8 @@ TRL_CASES = [([t], [1.0], {}) for t in LOSS_TYPES if t not in ("kto_pair", "exo_
     (["sigmoid"], [1.0], {"ld_alpha": 0.5}),
     (["discopop"], [1.0], {"discopop_tau": 0.2}),
     (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], {}),  # MPO's mix
+    (["sigmoid"], [1.0], {"use_weighting": True}),  # WPO
+    (["ipo", "bco_pair"], [1.0, 0.5], {"use_weighting": True}),  # TRL 1.16 weights in place: its sft and hinge fail
 ]
 
 
@@ -176,6 +194,8 @@ def test_every_loss_equals_trls_own_code_in_value_and_gradient(loss_types, loss_
     per_token = (-torch.rand(2 * B, T, generator=generator) * 3).requires_grad_()
     ref_per_token = -torch.rand(2 * B, T, generator=generator) * 3
     beta = 0.5
+    if config.get("use_weighting"):  # log sum_v p_v^2 of each position, at most log p_label (and below 0)
+        config = config | {"log_sum_sq_probs": per_token.detach() - torch.rand(2 * B, T, generator=generator)}
     trl = trl_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, beta=beta, **config)
     (trl_grad,) = torch.autograd.grad(trl, per_token)
     ours = our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, beta=beta, **config)
@@ -183,6 +203,17 @@ def test_every_loss_equals_trls_own_code_in_value_and_gradient(loss_types, loss_
     assert ours.item() == pytest.approx(trl.item(), rel=1e-6, abs=1e-7)
     assert torch.allclose(our_grad, trl_grad, rtol=1e-5, atol=1e-7)
     assert our_grad.abs().sum() > 0  # a loss that moves the policy
+
+
+def test_wpo_weights_by_hand():
+    """log sum_v p_v^2 of a distribution, and WPO's weight: exp of the mean of log p(y_t) - log sum_v p_v^2."""
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.9, 0.05, 0.05]])
+    squared = log_sum_squared_probs(probs.log() + 3.0)  # logits: any shift
+    assert squared.tolist() == pytest.approx([math.log(0.375), math.log(0.815)])
+    per_token, mask = torch.tensor([[math.log(0.5), math.log(0.9), 0.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    weight = wpo_weights(per_token, torch.cat([squared[None], torch.zeros(1, 1)], 1), mask)
+    expected = math.exp((math.log(0.5 / 0.375) + math.log(0.9 / 0.815)) / 2)
+    assert weight.item() == pytest.approx(expected)
 
 
 def test_get_batch_logps_against_explicit_loop():
@@ -308,7 +339,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])  # summed and per-token averaged log-probs
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid --use-weighting"])  # summed, per token, WPO
 def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
     runs = {}
     for name, flag in (("chunked", "--chunked-logps"), ("full", "--no-chunked-logps")):
@@ -324,7 +355,7 @@ def test_chunked_logps_equal_the_full_logits(tmp_path, pairs_file, loss_type):
                 "--max-steps",
                 "3",
                 "--loss-type",
-                loss_type,
+                *loss_type.split(),
                 "--output-dir",
                 name,
                 "--log-dir",
