@@ -18,11 +18,12 @@ import glob
 import importlib
 import json
 import os
+import re
 import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("ppo", "dpo", "sft", "reward_modeling", "ddpo", "ilql", "grpo", "rloo", "gkd")
+SCRIPTS = ("ppo", "dpo", "kto", "sft", "reward_modeling", "ddpo", "ilql", "grpo", "rloo", "gkd")
 START, END = "<!-- flags -->", "<!-- /flags -->"
 # the notebook cell whose figure is each page's curves: the one that reads the run's TensorBoard scalars
 CURVES = "logs = scalars(LOGS)"
@@ -97,6 +98,7 @@ def real_model_table() -> str:
         "ppo": "`ppo.py --reward-funcs verifier`",
         "rft": "rejection-sampling SFT (`sft.py`)",
         "dpo": "`dpo.py` on verifier-ranked pairs",
+        "kto": "`kto.py` on the same pairs, unpaired",
         "rm_ppo": "reward model (16 replies per question), then `ppo.py` against it",
         "rm_ppo_kl": "a reward model trained the same way, then `ppo.py` with the KL held near 2 (`--target 2 --horizon 32`)",
         "rm_ppo_small": "the first try: reward model on DPO's pairs, then `ppo.py`",
@@ -176,6 +178,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "ppo": "PPO (`ppo.py --reward-funcs verifier`, value head, adaptive KL)",
     "rft": "rejection-sampling SFT (`sft.py` on its own correct replies, 2 epochs)",
     "dpo": "DPO (`dpo.py` on verifier-ranked pairs of its own replies)",
+    "kto": "KTO (`kto.py` on the same pairs, unpaired: each correct reply desirable, each wrong one not)",
     "rm_ppo": "reward model on 16 replies per question (up to 8 pairs each, 1 epoch), then PPO against it",
     "rm_ppo_kl": "a reward model trained the same way, then PPO with the KL held near 2 nats (`--target 2 --horizon 32`)",
     "rm_ppo_small": "the first try: reward model on DPO's pairs (2 epochs), then PPO against it",
@@ -407,6 +410,78 @@ def ppo_default_runs() -> str:
     )
 
 
+def kto_default_runs() -> str:
+    """kto.py's default run over seeds (benchmarks/RESULTS-kto-default.json, `python benchmarks/kto_default.py`)."""
+    r = record("RESULTS-kto-default.json")
+    rows = [
+        "| seed | held-out margin | desirable reward | undesirable reward | replies' KL | reply tokens | distinct replies |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rose = 0
+    for seed, run in sorted(r["runs"].items()):
+        a, b = run["first"], run["last"]
+        rose += b["rewards/margins"] > a["rewards/margins"]
+        rows.append(
+            f"| {seed} | {a['rewards/margins']:.3f} -> {b['rewards/margins']:.3f} | {b['rewards/chosen']:.3f} | "
+            f"{b['rewards/rejected']:.3f} | {b['samples/kl']:.2f} | {a['samples/length']:.1f} -> "
+            f"{b['samples/length']:.1f} | {a['samples/distinct']:.2f} -> {b['samples/distinct']:.2f} |"
+        )
+    first = min(r["runs"])
+    return (
+        "\n".join(rows)
+        + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); the rewards and the KL at "
+        + f"the last evaluation, on held-out prompts. The margin rises on {rose} of {len(r['runs'])} seeds. Seed "
+        + f"{first} ended on\n\n```\n{r['runs'][first]['line']}\n```"
+    )
+
+
+def pipeline_runs() -> str:
+    """The whole pipeline over seeds (benchmarks/RESULTS-pipeline.json, `python benchmarks/pipeline_runs.py`): every
+    policy on the held-out prompts, each stage's time, and which methods beat the SFT policy on which score."""
+    r = record("RESULTS-pipeline.json")
+    policies = list(next(iter(r["runs"].values()))["policies"])
+    rows = [
+        "| seed | policy | reward model | VADER | KL to SFT | distinct-2 | response tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for seed, run in sorted(r["runs"].items()):
+        for name, m in run["policies"].items():
+            rows.append(
+                f"| {seed} | {name} | {m['reward model']:.3f} | {m['VADER']:.3f} | {m['KL to SFT']:.2f} | "
+                f"{m['distinct-2']:.2f} | {m['response tokens']:.1f} |"
+            )
+    runs = list(r["runs"].values())
+    gains = []
+    for name in policies[1:]:
+        rm = sum(run["policies"][name]["reward model"] > run["policies"]["sft"]["reward model"] for run in runs)
+        vader = sum(run["policies"][name]["VADER"] > run["policies"]["sft"]["VADER"] for run in runs)
+        gains.append(f"{name.upper()} on {rm} and {vader}")
+    stages = ", ".join(
+        f"{name} {min(run['stage_seconds'][name] for run in runs):.0f}-{max(run['stage_seconds'][name] for run in runs):.0f} s"
+        for name in runs[0]["stage_seconds"]
+    )
+    first = min(r["runs"])
+    return (
+        "\n".join(rows)
+        + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); "
+        + f"{r['runs'][first]['heldout_prompts']} held-out prompts. Each stage's time over the seeds: {stages}. Over "
+        + f"the {len(runs)} seeds, the policies beat the SFT policy on the reward model's score and on VADER: "
+        + "; ".join(gains)
+        + f" of them. Seed {first} ended on\n\n```\n{r['runs'][first]['line']}\n```"
+    )
+
+
+def notebook_line(name: str) -> str:
+    """The summary line a notebook's script run printed, from the notebook's stored outputs (notebooks/NAME.ipynb, run
+    top to bottom and committed executed), with the machine it names if any."""
+    with open(os.path.join(ROOT, "notebooks", f"{name}.ipynb")) as f:
+        cells = json.load(f)["cells"]
+    texts = ["".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    summary = re.compile(rf"{name}: \d+ \w+ in \d+s")  # the summary, not a progress bar's "ilql:  50%|..."
+    line = next(line for text in texts for line in text.splitlines() if summary.match(line))
+    return f"```\n{line}\n```"
+
+
 def first_run_memory() -> str:
     """The default run's peak resident memory (benchmarks/RESULTS-first-run.json)."""
     r = record("RESULTS-first-run.json")
@@ -448,6 +523,9 @@ FIGURES = {
     "first-run": first_run,
     "first-run-memory": first_run_memory,
     "ppo-default-runs": ppo_default_runs,
+    "kto-default-runs": kto_default_runs,
+    "pipeline-runs": pipeline_runs,
+    "ilql-notebook-line": lambda: notebook_line("ilql"),
     "agents-headline": agents_headline,
     "vllm-learning": vllm_learning,
     "vllm-speed": vllm_speed,

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {
     "ppo": ["--total-episodes", "32", "--eval-samples", "8"],
     "dpo": ["--max-steps", "4"],
+    "kto": ["--max-steps", "4"],
     "grpo": ["--total-prompts", "32", "--eval-samples", "16"],
     "rloo": ["--total-prompts", "128", "--eval-samples", "16"],
     "gkd": ["--total-steps", "2", "--batch-size", "4", "--eval-samples", "8", "--lmbda", "0.5"],

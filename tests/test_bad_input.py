@@ -13,7 +13,8 @@ from conftest import RANDOM_MODEL, ROOT, run_failing, run_in_process, run_script
 
 from common.core import UsageError
 
-SCRIPTS = {name: os.path.join(ROOT, f"{name}.py") for name in ("ppo", "dpo", "sft", "reward_modeling", "ilql", "ddpo", "gkd")}
+NAMES = ("ppo", "dpo", "kto", "sft", "reward_modeling", "ilql", "ddpo", "gkd")
+SCRIPTS = {name: os.path.join(ROOT, f"{name}.py") for name in NAMES}
 
 
 @pytest.mark.slow
@@ -55,6 +56,9 @@ def test_one_line_error_exit_status_2_and_no_traceback(tmp_path):
         ("dpo", ["--loss-type", "exo_pair"], "--loss-type exo_pair needs --label-smoothing above 0"),
         ("dpo", ["--loss-type", "hinge", "--label-smoothing", "0.1"], "--label-smoothing applies to the sigmoid, robust"),
         ("dpo", ["--ld-alpha", "1.5"], "--ld-alpha 1.5: it lies in [0, 1]"),
+        ("dpo", ["--loss-type", "aot", "--use-weighting"], "--use-weighting with --loss-type aot: aot and aot_unpaired"),
+        ("kto", ["--batch-size", "1"], "--batch-size 1 with --loss-type kto: the KL estimate pairs"),
+        ("kto", ["--desirable-weight", "0"], "--desirable-weight 0.0: it must be > 0"),
         ("dpo", ["--loss-type", "bco_pair", "--f-divergence-type", "forward_kl"], "only sigmoid, sigmoid_norm, hinge"),
         ("dpo", ["--max-prompt-length", "0"], "--max-prompt-length 0: it must be > 0"),
         ("sft", ["--max-seq-length", "1"], "a sequence needs at least 2 tokens"),
@@ -148,7 +152,7 @@ def test_degenerate_input_is_refused_before_training(tmp_path):
 
 
 # ---------------------------------------------------------------- outputs: never destroy what this codebase did not write
-ALL = ("ppo", "dpo", "sft", "reward_modeling", "ilql", "ddpo", "grpo", "rloo", "gkd")
+ALL = ("ppo", "dpo", "kto", "sft", "reward_modeling", "ilql", "ddpo", "grpo", "rloo", "gkd")
 SFT_QUICK = ["--max-steps", "2", "--eval-steps", "1000", "--max-seq-length", "32", "--num-sample-generations", "0"]
 
 
@@ -228,7 +232,7 @@ def test_atomic_saves_refuse_foreign_folders_and_non_finite_weights(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["sft", "dpo", "reward_modeling", "ilql"])
+@pytest.mark.parametrize("script", ["sft", "dpo", "kto", "reward_modeling", "ilql"])
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing(tmp_path, script, pairs_file):
     """A learning rate that blows the weights up: the run stops at the first non-finite loss or gradient norm, names
     the step, and the earlier model in --output-dir stays as it was."""

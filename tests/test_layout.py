@@ -6,7 +6,7 @@ import os
 
 from conftest import ROOT
 
-SCRIPTS = ("ppo", "dpo", "reward_modeling", "sft", "ddpo", "ilql", "grpo", "rloo", "gkd")
+SCRIPTS = ("ppo", "dpo", "kto", "reward_modeling", "sft", "ddpo", "ilql", "grpo", "rloo", "gkd")
 
 
 def project_modules() -> dict[str, str]:
