@@ -799,8 +799,8 @@ def report(results: dict, path: str) -> None:
     measured += results.get("guess: sft", {}).get("curve", [])
     machines = sorted({r["machine"] for r in measured if "machine" in r})
 
-    def where(r):  # the machine a row ran on, as a letter
-        return chr(65 + machines.index(r["machine"])) if "machine" in r else "?"
+    def where(r):  # the machine a row ran on, named in full
+        return r["machine"] if "machine" in r else "?"
 
     lines = [
         "# Agents on the real model",
@@ -810,7 +810,7 @@ def report(results: dict, path: str) -> None:
         "SFT (seed 1000) problems; one episode per problem sampled at temperature 1.",
         "",
         "Machines (the sweep resumes, so rows may come from different ones; compare times only on one): "
-        + "; ".join(f"{chr(65 + i)}: {m}" for i, m in enumerate(machines)),
+        + "; ".join(machines),
         "",
         "| model | held-out accuracy (sampled) | tool calls per episode | failure rate | well-formed call | KL to the "
         "start | policy tokens | distinct answers | wall | s/update | machine |",
@@ -832,7 +832,7 @@ def report(results: dict, path: str) -> None:
     if "ours_step_s" in trl:
         lines += [
             "",
-            f"Step time at the same settings, one run after the other on machine {where(trl)}: TRL's GRPOTrainer "
+            f"Step time at the same settings, one run after the other on {where(trl)}: TRL's GRPOTrainer "
             f"{trl['step_s']:.1f} s per step, grpo.py {trl['ours_step_s']:.1f} s per update (its rollout "
             f"{trl['ours_generate_s']:.1f} s of it), {trl['ours_step_s'] / trl['step_s']:.2f}x TRL's (medians over "
             "each run's steps; grpo.py's run: `grpo.py timed beside trl` below).",
@@ -876,7 +876,7 @@ def report(results: dict, path: str) -> None:
         if first:  # a run stopped after its first update, and why
             lines += [
                 "",
-                f"grpo.py from the 12-step warm start (machine {where(first)}): in its first update every one of the 16 "
+                f"grpo.py from the 12-step warm start ({where(first)}): in its first update every one of the 16 "
                 f"episodes scored {first['reward']:.0f} (no number found; {first['frac_reward_zero_std']:.0%} of the "
                 f"groups with equal rewards, so no gradient; {first['calls_per_episode']:.2f} guesses per episode, "
                 f"{first['step_s']:.0f} s). With no solved episode there is nothing to reinforce, and the run was "
@@ -888,7 +888,7 @@ def report(results: dict, path: str) -> None:
             lines += [
                 "",
                 f"SFT on the binary-search traces (8 games a step, learning rate 2e-5; {sft['train_steps']} steps took "
-                f"{sft['train_seconds'] / 60:.1f} min on machine {where(sft_curve[-1])}), checkpoints evaluated; the "
+                f"{sft['train_seconds'] / 60:.1f} min on {where(sft_curve[-1])}), checkpoints evaluated; the "
                 "warm start is the first that solves at least a fifth of the games:",
                 "",
             ]
