@@ -73,16 +73,17 @@ TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the 
 METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
 METHODS += ("grpo_linear", "rloo_linear")  # grpo and rloo with TRL's learning-rate schedule
 METHODS += ("grpo_vllm",)  # grpo sampling through vLLM (--use-vllm)
+METHODS += ("kto",)  # kto.py on dpo's pairs, unpaired
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
 SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
-SELF_SAMPLED["rm_ppo_small"] = "self_samples"
+SELF_SAMPLED["rm_ppo_small"] = SELF_SAMPLED["kto"] = "self_samples"
 
 
 @dataclass
 class Args:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """which methods to run (of grpo rloo ppo rft dpo rm_ppo rm_ppo_kl rm_ppo_small trl_grpo trl_rloo grpo_linear
-    rloo_linear grpo_vllm)"""
+    rloo_linear grpo_vllm kto)"""
     folder: str = "outputs/real_model"
     """where the runs, their logs and the self-sampled data go"""
     threads: int = 2
@@ -179,6 +180,12 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
             ["dpo.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl"), "--beta", "0.1"]
             + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
             + ["--seed", str(seed), *out("dpo")]
+        ],
+        # dpo's pairs unpaired by kto.py: each correct reply desirable, each wrong one undesirable; dpo's settings
+        "kto": [
+            ["kto.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "pairs.jsonl"), "--beta", "0.1"]
+            + ["--learning-rate", "5e-6", "--batch-size", "8", "--max-length", "128", "--eval-fraction", "0.05"]
+            + ["--seed", str(seed), *out("kto")]
         ],
         "rm_ppo": rm_ppo(SELF_SAMPLED["rm_ppo"], 1, ""),
         # rm_ppo's reward model (its command, on the seed's samples), then PPO with the KL held near 2 nats
@@ -398,6 +405,7 @@ LABELS = {
     "ppo": "PPO (ppo.py, verifier, value head)",
     "rft": "rejection-sampling SFT (sft.py on its own correct replies)",
     "dpo": "DPO (dpo.py on verifier-ranked pairs of its own replies)",
+    "kto": "KTO (kto.py on the same pairs, unpaired)",
     "rm_ppo": "reward model (16 replies a question), then PPO against it",
     "rm_ppo_kl": "a reward model trained the same way, then PPO with the KL held near 2",
     "rm_ppo_small": "the first try: reward model on dpo's pairs, then PPO",
@@ -418,6 +426,7 @@ CURVES = {
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
     "rft": ("rft", None, 0, ["time/step"], None),
     "dpo": ("dpo", None, 0, ["time/step"], None),
+    "kto": ("kto", None, 0, ["time/step"], None),
     "rm_ppo": ("rm_ppo", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),  # the verifier, watched
     "rm_ppo_kl": ("rm_ppo_kl", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
     "rm_ppo_small": ("rm_ppo_small", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
@@ -585,7 +594,7 @@ COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown", "grpo_vll
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm"),
     "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
-    "offline, from the base model's samples": ("rft", "dpo"),
+    "offline, from the base model's samples": ("rft", "dpo", "kto"),
 }
 
 
@@ -714,12 +723,11 @@ def report(args: Args, results: dict, folder: str) -> None:
             + (f"{rollout / step:.0%}" if not (math.isnan(rollout) or math.isnan(step)) else "-")
         )
 
-    # the machine of each run (a sweep resumes, possibly on another machine): a letter per machine
+    # the machine of each run (a sweep resumes, possibly on another machine), named in full on its row
     machines = sorted({r["machine"] for s in seeds for r in results["seeds"][s].values() if "machine" in r})
-    letter = {m: chr(65 + i) for i, m in enumerate(machines)}
     per_seed = "\n".join(
         f"| {method} | {seed} | {r['greedy']:.2f} | {r['sampled']:.2f} | {r['kl']:.2f} | {r['length']:.1f} | "
-        f"{r['distinct']:.2f} | {timing(r)} | {r.get('threads', '-')} | {letter.get(r.get('machine'), '-')} | "
+        f"{r['distinct']:.2f} | {timing(r)} | {r.get('threads', '-')} | {r.get('machine', '-')} | "
         f"{r.get('origin', '-')} |"
         for method in stats
         for seed in seeds
@@ -753,7 +761,7 @@ changes the training order, the sampling and the self-sampled data (rft, dpo, rm
 training (the curves); the problems and the final evaluation's draws are the same for every seed.
 Completions sampled: every reply the method drew to learn from. Times are per run, below: s/update is the median over
 the run, the rollout share the median time of an update's generation over the median update time; they compare only
-runs on one machine with the same thread count. Machines: {"; ".join(f"{letter[m]}: {m}" for m in machines) or "-"}.
+runs on one machine with the same thread count. Machines: {"; ".join(machines) or "-"}.
 
 {header}
 {chr(10).join(rows)}
