@@ -37,6 +37,7 @@ BUDGETS = {
     "reward_modeling": {"NUM_EPOCHS": 1, "MAX_STEPS": 6, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32"]},
     "ppo": {"TOTAL_EPISODES": 16, "FLAGS": ["--eval-samples", "8"]},
     "dpo": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32", "--max-prompt-length", "16"]},
+    "kto": {"MAX_STEPS": 2, "FLAGS": ["--eval-fraction", "0.02", "--max-length", "32"]},
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
     "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "4", "--batch-size", "4", "--mini-batch-size", "4"]},
