@@ -1,9 +1,10 @@
-"""The whole RLHF pipeline in one command: SFT -> reward model -> PPO against it, and DPO on the same preferences,
-then one table comparing the SFT, PPO and DPO policies on prompts that none of the stages trained on.
+"""The whole RLHF pipeline in one command: SFT -> reward model -> PPO against it, and DPO and KTO on the same
+preferences (KTO's unpaired), then one table comparing the SFT, PPO, DPO and KTO policies on prompts that none of the
+stages trained on.
 
 Each stage is the unchanged script, launched as a researcher would launch it by hand (the commands are printed);
 this file only prepares the data, chains the outputs, and evaluates. On the offline defaults (builtin:tiny-chat,
-chatterbot dialogue, preferences labelled by VADER sentiment) the whole run takes about three minutes on 2 CPU cores.
+chatterbot dialogue, preferences labelled by VADER sentiment) the whole run takes a few minutes on 2 CPU cores.
 
 Usage:
     python pipeline.py                                          # offline default, everything under outputs/pipeline
@@ -34,7 +35,7 @@ from common.outputs import MARKER
 @dataclass
 class Args:
     output_dir: str = "outputs/pipeline"
-    """everything goes here: data/, sft/, reward_model/, ppo/, dpo/, runs/ (TensorBoard), results.json"""
+    """everything goes here: data/, sft/, reward_model/, ppo/, dpo/, kto/, runs/ (TensorBoard), results.json"""
     overwrite: bool = False
     """replace what an earlier pipeline run wrote in --output-dir (every stage then gets --overwrite)"""
     launcher: str = "python"
@@ -61,6 +62,8 @@ class Args:
     """extra flags for ppo.py (policy: the SFT model; reward: the reward model)"""
     dpo_args: str = "--num-epochs 1"
     """extra flags for dpo.py (policy and reference: the SFT model)"""
+    kto_args: str = "--num-epochs 1"
+    """extra flags for kto.py (policy and reference: the SFT model; the preference pairs unpaired)"""
 
 
 def prepare_data(directory: str, heldout: int, seed: int) -> list[str]:
@@ -162,7 +165,7 @@ if __name__ == "__main__":
     heldout = prepare_data(data, args.heldout_prompts, args.seed)
     print(f"data: {len(heldout)} held-out prompts; training files in {data}")
 
-    # ---- the four stages, each an unchanged script ----
+    # ---- the five stages, each an unchanged script ----
     common_flags = ["--seed", str(args.seed), "--log-dir", runs] + (["--overwrite"] if args.overwrite else [])
     stages = [
         (
@@ -193,6 +196,11 @@ if __name__ == "__main__":
             "dpo.py",
             ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.dpo_args)],
         ),
+        (
+            "kto",
+            "kto.py",
+            ["--model-name", f"{out}/sft", "--dataset-name", f"{data}/preferences.jsonl", *shlex.split(args.kto_args)],
+        ),
     ]
     here, timings = os.path.dirname(os.path.abspath(__file__)), {}
     launcher = shlex.split(args.launcher)
@@ -210,7 +218,7 @@ if __name__ == "__main__":
 
     # ---- compare the policies on the held-out prompts ----
     results, samples = {}, {"prompt": heldout}
-    for name in ("sft", "ppo", "dpo"):
+    for name in ("sft", "ppo", "dpo", "kto"):
         results[name], texts = evaluate(
             f"{out}/{name}",
             f"{out}/sft",

@@ -460,11 +460,20 @@ def pipeline_runs() -> str:
         f"{name} {min(run['stage_seconds'][name] for run in runs):.0f}-{max(run['stage_seconds'][name] for run in runs):.0f} s"
         for name in runs[0]["stage_seconds"]
     )
+
+    def spread(name: str, key: str) -> str:
+        values = [run["policies"][name][key] for run in runs]
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    mean = {n: sum(run["policies"][n]["distinct-2"] for run in runs) / len(runs) for n in policies}
+    repeats = min(policies[1:], key=mean.get)
     first = min(r["runs"])
     return (
         "\n".join(rows)
         + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); "
-        + f"{r['runs'][first]['heldout_prompts']} held-out prompts. Each stage's time over the seeds: {stages}. Over "
+        + f"{r['runs'][first]['heldout_prompts']} held-out prompts. {repeats.upper()}'s answers repeat each other most: "
+        + f"distinct-2 {spread(repeats, 'distinct-2')}, the SFT policy's {spread('sft', 'distinct-2')}, at a KL to SFT of "
+        + f"{spread(repeats, 'KL to SFT')}. Each stage's time over the seeds: {stages}. Over "
         + f"the {len(runs)} seeds, the policies beat the SFT policy on the reward model's score and on VADER: "
         + "; ".join(gains)
         + f" of them. Seed {first} ended on\n\n```\n{r['runs'][first]['line']}\n```"
@@ -480,6 +489,39 @@ def notebook_line(name: str) -> str:
     summary = re.compile(rf"{name}: \d+ \w+ in \d+s")  # the summary, not a progress bar's "ilql:  50%|..."
     line = next(line for text in texts for line in text.splitlines() if summary.match(line))
     return f"```\n{line}\n```"
+
+
+def ppo_learned_reward() -> str:
+    """PPO against a reward model trained here (benchmarks/RESULTS-ppo-learned-reward.json, `python
+    benchmarks/ppo_learned_reward.py`), with and without a lower KL target."""
+    r = record("RESULTS-ppo-learned-reward.json")
+    rows = [
+        "| run | held-out score (initial std) | VADER | distinct-2 | top token | health warning |",
+        "|---|---|---|---|---|---|",
+    ]
+    ppo_runs = ("ppo", "ppo_target_3")
+    for name in ppo_runs:
+        run = r["runs"][name]
+        a, b = run["first"], run["last"]
+        rows.append(
+            f"| `{run['command']}` | {a['reward_mean']:.2f} -> {b['reward_mean']:.2f} ({a['reward_std']:.2f}) | "
+            f"{a['vader_sentiment']:.3f} -> {b['vader_sentiment']:.3f} | {a['distinct_2']:.2f} -> {b['distinct_2']:.2f} | "
+            f"{a['top_token_share']:.0%} -> {b['top_token_share']:.0%} | {'yes' if run['warning'] else 'no'} |"
+        )
+    vader_rose = {k: r["runs"][k]["last"]["vader_sentiment"] > r["runs"][k]["first"]["vader_sentiment"] for k in ppo_runs}
+    verdict = " ".join(
+        f"{label}: VADER {'rises' if vader_rose[k] else 'does not rise'} and the health line "
+        f"{'warns' if r['runs'][k]['warning'] else 'does not warn'}."
+        for k, label in (("ppo", "At the default target"), ("ppo_target_3", "With `--target 3`"))
+    )
+    lines = [r["runs"]["reward_model"]["line"]]
+    lines += [x for k in ppo_runs for x in (r["runs"][k]["health"], r["runs"][k]["warning"]) if x]
+    logs = "\n".join(lines)
+    return (
+        "\n".join(rows)
+        + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`). {verdict} The reward "
+        + f"model's line, then each PPO run's health line (and warning):\n\n```\n{logs}\n```"
+    )
 
 
 def first_run_memory() -> str:
@@ -523,6 +565,7 @@ FIGURES = {
     "first-run": first_run,
     "first-run-memory": first_run_memory,
     "ppo-default-runs": ppo_default_runs,
+    "ppo-learned-reward": ppo_learned_reward,
     "kto-default-runs": kto_default_runs,
     "pipeline-runs": pipeline_runs,
     "ilql-notebook-line": lambda: notebook_line("ilql"),

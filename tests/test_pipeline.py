@@ -38,6 +38,7 @@ def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
             "--rm-args=--max-steps 3 --eval-fraction 0.02",
             "--ppo-args=--total-episodes 16 --eval-samples 4",
             "--dpo-args=--max-steps 2 --eval-fraction 0.02",
+            "--kto-args=--max-steps 2 --eval-fraction 0.02",
         ],
         tmp_path,
         PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
@@ -45,16 +46,17 @@ def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
     assert f"==== sft: {sys.executable} " in out
     pipe = tmp_path / "pipe"
     results = json.loads((pipe / "results.json").read_text())
-    assert list(results["policies"]) == ["sft", "ppo", "dpo"] and list(results["stage_seconds"]) == [
+    assert list(results["policies"]) == ["sft", "ppo", "dpo", "kto"] and list(results["stage_seconds"]) == [
         "sft",
         "reward_model",
         "ppo",
         "dpo",
+        "kto",
     ]
     # the SFT policy evaluated against itself: its KL to SFT is exactly zero; the trained ones moved
     assert abs(results["policies"]["sft"]["KL to SFT"]) < 1e-4
     assert all(0 < policy["distinct-2"] <= 1 for policy in results["policies"].values())
-    assert all(abs(results["policies"][name]["KL to SFT"]) > 1e-4 for name in ("ppo", "dpo"))
+    assert all(abs(results["policies"][name]["KL to SFT"]) > 1e-4 for name in ("ppo", "dpo", "kto"))
     # PPO was trained against the reward model of the previous stage, starting from the SFT model
     assert "--reward-model pipe/reward_model" in out and "ppo.py --model-name pipe/sft" in out
     # the held-out prompts are no prompt of any training file
