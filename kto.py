@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
-from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import UsageError, check_args, epoch_rows, logprobs_from_logits, pad_right, plain, weight_decay_groups
 from common.fast_paths import chunkable_head, lm_token_logprobs
@@ -42,8 +42,9 @@ from common.loading import (
     load_tokenizer,
     quantization_kwargs,
 )
-from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
-from common.outputs import atomic_directory, check_finite, write_model_card
+from common.models import check_lora_targets, create_reference_model, place_frozen, reference_context
+from common.outputs import check_finite
+from common.rollout import save_policy
 from common.run import end_run, rank_batches, start_run
 from common.sampling import held_out_samples
 
@@ -537,20 +538,6 @@ def evaluate(args: Args, scorer: Scorer, examples: Examples, batches: Batches, l
     return results
 
 
-def save(args: Args, accelerator: Accelerator, model, tokenizer, metrics: dict) -> None:
-    """The policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, atomically."""
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if peft_model_of(unwrapped) is not None:
-        unwrapped = unwrapped.merge_and_unload()
-    weights = full_weights(accelerator, model)  # gathered on the main process when sharded (every rank calls it)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, "kto", metrics)
-
-
 def main(args: Args) -> None:
     """Setup, then the loop, then the final evaluation, save and summary."""
     check(args)
@@ -642,7 +629,7 @@ def main(args: Args) -> None:
 
     # 3. the final evaluation, save (plain from_pretrained format; LoRA merged) and summary
     last_eval = evaluate(args, scorer, examples, batches, logger, total_steps)
-    save(args, accelerator, model, tokenizer, last_eval)
+    save_policy(args, accelerator, accelerator.unwrap_model(model), tokenizer, last_eval, "kto")  # LoRA merged
     elapsed = time.time() - start_time
     first, last = first_eval, last_eval
     replies = ""  # the held-out replies' KL to the start, length and share of distinct ones (--generate-during-eval)

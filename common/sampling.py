@@ -181,9 +181,10 @@ def held_out_samples(
     stats = {}
     has_reference = ref_model is not None or peft_model_of(policy) is not None
     if has_reference and not sampler.encoder_decoder:
-        logprobs = per_token_logprobs(policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
-        with reference_context(policy, ref_model):
-            ref_logprobs = per_token_logprobs(ref_model or policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
+        with accelerator.autocast():  # as the replies were sampled (mixed precision reaches them too)
+            logprobs = per_token_logprobs(policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
+            with reference_context(policy, ref_model):
+                ref_logprobs = per_token_logprobs(ref_model or policy, prompt_ids, prompt_mask, completions, mask, 1.0)[0]
         stats["kl"] = ((logprobs - ref_logprobs) * mask).sum(1).mean().item()
     stats["length"] = mask.sum(1).mean().item()
     stats["distinct"] = len(set(texts)) / len(texts)

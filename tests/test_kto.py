@@ -255,9 +255,10 @@ def test_kto_bad_input(tmp_path, feedback_file):
 @pytest.mark.slow
 def test_kto_learns_the_preferences(tmp_path):
     """The default data (the built-in VADER pairs, unpaired) on the tiny random model: the held-out margin between the
-    desirable and the undesirable completions' implicit rewards rises from 0 (measured: 2.10 in 40 steps), the
+    desirable and the undesirable completions' implicit rewards rises from 0 (measured: 3.12 in 30 steps), the
     undesirable ones falling below the desirable ones, and the held-out replies' KL to the start is logged beside it."""
-    out = run_script([KTO, *RANDOM_MODEL, "--max-steps", "40", "--learning-rate", "3e-4", "--eval-steps", "1000"], tmp_path)
+    quick = ["--max-steps", "30", "--learning-rate", "3e-4", "--eval-steps", "1000", "--eval-fraction", "0.05"]
+    out = run_script([KTO, *RANDOM_MODEL, *quick], tmp_path)
     summary = out.split("eval reward margin ")[1]
     first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
     desirable = float(summary.split("(desirable ")[1].split(",")[0])
@@ -273,8 +274,8 @@ def test_kto_options_run(tmp_path, chat_llama):
     data's own order, accumulation and raw text joined as TRL 1.16 joins it."""
     for flags in (
         ["--model-name", chat_llama, "--dataset-name", "builtin:vader-preferences-chat", "--use-peft", "--lora-r", "4"],
-        [*RANDOM_MODEL, "--loss-type", "apo_zero_unpaired", "--train-sampling-strategy", "sequential"],
-        [*RANDOM_MODEL, "--gradient-accumulation-steps", "2", "--text-format", "joined", "--no-generate-during-eval"],
+        [*RANDOM_MODEL, "--loss-type", "apo_zero_unpaired", "--train-sampling-strategy", "sequential"]
+        + ["--gradient-accumulation-steps", "2", "--text-format", "joined", "--no-generate-during-eval"],
     ):
         quick = ["--batch-size", "4", "--max-steps", "2", "--eval-fraction", "0.02"]
         out = run_script([KTO, *quick, *flags, "--overwrite"], tmp_path)
@@ -285,8 +286,7 @@ def test_kto_options_run(tmp_path, chat_llama):
 @pytest.mark.slow
 def test_two_process_ddp_trains_what_one_process_trains(tmp_path, feedback_file):
     """2 ranks x 4 examples a step draw the 8 examples one process draws with --batch-size 8 (each rank its slice of
-    the step's batch), so with apo_zero_unpaired (no reference point) both train the same weights; the kto loss runs
-    under DDP too, its z0 the mean over the ranks, and prints one summary."""
+    the step's batch), so with apo_zero_unpaired (no reference point) both train the same weights; one summary."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -301,5 +301,3 @@ def test_two_process_ddp_trains_what_one_process_trains(tmp_path, feedback_file)
     assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
     start = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).state_dict()
     assert any(not torch.equal(one[k], start[k]) for k in one if k in start)  # it trained
-    out = run_script([*ddp_launch(), *quick, "--batch-size", "4", "--output-dir", "kto"], tmp_path, **DDP_ENV)
-    assert out.count("kto: 3 steps") == 1, out[-800:]
