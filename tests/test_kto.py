@@ -273,7 +273,8 @@ def test_kto_options_run(tmp_path, chat_llama):
     """Chat data through a chat template, LoRA (its reference the adapter disabled), APO-zero unpaired (no KL pass), the
     data's own order, accumulation and raw text joined as TRL 1.16 joins it."""
     for flags in (
-        ["--model-name", chat_llama, "--dataset-name", "builtin:vader-preferences-chat", "--use-peft", "--lora-r", "4"],
+        ["--model-name", chat_llama, "--dataset-name", "builtin:vader-preferences-chat", "--use-peft", "--lora-r", "4"]
+        + ["--gradient-checkpointing"],
         [*RANDOM_MODEL, "--loss-type", "apo_zero_unpaired", "--train-sampling-strategy", "sequential"]
         + ["--gradient-accumulation-steps", "2", "--text-format", "joined", "--no-generate-during-eval"],
     ):
