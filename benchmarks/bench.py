@@ -1004,8 +1004,10 @@ def format_row(row: dict) -> str:
 def report(args: Args, rows: list[dict], extras: list) -> str:
     import torch
     import transformers
+    from records import machine
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else machine()
+    device += f", `python`, {torch.get_num_threads()} threads"
     lines = [
         "# Benchmarks: this repository vs TRL",
         "",

@@ -22,3 +22,22 @@ def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
     accumulator.Reload()
     return [(e.step, e.value) for e in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
+
+
+def run_script(argv: list[str], folder: str) -> tuple[str, float]:
+    """`python ROOT/argv[0] argv[1:]` in `folder`, offline, with torch's default thread count: its stdout and wall
+    seconds, or the end of its stderr as the benchmark's one-line failure."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+    env.pop("OMP_NUM_THREADS", None)
+    start = time.time()
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, argv[0]), *argv[1:]], cwd=folder, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"python {' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout, time.time() - start

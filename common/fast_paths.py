@@ -8,8 +8,8 @@
 - `lm_token_logprobs` / `chunked_logprobs`: log-probs of the labelled tokens with the LM head run on 1024 rows at a time,
   forward and backward, so the [batch, length, vocab] logits never exist (the model's own loss, tested; a fraction of
   its memory). Plain path: --no-chunked-loss (sft.py), --no-chunked-logps (dpo.py).
-- `keep_freed_memory`: on CPU, glibc keeps freed blocks instead of unmapping them (DPO step 0.21 s vs 0.38-0.42 s on the
-  tiny presets, +22% peak RSS). Plain path: set any MALLOC_* environment variable.
+- `keep_freed_memory`: on CPU, glibc keeps freed blocks instead of unmapping them (faster steps at a higher peak RSS:
+  `python benchmarks/malloc_policy.py`). Plain path: set any MALLOC_* environment variable.
 """
 
 import copy
@@ -320,8 +320,8 @@ class FastGenerator:
 
 def keep_freed_memory() -> None:
     """CPU runs with glibc: large blocks come from the heap and freed memory stays in the process, instead of each step's
-    vocabulary-sized tensors being mapped afresh and page-faulted in (45% of a DPO step, 40% of an ILQL step on the
-    tiny presets, spent in the kernel). Any MALLOC_* variable keeps glibc's own policy."""
+    vocabulary-sized tensors being mapped afresh and page-faulted in, in the kernel (what it saves, and costs in peak
+    memory: benchmarks/RESULTS-malloc-policy.json). Any MALLOC_* variable keeps glibc's own policy."""
     if any(key.startswith("MALLOC_") for key in os.environ):
         return
     try:

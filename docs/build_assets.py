@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -488,6 +489,7 @@ def notebook_line(name: str) -> str:
     texts = ["".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])]
     summary = re.compile(rf"{name}: \d+ \w+ in \d+s")  # the summary, not a progress bar's "ilql:  50%|..."
     line = next(line for text in texts for line in text.splitlines() if summary.match(line))
+    line = re.sub(r"; model saved to (\S*/)?(outputs/)", r"; model saved to \2", line)  # the run's folder, not its path
     return f"```\n{line}\n```"
 
 
@@ -561,7 +563,387 @@ def agents_headline() -> str:
     )
 
 
+def md_table(name: str, heading: str, nth: int = 1) -> str:
+    """The `nth` table under the section of benchmarks/NAME (a results file a benchmark wrote, with its machine and
+    command) whose heading starts with `heading`, copied as the file has it, and the line naming where it is from."""
+    path = os.path.join(ROOT, "benchmarks", name)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    title = lines[0].lstrip("# ")
+    start = next(i for i, line in enumerate(lines) if line.startswith("#") and line.lstrip("# ").startswith(heading))
+    level = len(lines[start]) - len(lines[start].lstrip("#"))
+    end = next(
+        (i for i in range(start + 1, len(lines)) if re.match(rf"#{{1,{level}}} ", lines[i])),
+        len(lines),
+    )
+    tables, table = [], []
+    for line in lines[start + 1 : end] + [""]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            tables, table = tables + ["\n".join(table)], []
+    section = lines[start].lstrip("# ")
+    return f'{tables[nth - 1]}\n\n*{title}: `benchmarks/{name}`, section "{section}"; the file gives the machine and command.*'
+
+
+def memory_on_paper() -> str:
+    """ppo.py's bytes per GPU by launcher, from the bytes per parameter (16 trained, 4 frozen): arithmetic, not a
+    measurement, computed here so that the table and its formulas cannot disagree."""
+    trained, frozen, gpus, fits = 16, 4, 8, 80
+
+    def gb(per_param: float, billions: float) -> str:
+        size = per_param * billions
+        return f"{size:.1f} GB".replace(".0 GB", " GB") + ("" if size <= fits else f": does not fit an {fits} GB GPU")
+
+    rows = [
+        ("DDP (`multi_gpu.yaml`)", "16P + 4P + 4P = 24P", trained + 2 * frozen),
+        (
+            "DeepSpeed ZeRO-2 (gradients and optimizer state sharded; the frozen models are not prepared by DeepSpeed)",
+            "4P + 12P / N + 8P",
+            4 + 12 / gpus + 2 * frozen,
+        ),
+        (
+            "FSDP2 full sharding (`fsdp.yaml`; frozen models sharded too) or ZeRO-3",
+            "24P / N, plus one gathered layer at a time",
+            (trained + 2 * frozen) / gpus,
+        ),
+    ]
+    out = ["| config | per GPU | P = 1.5B, 8 GPUs | P = 7B, 8 GPUs |", "|-|-|-|-|"]
+    out += [f"| {name} | {formula} | {gb(b, 1.5)} | {gb(b, 7)} |" for name, formula, b in rows]
+    grpo = trained + frozen
+    return "\n".join(out) + (
+        f"\n\ngrpo.py and rloo.py without a reward model: {grpo}P under DDP, {grpo}P / N under FSDP2 (1.5B: "
+        f"{gb(grpo, 1.5)} and {gb(grpo / gpus, 1.5)})."
+    )
+
+
+def malloc_policy() -> str:
+    """keep_freed_memory against glibc's own policy (benchmarks/RESULTS-malloc-policy.json, `python
+    benchmarks/malloc_policy.py`): median over the rounds of each run's step time, wall time and peak memory."""
+    r = record("RESULTS-malloc-policy.json")
+    med = lambda runs, key: statistics.median(run[key] for run in runs)  # noqa: E731
+    out = [
+        "| script, 25 steps | glibc keeps freed blocks (the default) | glibc's own policy (`MALLOC_TOP_PAD_` set) | "
+        "kept / own |",
+        "|-|-|-|-|",
+    ]
+    for script in ("dpo", "ilql"):
+        kept, own = r["runs"][f"{script}-kept"], r["runs"][f"{script}-glibc"]
+        if kept[0]["step_s"] is not None:
+            out.append(
+                f"| {script}.py, step time | {med(kept, 'step_s'):.2f} s | {med(own, 'step_s'):.2f} s | "
+                f"{med(kept, 'step_s') / med(own, 'step_s'):.2f}x |"
+            )
+        out.append(
+            f"| {script}.py, whole run | {med(kept, 'seconds'):.1f} s | {med(own, 'seconds'):.1f} s | "
+            f"{med(kept, 'seconds') / med(own, 'seconds'):.2f}x |"
+        )
+        out.append(
+            f"| {script}.py, peak resident memory | {med(kept, 'peak_gib'):.2f} GiB | {med(own, 'peak_gib'):.2f} GiB | "
+            f"{med(kept, 'peak_gib') / med(own, 'peak_gib'):.2f}x |"
+        )
+    rounds = len(r["runs"]["dpo-kept"])
+    return "\n".join(out) + (
+        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`): medians over {rounds} "
+        "rounds, the runs interleaved, each a fresh process on the tiny presets."
+    )
+
+
+def md_sections(name: str) -> list[tuple[str, str]]:
+    """(heading, body) of each section of benchmarks/NAME, the file's title first."""
+    with open(os.path.join(ROOT, "benchmarks", name)) as f:
+        parts = re.split(r"^(#{1,3} .*)$", f.read(), flags=re.M)
+    return [(parts[i].lstrip("# "), parts[i + 1]) for i in range(1, len(parts) - 1, 2)]
+
+
+def md_rows(body: str) -> list[dict]:
+    """The rows of the first table in `body`, each as {column: cell}."""
+    lines = [line for line in body.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return [dict(zip(cells[0], row)) for row in cells[2:]] if cells else []
+
+
+def bench_cpu() -> str:
+    """Each algorithm's latest row in benchmarks/RESULTS.md (`python benchmarks/bench.py`): a later run of an algorithm
+    replaces the earlier one's row; each row names its run's date and command."""
+    latest, runs = {}, []
+    for _, body in md_sections("RESULTS.md"):
+        rows = md_rows(body)
+        if not rows or "ours/TRL" not in rows[0]:
+            continue
+        date = re.search(r"Date: ([\d-]+)", body).group(1)
+        command = re.search(r"Command: `([^`]+)`", body).group(1)
+        runs.append(f"{date}, `{command}`")
+        for row in rows:
+            latest[(row["algorithm"], row["batch"])] = (row, len(runs))
+    out = [
+        "| algorithm | batch | ours s/step | TRL s/step | ours / TRL | ours / TRL peak MB | run |",
+        "|-|-|-|-|-|-|-|",
+    ]
+    used = sorted({run for _, run in latest.values()})  # the runs that still own a row, numbered afresh
+    for (algorithm, batch), (row, run) in latest.items():
+        out.append(
+            f"| {algorithm} | {batch} | {row['ours s/step']} | {row['TRL s/step']} | **{float(row['ours/TRL']):.2f}x** | "
+            f"{row.get('ours peak MB', '-')} / {row.get('TRL peak MB', '-')} | {used.index(run) + 1} |"
+        )
+    runs = [f"{n + 1}: {runs[run - 1]}" for n, run in enumerate(used)]
+    machine = re.search(r"Machine: ([^;]+);", open(os.path.join(ROOT, "benchmarks", "RESULTS.md")).read()).group(1)
+    return "\n".join(out) + (
+        f"\n\nbuiltin:tiny-gpt2 (DDPO: builtin:tiny-sd), float32, `python`; machine as the file records it: {machine}. "
+        "Runs: " + "; ".join(runs) + ". Each run alternates the two sides in one process; the rows of different runs "
+        "were measured on different days, so compare a row's ratio, not times across rows (`benchmarks/RESULTS.md`)."
+    )
+
+
+# ---------------------------- docs/real-model.md: what the sweep's record says, seed by seed ----------------------------
+
+
+def real_model_scripts() -> str:
+    """Each script on the real model (benchmarks/RESULTS-real-model-scripts.json, `python
+    benchmarks/real_model_scripts.py`): the command, its data, its wall time and its summary line."""
+    r = record("RESULTS-real-model-scripts.json")
+    data = {
+        "sft.py": "`builtin:chatterbot-chat`: whole conversations (`messages`), loss on the assistant turns",
+        "reward_modeling.py": "`builtin:vader-preferences-chat`: a user message, chosen / rejected assistant messages",
+        "dpo.py": "the same pairs",
+        "ppo.py": "the same prompts, scored by that reward model",
+    }
+    rows = ["| command | data | wall time | its summary line |", "|-|-|-|-|"]
+    for script, run in r["runs"].items():
+        line = run["line"].split("; model saved to")[0]
+        rows.append(f"| {script} | {data[script]} | {minutes(run['seconds'])} | {line} |")
+    return "\n".join(rows) + (
+        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`: the commands above, one after "
+        "the other); the wall times include loading the model and the evaluations."
+    )
+
+
+def seeds_of(runs: list[tuple[str, dict]]) -> str:
+    return ", ".join(seed for seed, _ in runs)
+
+
+def real_model_machines() -> str:
+    """Which machine and thread count ran each method's seeds (benchmarks/RESULTS-real-model.json)."""
+    r = record("RESULTS-real-model.json")
+    groups: dict[tuple, list[str]] = {}
+    for method in REAL_MODEL_ROWS:
+        for seed, runs in r["seeds"].items():
+            if method in runs:
+                run = runs[method]
+                key = (run.get("machine", r["machine"]), str(run.get("threads", "?")))
+                groups.setdefault(key, []).append((method, seed))
+    lines = []
+    for (machine, threads), runs in groups.items():
+        by_method: dict[str, list[str]] = {}
+        for method, seed in runs:
+            by_method.setdefault(method, []).append(seed)
+        what = "; ".join(f"{m} {', '.join(seeds)}" for m, seeds in by_method.items())
+        lines.append(f"- {machine}, `python`, {threads} thread{'s' if threads != '1' else ''}: {what}")
+    return "The machine of each run (method and seeds), as the record names it:\n\n" + "\n".join(lines)
+
+
+def curve_text(run: dict) -> str:
+    return " -> ".join(f"{v:.2f}" for _, v in run["curve"])
+
+
+def real_model_online() -> str:
+    """GRPO, RLOO and PPO with the verifier, seed by seed: held-out accuracy along the run, the final evaluation, and
+    how far each moved from the base model (benchmarks/RESULTS-real-model.json)."""
+    r = record("RESULTS-real-model.json")
+    base = r["base"]
+    lines = []
+    for method in ("grpo", "rloo", "ppo"):
+        runs = sorted((seed, runs[method]) for seed, runs in r["seeds"].items() if method in runs)
+        points = [c for c, _ in runs[0][1]["curve"]]
+        lines.append(
+            f"- **{method}.py**, held-out accuracy (one sampled reply per problem, the script's own evaluation) at "
+            f"{', '.join(map(str, points))} completions:"
+        )
+        for seed, run in runs:
+            lines.append(
+                f"  - seed {seed}: {curve_text(run)}; final evaluation {run['greedy']:.2f} greedy, {run['sampled']:.2f} "
+                f"sampled, KL {run['kl']:.2f}, {run['length']:.1f} reply tokens, {run['distinct']:.2f} distinct answers of 2"
+            )
+    below = [
+        (m, seed)
+        for m in ("grpo", "rloo", "ppo")
+        for seed, runs in r["seeds"].items()
+        if m in runs and runs[m]["greedy"] < base["greedy"]
+    ]
+    grpo_rloo = [runs[m] for runs in r["seeds"].values() for m in ("grpo", "rloo") if m in runs]
+    summary = (
+        f"Before training: {base['greedy']:.2f} greedy, {base['sampled']:.2f} sampled, {base['length']:.1f} reply tokens, "
+        f"{base['distinct']:.2f} distinct answers of 2. GRPO's and RLOO's runs end {min(x['kl'] for x in grpo_rloo):.1f}-"
+        f"{max(x['kl'] for x in grpo_rloo):.1f} nats per reply from the start, with {min(x['length'] for x in grpo_rloo):.1f}-"
+        f"{max(x['length'] for x in grpo_rloo):.1f} reply tokens and {min(x['distinct'] for x in grpo_rloo):.2f}-"
+        f"{max(x['distinct'] for x in grpo_rloo):.2f} distinct answers of 2. "
+    )
+    summary += (
+        "Runs that end below the base model's greedy accuracy: " + ", ".join(f"{m}.py seed {seed}" for m, seed in below) + "."
+        if below
+        else "No run ends below the base model's greedy accuracy."
+    )
+    spread = ", ".join(
+        f"{m}.py {r['aggregate'][m]['sampled']['min']:.2f}-{r['aggregate'][m]['sampled']['max']:.2f}"
+        for m in ("grpo", "rloo", "ppo")
+    )
+    return "\n".join(lines) + "\n\n" + summary + f" The final sampled accuracy's range over the seeds: {spread}."
+
+
+def real_model_offline() -> str:
+    """Rejection-sampling SFT, DPO and KTO seed by seed: the self-sampled data and where each run ends
+    (benchmarks/RESULTS-real-model.json)."""
+    r = record("RESULTS-real-model.json")
+    lines = []
+    for method, what in (("rft", "correct replies learned from"), ("dpo", "pairs"), ("kto", "pairs, unpaired")):
+        for seed, runs in sorted(r["seeds"].items()):
+            if method not in runs:
+                continue
+            run, data = runs[method], runs[method]["self_samples"]
+            count = data["rft"] if method == "rft" else data["pairs"]
+            lines.append(
+                f"- {REAL_MODEL_ROWS[method].split(' (')[0]}, seed {seed}: {data['correct']} of {data['samples']} samples "
+                f"correct ({data['correct'] / data['samples']:.1%}), {count} {what}; KL {run['kl']:.2f}, greedy "
+                f"{run['greedy']:.2f}, sampled {run['sampled']:.2f}"
+            )
+    return "\n".join(lines)
+
+
+def real_model_learned_reward() -> str:
+    """The learned-reward rows seed by seed: the reward model's pair accuracy, and along PPO the proxy score, the
+    watched verifier's accuracy, their correlation on the policy's held-out samples, the KL and its coefficient
+    (benchmarks/RESULTS-real-model.json)."""
+    r = record("RESULTS-real-model.json")
+    base = r["base"]
+    out = []
+    for method in ("rm_ppo_small", "rm_ppo", "rm_ppo_kl"):
+        out.append(f"**{REAL_MODEL_ROWS[method]}** (`{method}`):\n")
+        ended_below = []
+        for seed, runs in sorted(r["seeds"].items()):
+            run = runs.get(method)
+            if not run or not run.get("learned_reward"):
+                out.append(f"- seed {seed}: {run['sampled']:.2f} sampled, {run['greedy']:.2f} greedy (no curves recorded)")
+                continue
+            lr, data = run["learned_reward"], run["self_samples"]
+            fmt = lambda key, lr=lr: " -> ".join(f"{v:.2f}" for _, v in lr[key])  # noqa: E731
+            peak = max(range(len(lr["gold"])), key=lambda i: lr["gold"][i][1])
+            out.append(
+                f"- seed {seed}: {data['pairs']} pairs, the reward model right on {lr['rm_accuracy']:.0%} of its held-out "
+                f"pairs. Along PPO: proxy score {fmt('proxy')}; verifier's accuracy {fmt('gold')} (highest at evaluation "
+                f"{peak + 1} of {len(lr['gold'])}); correlation of the two {fmt('correlation')}; KL coefficient "
+                f"{lr['kl_coef'][0][1]:.2f} -> {lr['kl_coef'][-1][1]:.2f}. Final: {run['sampled']:.2f} sampled, "
+                f"{run['greedy']:.2f} greedy, KL {run['kl']:.2f}"
+            )
+            if run["greedy"] < base["greedy"]:
+                ended_below.append(seed)
+        out.append(
+            "\n"
+            + (
+                f"Seeds ending below the base model's greedy accuracy ({base['greedy']:.2f}): {', '.join(ended_below)}."
+                if ended_below
+                else f"No seed ends below the base model's greedy accuracy ({base['greedy']:.2f})."
+            )
+            + "\n"
+        )
+    return "\n".join(out).rstrip()
+
+
+def real_model_h100_kl() -> str:
+    """Each method's KL to the start on the H100 (benchmarks/RESULTS-real-model-H100.json, one seed) against the range
+    of the CPU's seeds (benchmarks/RESULTS-real-model.json), and the method furthest outside it."""
+    cpu, gpu = record("RESULTS-real-model.json"), record("RESULTS-real-model-H100.json")
+    # the H100's rm_ppo ran before the row took 16 replies per question: it is the CPU's rm_ppo_small (DPO's pairs)
+    same = {"rm_ppo": "rm_ppo_small"}
+    found = []  # (label, KL on the H100, the CPU's min and max)
+    for gpu_method in ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "trl_grpo", "trl_rloo"):
+        method = same.get(gpu_method, gpu_method)
+        if gpu_method in gpu and method in cpu["aggregate"]:
+            a = cpu["aggregate"][method]["kl"]
+            found.append((REAL_MODEL_ROWS[method].split(" (")[0], gpu[gpu_method]["kl"], a["min"], a["max"]))
+    rows = ["| method | KL on the H100 (one seed) | KL on CPU, seeds [min, max] | inside the CPU's range |", "|-|-|-|-|"]
+    for label, k, lo, hi in found:
+        rows.append(f"| {label} | {k:.2f} | [{lo:.2f}, {hi:.2f}] | {'yes' if lo <= k <= hi else 'no'} |")
+    where = f"\n\nH100: {gpu['machine']}, {gpu['date']}; CPU: the sweep above."
+    outside = [(max(lo - k, k - hi) / max(hi - lo, 1e-9), label) for label, k, lo, hi in found if not lo <= k <= hi]
+    if outside:
+        where += f" Furthest outside the CPU's range, in widths of that range: {max(outside)[1]}."
+    return "\n".join(rows) + where
+
+
+def gkd_variants() -> str:
+    """gkd.py's on-policy, mixed and sequence-level KD at equal student steps (benchmarks/RESULTS-gkd-variants.json,
+    `python benchmarks/gkd_variants.py`), and what the record says about them."""
+    import math
+
+    r = record("RESULTS-gkd-variants.json")
+    rows = [
+        "| completions | student held-out accuracy (best on the way) | teacher | held-out KL to the teacher, per token | "
+        "reply tokens | top answer share | s/step | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in r["runs"].items():
+        e = run["eval"]
+        rows.append(
+            f"| {name}, `{run['command'].strip()}` | {e['accuracy'][0]:.3f} -> {e['accuracy'][-1]:.3f} "
+            f"({max(e['accuracy']):.3f}) | "
+            f"{run['teacher_accuracy']:.3f} | {e['kl_to_teacher'][0]:.2f} -> {e['kl_to_teacher'][-1]:.2f} | "
+            f"{e['completion_length'][0]:.1f} -> {e['completion_length'][-1]:.1f} | {e['top_answer_share'][-1]:.2f} | "
+            f"{run['step_s']:.1f} | {minutes(run['seconds'])} |"
+        )
+    runs = r["runs"]
+    finals = [run["eval"]["accuracy"][-1] for run in runs.values()]
+    p = sum(finals) / len(finals)
+    se = math.sqrt(max(p * (1 - p), 1e-12) / 64)
+    lowest = min(runs, key=lambda k: runs[k]["eval"]["kl_to_teacher"][-1])
+    cheaper = 1 - runs["on-policy"]["step_s"] / runs["sequence-level"]["step_s"]
+    return (
+        "\n".join(rows)
+        + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`). One sampled reply on 64 "
+        + f"problems leaves a binomial standard error of about {se:.2f} on each final accuracy (at their mean, {p:.3f}): "
+        + f"the largest difference between two of them, {max(finals) - min(finals):.3f}, is "
+        + ("within" if max(finals) - min(finals) <= 2 * math.sqrt(2) * se else "beyond")
+        + f" two standard errors of a difference ({2 * math.sqrt(2) * se:.3f}). "
+        + f"The {lowest} run ends with the lowest KL to the teacher; on-policy GKD's steps take "
+        + f"{abs(cheaper):.0%} {'less' if cheaper > 0 else 'more'} time than sequence-level KD's (the student samples, "
+        + "not the teacher)."
+    )
+
+
+def default_line(script: str) -> str:
+    """The line `python SCRIPT.py` ends on, as it comes (benchmarks/RESULTS-default-lines.json, `python
+    benchmarks/default_lines.py`), with its machine, threads and wall time."""
+    run = record("RESULTS-default-lines.json")["runs"][script]
+    return (
+        f"```\n{run['line']}\n```\n\n{run['machine']}, `{run['launcher']}`, {run['threads']} threads, "
+        f"{minutes(run['seconds'])} with loading and evaluation (`python benchmarks/default_lines.py --scripts {script}`)."
+    )
+
+
+DEFAULT_LINES = ("sft", "reward_modeling", "dpo", "ddpo", "ilql")  # the scripts benchmarks/default_lines.py runs
 FIGURES = {
+    **{f"default-line-{script}": (lambda script=script: default_line(script)) for script in DEFAULT_LINES},
+    "gkd-variants": gkd_variants,
+    "real-model-scripts": real_model_scripts,
+    "real-model-machines": real_model_machines,
+    "real-model-online": real_model_online,
+    "real-model-offline": real_model_offline,
+    "real-model-learned-reward": real_model_learned_reward,
+    "real-model-h100-kl": real_model_h100_kl,
+    "bench-cpu": bench_cpu,
+    "h100-smollm": lambda: md_table("RESULTS-H100.md", "0.", 1),
+    "h100-grpo-qwen": lambda: md_table("RESULTS-H100.md", "0.", 2),
+    "h100-generation": lambda: md_table("RESULTS-H100.md", "1.", 1),
+    "h100-ppo": lambda: md_table("RESULTS-H100.md", "2.", 1),
+    "h100-mfu": lambda: md_table("RESULTS-H100.md", "4.", 1),
+    "h200-mfu": lambda: md_table("RESULTS-H200.md", "1.", 1),
+    "h200-rollouts": lambda: md_table("RESULTS-H200.md", "2b.", 1),
+    "h200-rollout-batches": lambda: md_table("RESULTS-H200.md", "7.", 1),
+    "malloc-policy": malloc_policy,
+    "h200-deepspeed": lambda: md_table("RESULTS-H200.md", "4.", 2),
+    "h200-compile": lambda: md_table("RESULTS-H200.md", "5.", 2),
+    "h200-fsdp": lambda: md_table("RESULTS-H200.md", "3.", 1),
+    "launchers-memory": lambda: md_table("RESULTS-launchers.md", "Memory", 1),
+    "memory-on-paper": memory_on_paper,
     "first-run": first_run,
     "first-run-memory": first_run_memory,
     "ppo-default-runs": ppo_default_runs,
