@@ -1,0 +1,59 @@
+"""Each script's default run, as a reader first runs it: `python sft.py`, `python reward_modeling.py`, `python dpo.py`,
+`python ddpo.py` and `python ilql.py`, each in a fresh folder with every built-in cached. Records each run's summary
+line and wall time, with the machine, launcher and thread count. Writes benchmarks/RESULTS-default-lines.json, from
+which each script's page renders the line its default run ends on (docs/build_assets.py). ppo.py's default run has its
+own record (benchmarks/first_run.py, ppo_default.py), as have kto.py's (kto_default.py), gkd.py's (gkd_variants.py)
+and grpo.py's and rloo.py's (default_runs.py).
+
+    python benchmarks/default_lines.py                     # every script above, one after the other
+    python benchmarks/default_lines.py --scripts sft dpo   # some of them; the others keep their recorded lines
+"""
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "RESULTS-default-lines.json")
+sys.path.insert(0, ROOT)
+
+from records import machine, run_script  # noqa: E402
+
+PREFIX = {"sft": "sft: ", "reward_modeling": "reward model: ", "dpo": "dpo: ", "ddpo": "ddpo: ", "ilql": "ilql: "}
+
+
+@dataclass
+class Args:
+    scripts: list[str] = field(default_factory=lambda: list(PREFIX))
+    """the scripts whose default run to (re)record"""
+
+
+def main(args: Args) -> None:
+    unknown = sorted(set(args.scripts) - set(PREFIX))
+    if unknown:
+        raise SystemExit(f"error: --scripts {' '.join(unknown)}: not one of {', '.join(PREFIX)}")
+    record = {"runs": {}}
+    if os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            record = json.load(f)
+    here = {"machine": machine(), "launcher": "python", "threads": torch.get_num_threads(), "torch": torch.__version__}
+    for script in args.scripts:
+        with tempfile.TemporaryDirectory(prefix=f"rlhf-default-{script}-") as folder:
+            stdout, seconds = run_script([f"{script}.py"], folder)
+        line = next(line for line in stdout.splitlines() if line.startswith(PREFIX[script]))
+        record["runs"][script] = {"command": f"python {script}.py", "line": line, "seconds": seconds, **here}
+        print(line, flush=True)
+        with open(RESULTS, "w") as f:  # after each run: what is done stays done
+            json.dump(record, f, indent=1)
+            f.write("\n")
+    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
