@@ -478,6 +478,28 @@ def test_cispo_and_sapo_gradients_by_hand():
         assert g == pytest.approx(-s * (1 - s) * 4 * 2 * r / 2)  # tau 1 for A > 0; the mean over 2 tokens
 
 
+def test_evaluating_more_often_leaves_the_trained_weights_bit_for_bit_the_same(tmp_path, monkeypatch):
+    """Evaluation samples from its own random stream: a run that evaluates after every update trains the same weights
+    as one that evaluates only at its start and end (benchmarks/real_model.py --check relies on it)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+
+    import grpo
+
+    flags = ["--total-prompts", "32", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
+    flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--learning-rate", "1e-3"]
+    for name, every in (("often", "1"), ("rarely", "100")):
+        args = [GRPO, *flags, "--eval-freq", every, "--output-dir", str(tmp_path / name)]
+        monkeypatch.setattr("sys.argv", args + ["--log-dir", str(tmp_path / f"{name}_runs")])
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        grpo.main(grpo.cli(grpo.Args))
+    often, rarely = (len(read_scalars(str(tmp_path / f"{n}_runs"), "eval/reward")) for n in ("often", "rarely"))
+    assert often > rarely, (often, rarely)
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("often", "rarely"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_stale_rollouts_come_from_the_weights_k_updates_back_and_repeat_exactly(tmp_path, monkeypatch):
     """--max-staleness 2 (deterministic): the rollout trained at update t was sampled by the weights the policy had at
     the start of update max(0, t - 2), and two runs give the same weights bit for bit; the staleness is logged."""
