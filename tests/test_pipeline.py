@@ -37,8 +37,8 @@ def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
             "--sft-args=--max-steps 3 --num-sample-generations 0 --eval-fraction 0.01",
             "--rm-args=--max-steps 3 --eval-fraction 0.02",
             "--ppo-args=--total-episodes 16 --eval-samples 4",
-            "--dpo-args=--max-steps 2 --eval-fraction 0.02",
-            "--kto-args=--max-steps 2 --eval-fraction 0.02",
+            "--dpo-args=--max-steps 2 --eval-fraction 0.02 --no-generate-during-eval",  # the pipeline samples its own
+            "--kto-args=--max-steps 2 --eval-fraction 0.02 --no-generate-during-eval",
         ],
         tmp_path,
         PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
