@@ -1,7 +1,6 @@
 """The wall time of the fast test tier (`-m "not slow"`) and of the whole suite, as the README and docs/forking.md give
 them: each run once with `-n 2`, one after the other, on this machine with every built-in cached. Writes
-benchmarks/RESULTS-tests.json, from which docs/build_assets.py renders the figures, with the 60 slowest tests of each
-(tests/conftest.py hands the slowest out first).
+benchmarks/RESULTS-tests.json, from which docs/build_assets.py renders the figures, with the 60 slowest tests of each.
 
     python benchmarks/test_times.py
 """

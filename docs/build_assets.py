@@ -718,10 +718,6 @@ def real_model_scripts() -> str:
     )
 
 
-def seeds_of(runs: list[tuple[str, dict]]) -> str:
-    return ", ".join(seed for seed, _ in runs)
-
-
 def real_model_machines() -> str:
     """Which machine and thread count ran each method's seeds (benchmarks/RESULTS-real-model.json)."""
     r = record("RESULTS-real-model.json")
@@ -821,7 +817,9 @@ def real_model_learned_reward() -> str:
         ended_below = []
         for seed, runs in sorted(r["seeds"].items()):
             run = runs.get(method)
-            if not run or not run.get("learned_reward"):
+            if not run:
+                continue
+            if not run.get("learned_reward"):
                 out.append(f"- seed {seed}: {run['sampled']:.2f} sampled, {run['greedy']:.2f} greedy (no curves recorded)")
                 continue
             lr, data = run["learned_reward"], run["self_samples"]

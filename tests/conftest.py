@@ -19,29 +19,10 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 
-def recorded_seconds() -> dict[str, float]:
-    """Each test's time in the last whole-suite run that benchmarks/test_times.py recorded (its slowest tests)."""
-    import json
-    import re
-
-    try:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS-tests.json")) as f:
-            lines = json.load(f)["full"]["slowest"]
-    except (OSError, KeyError, ValueError):
-        return {}
-    seconds: dict[str, float] = {}
-    for line in lines:
-        if match := re.match(r"([\d.]+)s \w+ +(\S+)", line):
-            seconds[match.group(2)] = seconds.get(match.group(2), 0.0) + float(match.group(1))
-    return seconds
-
-
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first, the longest of them (as last recorded) first of all, each file's order kept otherwise:
-    `pytest -n 2` hands tests out in this order, and a long run handed out last would run on one worker while the
-    other waits."""
-    seconds = recorded_seconds()
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -seconds.get(item.nodeid, 0.0)))
+    """The slow tests first, each file's order kept: `pytest -n 2` hands tests out in this order, and a long run
+    handed out last would run on one worker while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_configure(config):
