@@ -11,7 +11,6 @@ The thread count recorded is what accelerate gives the process (on CPU: one thre
 Runs in a temporary folder; nothing else is written but the record.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-first-run.json")
 sys.path.insert(0, ROOT)
 
-from records import machine  # noqa: E402
+from records import machine, write  # noqa: E402
 
 
 def descendants(pid: int) -> list[int]:
@@ -102,10 +101,7 @@ def main() -> None:
         print(f"cold: {record['cold']}", flush=True)
         record["warm"] = run(cache, home)
     print(f"warm: {record['warm']}")
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

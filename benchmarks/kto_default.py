@@ -7,7 +7,6 @@ which docs/kto.md renders its seed table (docs/build_assets.py).
     python benchmarks/kto_default.py --seeds 1
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import torch
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +21,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-kto-default.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, scalars  # noqa: E402
+from records import header, scalars, write  # noqa: E402
 
 METRICS = ("rewards/margins", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen", "logps/rejected", "loss")
 METRICS += ("samples/kl", "samples/length", "samples/distinct")
@@ -62,21 +60,11 @@ def run(seed: int) -> dict:
 
 
 def main(args: Args) -> None:
-    record = {
-        "command": "python benchmarks/kto_default.py --seeds " + " ".join(map(str, args.seeds)),
-        "machine": machine(),
-        "launcher": "python",
-        "threads": torch.get_num_threads(),  # the runs' too: OMP_NUM_THREADS is unset for them
-        "torch": torch.__version__,
-        "runs": {},
-    }
+    record = header("python benchmarks/kto_default.py --seeds " + " ".join(map(str, args.seeds))) | {"runs": {}}
     for seed in args.seeds:
         record["runs"][str(seed)] = run(seed)
         print(record["runs"][str(seed)]["line"], flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

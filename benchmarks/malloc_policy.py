@@ -7,7 +7,6 @@ benchmarks/RESULTS-malloc-policy.json, from which docs/scaling.md renders its ta
     python benchmarks/malloc_policy.py                 # 3 rounds, about 6 minutes on 2 cores
 """
 
-import json
 import os
 import statistics
 import subprocess
@@ -16,7 +15,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-malloc-policy.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, scalars  # noqa: E402
+from records import header, scalars, write  # noqa: E402
 
 SCRIPTS = {"dpo": ["--max-steps", "25"], "ilql": ["--max-steps", "25"]}
 POLICIES = {"kept": {}, "glibc": {"MALLOC_TOP_PAD_": "131072"}}  # glibc's own default value
@@ -55,13 +53,8 @@ def run(script: str, policy: str, folder: str) -> dict:
 
 
 def main(args: Args) -> None:
-    record = {
-        "command": "python benchmarks/malloc_policy.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else ""),
-        "machine": machine(),
-        "launcher": "python",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "runs": {f"{s}-{p}": [] for s in SCRIPTS for p in POLICIES},
+    record = header("python benchmarks/malloc_policy.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")) | {
+        "runs": {f"{s}-{p}": [] for s in SCRIPTS for p in POLICIES}
     }
     with tempfile.TemporaryDirectory(prefix="rlhf-malloc-") as folder:
         for _ in range(args.rounds):
@@ -69,10 +62,7 @@ def main(args: Args) -> None:
                 for policy in POLICIES:
                     record["runs"][f"{script}-{policy}"].append(result := run(script, policy, folder))
                     print(script, policy, result, flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

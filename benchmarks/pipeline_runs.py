@@ -15,7 +15,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import torch
 import tyro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-pipeline.json")
 sys.path.insert(0, ROOT)
 
-from records import machine  # noqa: E402
+from records import header, write  # noqa: E402
 
 
 @dataclass
@@ -62,21 +61,11 @@ def run(seed: int) -> dict:
 
 
 def main(args: Args) -> None:
-    record = {
-        "command": "python benchmarks/pipeline_runs.py --seeds " + " ".join(map(str, args.seeds)),
-        "machine": machine(),
-        "launcher": "python",
-        "threads": torch.get_num_threads(),  # the stages' too: OMP_NUM_THREADS is unset for them
-        "torch": torch.__version__,
-        "runs": {},
-    }
+    record = header("python benchmarks/pipeline_runs.py --seeds " + " ".join(map(str, args.seeds))) | {"runs": {}}
     for seed in args.seeds:
         record["runs"][str(seed)] = run(seed)
         print(record["runs"][str(seed)]["line"], flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ renders its seed table (docs/build_assets.py).
     python benchmarks/ppo_default.py --seeds 1
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-ppo-default.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, scalars  # noqa: E402
+from records import machine, scalars, write  # noqa: E402
 
 METRICS = ("reward_mean", "reward_std", "vader_sentiment", "distinct_words", "distinct_2", "top_token_share")
 
@@ -73,10 +72,7 @@ def main(args: Args) -> None:
     for seed in args.seeds:
         record["runs"][str(seed)] = run(seed)
         print(record["runs"][str(seed)]["line"], flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

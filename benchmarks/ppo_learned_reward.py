@@ -7,21 +7,18 @@ renders its paragraph (docs/build_assets.py).
     python benchmarks/ppo_learned_reward.py          # about 5 minutes on 2 cores
 """
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-ppo-learned-reward.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, scalars  # noqa: E402
+from records import header, scalars, write  # noqa: E402
 
 METRICS = ("reward_mean", "reward_std", "vader_sentiment", "distinct_2", "top_token_share")
 COMMANDS = {
@@ -34,14 +31,7 @@ COMMANDS = {
 def main() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     env.pop("OMP_NUM_THREADS", None)
-    record = {
-        "command": "python benchmarks/ppo_learned_reward.py",
-        "machine": machine(),
-        "launcher": "python",
-        "threads": torch.get_num_threads(),  # the runs' too: OMP_NUM_THREADS is unset for them
-        "torch": torch.__version__,
-        "runs": {},
-    }
+    record = header("python benchmarks/ppo_learned_reward.py") | {"runs": {}}
     with tempfile.TemporaryDirectory(prefix="rlhf-ppo-learned-reward-") as folder:
         for name, command in COMMANDS.items():
             start = time.time()
@@ -75,10 +65,7 @@ def main() -> None:
                     run["warning"] = after[0]
             record["runs"][name] = run
             print(run["line"], flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

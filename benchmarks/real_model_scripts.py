@@ -7,19 +7,16 @@ included). Writes benchmarks/RESULTS-real-model-scripts.json, from which docs/re
     python benchmarks/real_model_scripts.py            # about 20 minutes on 2 cores
 """
 
-import json
 import os
 import sys
 import tempfile
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-real-model-scripts.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, run_script  # noqa: E402
+from records import header, run_script, write  # noqa: E402
 
 M = "builtin:smollm2-135m-instruct"
 # (the summary line's prefix, the command): docs/real-model.md's commands, word for word
@@ -36,14 +33,7 @@ COMMANDS = [
 
 
 def main() -> None:
-    record = {
-        "command": "python benchmarks/real_model_scripts.py",
-        "machine": machine(),
-        "launcher": "python",
-        "threads": torch.get_num_threads(),  # the runs' too: OMP_NUM_THREADS is unset for them
-        "torch": torch.__version__,
-        "runs": {},
-    }
+    record = header("python benchmarks/real_model_scripts.py") | {"runs": {}}
     with tempfile.TemporaryDirectory(prefix="rlhf-real-model-scripts-") as folder:
         for prefix, command in COMMANDS:
             stdout, seconds = run_script(command.split(), folder)
@@ -51,10 +41,7 @@ def main() -> None:
             script = command.split()[0]
             record["runs"][script] = {"command": f"python {command}", "line": line, "seconds": seconds}
             print(line, flush=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
+    write(RESULTS, record)
 
 
 if __name__ == "__main__":

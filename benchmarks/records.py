@@ -1,6 +1,7 @@
 """What the benchmark drivers share: the machine a record was measured on, and a run's TensorBoard scalars."""
 
 import glob
+import json
 import os
 import platform
 
@@ -41,3 +42,25 @@ def run_script(argv: list[str], folder: str) -> tuple[str, float]:
     if done.returncode != 0:
         raise SystemExit(f"python {' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return done.stdout, time.time() - start
+
+
+def header(command: str) -> dict:
+    """What every record begins with: its command, the machine, the launcher, torch's thread count (its runs' too:
+    run_script unsets OMP_NUM_THREADS) and torch's version."""
+    import torch
+
+    return {
+        "command": command,
+        "machine": machine(),
+        "launcher": "python",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def write(path: str, record: dict) -> None:
+    """`record` into the results file at `path`, and the line saying so."""
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"wrote benchmarks/{os.path.basename(path)}")
