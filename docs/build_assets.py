@@ -913,7 +913,13 @@ def default_line(script: str) -> str:
     run = record("RESULTS-default-lines.json")["runs"][script]
     return (
         f"```\n{run['line']}\n```\n\n{run['machine']}, `{run['launcher']}`, {run['threads']} threads, "
-        f"{minutes(run['seconds'])} with loading and evaluation (`python benchmarks/default_lines.py --scripts {script}`)."
+        f"{minutes(run['seconds'])} with loading and evaluation (`python benchmarks/default_lines.py --scripts {script}`). "
+        + (
+            f"`tests/test_{script}.py` runs it again and fails when it ends on another line (on the CPU kind and torch "
+            "named here)."
+            if f'default_run("{script}"' in open(os.path.join(ROOT, "tests", f"test_{script}.py")).read()
+            else "No test runs it again (the suite has no room for its length)."
+        )
     )
 
 

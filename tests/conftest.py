@@ -212,6 +212,40 @@ def read_scalars(run_dir: str, tag: str) -> list[float]:
     return [event.value for event in accumulator.Scalars(tag)]
 
 
+def default_run(script: str, prefix: str, cwd, run: dict | None = None) -> str:
+    """`python SCRIPT.py` as it comes, with the thread count of its record (`run`, by default the script's in
+    benchmarks/RESULTS-default-lines.json, whose line its docs page renders): on the CPU kind and torch the record names
+    it must end on the record's line, but for the time ("in 40s"). Another CPU's kernels round differently: there a
+    warning says that the line went unchecked, and the caller's learning checks still hold. Returns the run's output."""
+    import json
+    import re
+    import warnings
+
+    import torch
+
+    if run is None:
+        with open(os.path.join(ROOT, "benchmarks", "RESULTS-default-lines.json")) as f:
+            run = json.load(f)["runs"][script]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(run["threads"])  # the record's: a reduction split over other threads rounds differently
+    try:
+        out = run_script([os.path.join(ROOT, f"{script}.py")], cwd)
+    finally:
+        torch.set_num_threads(threads)
+    line = [line for line in out.splitlines() if line.startswith(prefix) and "it/s]" not in line][-1]  # not a bar
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from records import machine
+
+    untimed = lambda text: re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", text)  # noqa: E731
+    here = (machine(), torch.__version__)
+    if here == (run["machine"], run["torch"]):  # the same CPU kind and torch: the same numbers, bit for bit
+        assert untimed(line) == untimed(run["line"]), (line, run["line"])
+    else:
+        recorded = f"{run['machine']}, torch {run['torch']}"
+        warnings.warn(f"{script}.py's default line was recorded on {recorded}, not compared here ({here})", stacklevel=2)
+    return out
+
+
 def check_model_card(folder, algorithm: str, base: str = "builtin:tiny-gpt2") -> str:
     """The final save's README.md names the algorithm, the base model, the final metrics and the command."""
     card = (folder / "README.md").read_text()

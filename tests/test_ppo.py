@@ -6,7 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RANDOM_MODEL, ROOT, check_model_card, read_scalars, run_failing, run_in_process, run_script
+from conftest import (
+    RANDOM_MODEL,
+    ROOT,
+    check_model_card,
+    default_run,
+    read_scalars,
+    run_failing,
+    run_in_process,
+    run_script,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -570,27 +579,9 @@ def test_default_run_ends_on_the_readmes_line_and_learns_inside_its_kl_budget(tm
     learning rate of 1e-3 the replies collapse into an immediate EOS (one token 100% of the responses, eval -0.81 ->
     -0.97, the health warning printed): this test fails it on the reward and the collapse."""
     import json
-    import subprocess
-    import sys
 
     record = json.load(open(os.path.join(ROOT, "benchmarks", "RESULTS-first-run.json")))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(record["threads"]))
-    result = subprocess.run([sys.executable, PPO], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    out = result.stdout + result.stderr
-    line = next(line for line in out.splitlines() if line.startswith("ppo: "))
-    untimed = lambda text: re.sub(r" in \d+s;", " in Ns;", text)  # noqa: E731
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from records import machine
-
-    here = (machine(), torch.__version__)
-    if here == (record["machine"], record["torch"]):  # the same CPU kind and torch: the same numbers, bit for bit
-        assert untimed(line) == untimed(record["warm"]["line"]), (line, record["warm"]["line"])
-    else:  # another CPU's kernels round differently: the learning checks below still hold
-        import warnings
-
-        recorded = f"{record['machine']}, torch {record['torch']}"
-        warnings.warn(f"the README's line was recorded on {recorded}, not compared here ({here})", stacklevel=1)
+    out = default_run("ppo", "ppo: ", tmp_path, run={k: record[k] for k in ("machine", "torch", "threads")} | record["warm"])
     summary = out.split("eval reward ")[1]
     first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
     initial_std = float(summary.split("initial std ")[1].split(")")[0])
