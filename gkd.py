@@ -408,8 +408,11 @@ def main(args: Args) -> None:
                 loss, _ = reverse_kl_pg_loss(student_logprobs, teacher_logprobs, mask[mb])
             weight = mask[mb].sum() / mask.sum().clamp(min=1)  # the mini-batches' token means weighted into the batch's
             accelerator.backward(loss * weight)
-            # per-token reverse KL estimate on the sampled tokens: log p_student - log p_teacher
-            kl = ((student_logprobs - teacher_logprobs).detach() * mask[mb]).sum()
+            # KL(student || teacher) at each trained position, summed over the vocabulary (the JSD at beta 1, temperature
+            # 1): exact whoever wrote the tokens (log p_student - log p_teacher of the token estimates it only on the
+            # student's own samples, and goes negative on the teacher's or the dataset's)
+            with torch.no_grad():
+                kl = generalized_jsd_loss(logits, teacher_logits, mask[mb], beta=1.0) * mask[mb].sum()
             stats.append(torch.stack([loss.detach() * mask[mb].sum(), kl, mask[mb].sum()]))
             if sampled is not None:  # how far vLLM's log-probs lie from the trainer's, at the sampling temperature
                 trainer = logprobs_from_logits(logits.detach() / args.temperature, completions[mb])

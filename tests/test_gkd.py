@@ -73,6 +73,10 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     assert "gkd: 4 steps" in out and "held-out accuracy: student" in out and "held-out KL to the teacher per token" in out
     on_policy = read_scalars(str(tmp_path / "runs"), "train/on_policy")
     assert len(on_policy) == 4 and 0 < sum(on_policy) < 4  # lmbda 0.5: some batches the student's, some the teacher's
+    # the KL to the teacher is a divergence on every batch: on the teacher's tokens the log-ratio of the sampled token
+    # (the old metric) gave -15.3 on the first of these batches
+    kl = read_scalars(str(tmp_path / "runs"), "train/kl_to_teacher")
+    assert len(kl) == 4 and min(kl) > 0, kl
     check_model_card(tmp_path / "outputs" / "gkd", "gkd")
     run_script([GKD, *TINY, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg"], tmp_path)
     assert "different vocabularies" in run_failing(
