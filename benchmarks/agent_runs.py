@@ -512,9 +512,10 @@ def curve(log_dir: str, tag: str = "eval/reward") -> list[tuple[int, float]]:
 
 
 def machine(threads: int) -> str:
-    """The CPU, its cores and the thread count of the runs."""
-    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    return f"{name}, {os.cpu_count()} cores, `python`, {threads} threads"
+    """The machine (common.run.machine), the launcher and the thread count of the runs."""
+    from common.run import machine as name
+
+    return f"{name()}, `python`, {threads} threads"
 
 
 ROWS = [

@@ -26,6 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from common.cli import cli  # noqa: E402
+from common.run import machine  # noqa: E402
 
 GRPO_LIKE = ["--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--eval-samples", "8", "--train-size", "64"]
 GRPO_LIKE += ["--eval-size", "8", "--num-generations", "4", "--gradient-accumulation-steps", "2", "--log-freq", "1"]
@@ -192,8 +193,8 @@ def main(args: Args) -> None:
             print(" | ".join(rows[-1]), flush=True)
     with open(args.out, "w") as f:
         f.write("# Every script under every launcher (CPU)\n\n")
-        f.write(f"Command: `python benchmarks/launchers.py`. Date: {time.strftime('%Y-%m-%d')}. Machine: {os.cpu_count()} ")
-        f.write(f"CPU cores, torch {torch.__version__}, one thread per process, gloo.\n\n")
+        f.write(f"Command: `python benchmarks/launchers.py`. Date: {time.strftime('%Y-%m-%d')}. Machine: {machine()}, ")
+        f.write(f"torch {torch.__version__}, one thread per process, gloo; the launcher of each row in its column.\n\n")
         f.write(__doc__.split("\n\n", 2)[2].strip() + "\n\n")
         f.write("| script | launcher | result | loss gap to python | peak GiB per process | wall s | note |\n")
         f.write("|-|-|-|-|-|-|-|\n")

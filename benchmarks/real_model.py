@@ -44,7 +44,6 @@ import glob
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -66,6 +65,7 @@ from common.core import logprobs_from_logits  # noqa: E402
 from common.fast_paths import sampling_kwargs  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
 from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
+from common.run import machine as cpu_machine  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and TRL's; the scripts pick theirs alike
@@ -573,20 +573,11 @@ def comparison(stats: dict, problems: int, samples: int) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the architecture."""
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def machine() -> str:
     """The GPU the runs used (float32 weights and maths, TRL's too), else the CPU."""
     if DEVICE == "cuda":
         return f"one {torch.cuda.get_device_name()} (float32, no autocast, ours and TRL's), {os.cpu_count()} CPU cores"
-    return f"{cpu_name()}, {os.cpu_count()} cores"
+    return cpu_machine()
 
 
 # the eleventh and twelfth methods: colours of their own (matplotlib's ten would give them grpo's and rloo's again)

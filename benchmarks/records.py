@@ -3,17 +3,10 @@
 import glob
 import json
 import os
-import platform
+import sys
 
-
-def machine() -> str:
-    """The CPU's model name and core count, as each results file records its machine."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.run import machine  # noqa: E402  (every record names its machine as common.run.machine does)
 
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:

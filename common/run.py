@@ -3,6 +3,7 @@ and sample tables; the run's end; each rank's share of an evaluation."""
 
 import dataclasses
 import os
+import platform
 import sys
 import time
 
@@ -16,6 +17,19 @@ from transformers.integrations import deepspeed as transformers_deepspeed
 from common.core import UsageError
 from common.fast_paths import keep_freed_memory
 from common.outputs import RUN, release_outputs
+
+
+def machine() -> str:
+    """The machine a run measured on, as every results file and notebook names it: the GPU's model and count where
+    there is one, else the CPU's model name; and the cores."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def check_launch(accelerator: Accelerator, args=None) -> None:
