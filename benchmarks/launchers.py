@@ -186,7 +186,8 @@ def main(args: Args) -> None:
             gap = ""
             if values and reference and len(values) == len(reference):
                 gap = f"{max(abs(a - b) / max(abs(b), 1e-8) for a, b in zip(values, reference)):.1e}"
-            error = next((line for line in tail.splitlines() if line.startswith("error:")), "")
+            # the script's one line, or the launcher's report of it ("traceback : error: ...") when it printed later
+            error = next((line.split(" : ", 1)[-1] for line in tail.splitlines() if "error: " in line[:30]), "")
             if code and not error:
                 error = next((line.strip() for line in reversed(tail.splitlines()) if "Error" in line), "")[:160]
             rows.append((script, launcher, "pass" if code == 0 else "fail", gap, f"{rss:.2f}", f"{seconds:.0f}", error))

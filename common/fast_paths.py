@@ -9,7 +9,8 @@
   forward and backward, so the [batch, length, vocab] logits never exist (the model's own loss, tested; a fraction of
   its memory). Plain path: --no-chunked-loss (sft.py), --no-chunked-logps (dpo.py).
 - `keep_freed_memory`: on CPU, glibc keeps freed blocks instead of unmapping them (faster steps at a higher peak RSS:
-  `python benchmarks/malloc_policy.py`). Plain path: set any MALLOC_* environment variable.
+  `python benchmarks/malloc_policy.py`); not under FSDP or DeepSpeed, which shard to save memory. Plain path: set any
+  MALLOC_* environment variable.
 """
 
 import copy
