@@ -103,7 +103,8 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
 
 
 class RunLogger:
-    """TensorBoard under runs/{run_name} (always) and wandb synced from it (`--track`), on the main process."""
+    """TensorBoard under runs/{run_name} (always) and wandb synced from it (`--track`), on the main process; the
+    hyperparameters and the machine as text."""
 
     def __init__(self, run_name: str, args, enabled: bool = True):
         self.run_name, self.args, self.enabled, self.track, self._writer = run_name, args, enabled, args.track, None
@@ -130,6 +131,7 @@ class RunLogger:
             self._writer.add_text(
                 "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
             )
+            self._writer.add_text("machine", f"{machine()}, {torch.get_num_threads()} threads")  # what the run timed
         return self._writer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
