@@ -85,8 +85,8 @@ def start_run(args, accelerator: Accelerator) -> tuple[str, "RunLogger"]:
     wandb_entity."""
     check_launch(accelerator, args)
     set_seed(args.seed + accelerator.process_index)  # per-rank seeds: ranks sample different data/responses
-    # a sharded run is there to save memory: it keeps glibc's own policy (keeping every freed all-gather buffer
-    # resident took ppo.py's three 135M models past 12 GiB per process under FSDP2 x2, against 8.4 GiB)
+    # a sharded run is there to save memory: it keeps glibc's own policy (with every freed all-gather buffer kept
+    # resident, ppo.py's three 135M models under FSDP2 x2 outgrew a 24 GiB machine: benchmarks/RESULTS-launchers.md)
     if accelerator.device.type == "cpu" and accelerator.distributed_type not in (
         DistributedType.FSDP,
         DistributedType.DEEPSPEED,
