@@ -171,12 +171,14 @@ class RunLogger:
                 wandb.finish()
 
 
-def end_run(accelerator: Accelerator, logger: RunLogger) -> None:
-    """The last line of every script: the logger closed, one last barrier, the process group destroyed by every rank
-    together; a run with a process group (several processes, or DeepSpeed's one) then leaves with os._exit, before a
-    C++ destructor or a hook at interpreter exit can abort it ("terminate called without an active exception", about
-    one 2-process CPU run in a hundred; vLLM's shutdown hook on the destroyed group)."""
-    logger.close()
+def end_run(accelerator: Accelerator, logger: RunLogger | None = None) -> None:
+    """The last line of every script (and of any launched program that builds an Accelerator): the logger closed, one
+    last barrier, the process group destroyed by every rank together; a run with a process group (several processes,
+    or DeepSpeed's one) then leaves with os._exit, before a C++ destructor or a hook at interpreter exit can abort it
+    ("terminate called without an active exception", about one 2-process CPU run in a hundred; vLLM's shutdown hook
+    on the destroyed group)."""
+    if logger is not None:
+        logger.close()
     release_outputs()
     accelerator.wait_for_everyone()
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -193,7 +193,7 @@ GATHER = """
 import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
-from common.run import check_launch
+from common.run import check_launch, end_run
 from common.vllm_engine import policy_weights
 
 accelerator = Accelerator()
@@ -208,7 +208,8 @@ assert any(hasattr(p, "full_tensor") for p in model.parameters()), "not sharded"
 sent = dict(policy_weights(model, accelerator))
 assert sorted(sent) == sorted(full), (sorted(sent), sorted(full))  # the tied head under its own name too
 assert all(torch.equal(sent[name].cpu(), full[name]) for name in full)
-print(f"rank {accelerator.process_index}: {len(sent)} tensors gathered whole")
+print(f"rank {accelerator.process_index}: {len(sent)} tensors gathered whole", flush=True)
+end_run(accelerator)  # as every script leaves: a rank that left first could abort the other's gloo thread
 """
 
 
