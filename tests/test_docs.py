@@ -152,3 +152,31 @@ def test_typed_figures_are_found_and_rendered_ones_are_not():
 def test_an_audited_page_has_no_measured_figure_outside_a_rendered_block(page):
     found = [f for f in typed_figures(open(os.path.join(ROOT, page)).read()) if (page, f) not in NOT_MEASURED]
     assert not found, f"{page}: measured figures typed outside a rendered block (render them from a record): {found}"
+
+
+# A notebook's markdown quotes no measured figure: what a run measured is in the cell outputs below it, rendered by
+# that run. Constants of the math or of a flag, reviewed one by one: (notebook, the figure, why)
+NOTEBOOK_CONSTANTS = {
+    ("gkd", "0.5"): "TRL's GKDTrainer default beta, a reference constant",
+    ("grpo", "0.5"): "the lower bound of the correction's range [0.5, 3] that the cell below passes",
+    ("ilql", "0.5"): "the expectile's midpoint in the math, tau > 0.5",
+    ("ilql", "0.7"): "the expectile tau of the worked example, a constant",
+    ("kto", "0.5"): "1 - sigmoid(0), the loss at the start, arithmetic",
+    ("ppo", "-0.2"): "the adaptive KL controller's clip, a constant of lm-human-preferences",
+    ("ppo", "0.2"): "the adaptive KL controller's clip, a constant of lm-human-preferences",
+    ("reward_modeling", "0.1"): "the built-in pairs' minimum sentiment gap, a constant of the data",
+    ("reward_modeling", "0.5"): "the chance level of a pair's accuracy",
+    ("rloo", "0.3"): "the Beta(0.3, 0.3) of the worked example, a constant",
+    ("rloo", "0.05"): "TRL's RLOO beta, a flag's value",
+}
+
+
+@pytest.mark.parametrize("name", sorted(f[:-6] for f in os.listdir(os.path.join(ROOT, "notebooks")) if f.endswith(".ipynb")))
+def test_a_notebooks_markdown_has_no_measured_figure(name):
+    import json
+
+    with open(os.path.join(ROOT, "notebooks", f"{name}.ipynb")) as f:
+        cells = json.load(f)["cells"]
+    text = "\n\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
+    found = [f for f in typed_figures(text) if (name, f) not in NOTEBOOK_CONSTANTS]
+    assert not found, f"notebooks/{name}.ipynb: measured figures in its markdown (let its outputs show them): {found}"
