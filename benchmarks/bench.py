@@ -147,11 +147,12 @@ def peak_rss_mb() -> float:
 
 
 def run_ours(script: str, argv: list[str], cwd: str) -> None:
-    """Run `python script argv` in this process (as its __main__), with accelerate's process state reset around it."""
+    """Run `python script argv` in this process (as its __main__), with accelerate's process state reset around it;
+    each round's run replaces the model the last one saved in its output folder (`--overwrite`)."""
     from accelerate.state import AcceleratorState, GradientState
 
     old_argv, old_cwd = sys.argv, os.getcwd()
-    sys.argv = [script, *map(str, argv)]
+    sys.argv = [script, *map(str, argv), "--overwrite"]
     os.chdir(cwd)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
