@@ -665,33 +665,37 @@ def md_rows(body: str) -> list[dict]:
 
 def bench_cpu() -> str:
     """Each algorithm's latest row in benchmarks/RESULTS.md (`python benchmarks/bench.py`): a later run of an algorithm
-    replaces the earlier one's row; each row names its run's date and command."""
+    replaces the earlier one's row; each run is named with its date, machine and command."""
     latest, runs = {}, []
     for _, body in md_sections("RESULTS.md"):
         rows = md_rows(body)
         if not rows or "ours/TRL" not in rows[0]:
             continue
         date = re.search(r"Date: ([\d-]+)", body).group(1)
+        machine = re.search(r"Machine: ([^;]+);", body).group(1)
         command = re.search(r"Command: `([^`]+)`", body).group(1)
-        runs.append(f"{date}, `{command}`")
+        runs.append(f"{date}, {machine}, `{command}`")
         for row in rows:
             latest[(row["algorithm"], row["batch"])] = (row, len(runs))
-    out = [
-        "| algorithm | batch | ours s/step | TRL s/step | ours / TRL | ours / TRL peak MB | run |",
-        "|-|-|-|-|-|-|-|",
-    ]
     used = sorted({run for _, run in latest.values()})  # the runs that still own a row, numbered afresh
+    several = len(used) > 1
+    out = [
+        "| algorithm | batch | ours s/step | TRL s/step | ours / TRL | ours / TRL peak MB |" + " run |" * several,
+        "|-|-|-|-|-|-|" + "-|" * several,
+    ]
     for (algorithm, batch), (row, run) in latest.items():
         out.append(
             f"| {algorithm} | {batch} | {row['ours s/step']} | {row['TRL s/step']} | **{float(row['ours/TRL']):.2f}x** | "
-            f"{row.get('ours peak MB', '-')} / {row.get('TRL peak MB', '-')} | {used.index(run) + 1} |"
+            f"{row.get('ours peak MB', '-')} / {row.get('TRL peak MB', '-')} |" + f" {used.index(run) + 1} |" * several
         )
-    runs = [f"{n + 1}: {runs[run - 1]}" for n, run in enumerate(used)]
-    machine = re.search(r"Machine: ([^;]+);", open(os.path.join(ROOT, "benchmarks", "RESULTS.md")).read()).group(1)
+    if several:
+        how = "Runs: " + "; ".join(f"{n + 1}: {runs[run - 1]}" for n, run in enumerate(used))
+        how += ". Each run alternates the two sides in one process; the rows of different runs were measured apart"
+    else:
+        how = f"One run: {runs[used[0] - 1]}. It alternates the two sides in one process, row by row"
     return "\n".join(out) + (
-        f"\n\nbuiltin:tiny-gpt2 (DDPO: builtin:tiny-sd), float32, `python`; machine as the file records it: {machine}. "
-        "Runs: " + "; ".join(runs) + ". Each run alternates the two sides in one process; the rows of different runs "
-        "were measured on different days, so compare a row's ratio, not times across rows (`benchmarks/RESULTS.md`)."
+        f"\n\nbuiltin:tiny-gpt2 (DDPO: builtin:tiny-sd), float32. {how}, so compare a row's ratio, not times across "
+        "rows (`benchmarks/RESULTS.md`)."
     )
 
 
