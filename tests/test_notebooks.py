@@ -88,10 +88,6 @@ def test_every_notebook_has_a_budget():
     assert sorted(name[: -len(".ipynb")] for name in os.listdir(NOTEBOOKS) if name.endswith(".ipynb")) == sorted(BUDGETS)
 
 
-# Stored runs from before run() printed the machine: each is re-executed when its length allows (grpo's: 43 minutes)
-MACHINE_NOT_STORED = {"grpo"}
-
-
 def test_every_stored_run_names_its_machine():
     """A notebook's stored outputs are a record: a notebook that ran a script (its "$ python" lines) shows the machine
     it ran on and the thread count, as run() prints them (common.run.machine)."""
@@ -103,7 +99,7 @@ def test_every_stored_run_names_its_machine():
         )
         if "$ python" in text and not re.search(r"\d+ (CPU )?cores", text):
             unnamed.append(name)
-    assert unnamed == sorted(MACHINE_NOT_STORED), unnamed
+    assert not unnamed, unnamed
 
 
 @pytest.mark.slow
