@@ -7,10 +7,15 @@ and grpo.py's and rloo.py's (default_runs.py).
 
     python benchmarks/default_lines.py                     # every script above, one after the other
     python benchmarks/default_lines.py --scripts sft dpo   # some of them; the others keep their recorded lines
+    python benchmarks/default_lines.py --check --scripts ddpo ilql   # rerun, compare with the record, write nothing
+
+`--check` is the test of the lines the suite has no room to rerun (tests/conftest.py's `default_run` reruns the
+short ones): on the CPU kind and torch the record names, each run must end on its recorded line but for the time.
 """
 
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -32,6 +37,14 @@ PREFIX = {"sft": "sft: ", "reward_modeling": "reward model: ", "dpo": "dpo: ", "
 class Args:
     scripts: list[str] = field(default_factory=lambda: list(PREFIX))
     """the scripts whose default run to (re)record"""
+    check: bool = False
+    """rerun them and compare each line with the record (but for the time) instead of recording: exit status 1 when
+    one differs"""
+
+
+def untimed(line: str) -> str:
+    """A summary line without its wall time and rate ("in 40s", "(2.65 steps/s)"): what a rerun must repeat."""
+    return re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", line)
 
 
 def main(args: Args) -> None:
@@ -43,15 +56,37 @@ def main(args: Args) -> None:
         with open(RESULTS) as f:
             record = json.load(f)
     here = {"machine": machine(), "launcher": "python", "threads": torch.get_num_threads(), "torch": torch.__version__}
+    differ = []
     for script in args.scripts:
+        recorded = record["runs"].get(script)
+        if args.check and recorded is None:
+            raise SystemExit(f"error: {script}.py has no recorded line to check: record it first (without --check)")
+        kind = ["machine", "threads", "torch"]
+        if args.check and [recorded[k] for k in kind] != [here[k] for k in kind]:
+            print(
+                f"{script}: not checked, recorded on {recorded['machine']}, {recorded['threads']} threads, torch "
+                f"{recorded['torch']} (here {here['machine']}, {here['threads']} threads, torch {here['torch']})"
+            )
+            continue
         with tempfile.TemporaryDirectory(prefix=f"rlhf-default-{script}-") as folder:
             stdout, seconds = run_script([f"{script}.py"], folder)
         line = next(line for line in stdout.splitlines() if line.startswith(PREFIX[script]))
+        if args.check:
+            same = untimed(line) == untimed(recorded["line"])
+            print(
+                f"{script}: {'the recorded line' if same else 'differs'} ({seconds:.0f} s)\n  now:      {line}"
+                + ("" if same else f"\n  recorded: {recorded['line']}"),
+                flush=True,
+            )
+            differ += [] if same else [script]
+            continue
         record["runs"][script] = {"command": f"python {script}.py", "line": line, "seconds": seconds, **here}
         print(line, flush=True)
         with open(RESULTS, "w") as f:  # after each run: what is done stays done
             json.dump(record, f, indent=1)
             f.write("\n")
+    if args.check:
+        raise SystemExit(f"differs from the record: {' '.join(differ)}" if differ else 0)
     print(f"wrote {os.path.relpath(RESULTS, ROOT)}")
 
 

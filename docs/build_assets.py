@@ -922,7 +922,8 @@ def default_line(script: str) -> str:
             f"`tests/test_{script}.py` runs it again and fails when it ends on another line (on the CPU kind and torch "
             "named here)."
             if f'default_run("{script}"' in open(os.path.join(ROOT, "tests", f"test_{script}.py")).read()
-            else "No test runs it again (the suite has no room for its length)."
+            else "No test runs it again (the suite has no room for its length): `python benchmarks/default_lines.py "
+            f"--check --scripts {script}` does, and exits 1 when it ends on another line."
         )
     )
 
