@@ -15,7 +15,6 @@ short ones): on the CPU kind and torch the record names, each run must end on it
 
 import json
 import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-default-lines.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, run_script  # noqa: E402
+from records import machine, run_script, untimed  # noqa: E402
 
 PREFIX = {"sft": "sft: ", "reward_modeling": "reward model: ", "dpo": "dpo: ", "ddpo": "ddpo: ", "ilql": "ilql: "}
 
@@ -40,11 +39,6 @@ class Args:
     check: bool = False
     """rerun them and compare each line with the record (but for the time) instead of recording: exit status 1 when
     one differs"""
-
-
-def untimed(line: str) -> str:
-    """A summary line without its wall time and rate ("in 40s", "(2.65 steps/s)"): what a rerun must repeat."""
-    return re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", line)
 
 
 def main(args: Args) -> None:

@@ -1,12 +1,20 @@
-"""What the benchmark drivers share: the machine a record was measured on, and a run's TensorBoard scalars."""
+"""What the benchmark drivers share: the machine a record was measured on, a run's TensorBoard scalars, and a summary
+line without its time."""
 
 import glob
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.run import machine  # noqa: E402  (every record names its machine as common.run.machine does)
+
+
+def untimed(line: str) -> str:
+    """A summary line without its wall time and rate ("in 40s", "(2.65 steps/s)"): what a rerun of a default run must
+    repeat (`benchmarks/default_lines.py --check`, and tests/conftest.py's `default_run`)."""
+    return re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", line)
 
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:

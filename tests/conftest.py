@@ -12,6 +12,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: one core per worker, n
     # for them: the other worker keeps its core (the wait policy changes no number)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")  # the records default_run compares with, and their helpers
 sys.path.insert(0, ROOT)
 
 import subprocess  # noqa: E402
@@ -218,13 +219,12 @@ def default_run(script: str, prefix: str, cwd, run: dict | None = None) -> str:
     it must end on the record's line, but for the time ("in 40s"). Another CPU's kernels round differently: there a
     warning says that the line went unchecked, and the caller's learning checks still hold. Returns the run's output."""
     import json
-    import re
     import warnings
 
     import torch
 
     if run is None:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS-default-lines.json")) as f:
+        with open(os.path.join(BENCHMARKS, "RESULTS-default-lines.json")) as f:
             run = json.load(f)["runs"][script]
     threads = torch.get_num_threads()
     torch.set_num_threads(run["threads"])  # the record's: a reduction split over other threads rounds differently
@@ -233,9 +233,10 @@ def default_run(script: str, prefix: str, cwd, run: dict | None = None) -> str:
     finally:
         torch.set_num_threads(threads)
     line = [line for line in out.splitlines() if line.startswith(prefix) and "it/s]" not in line][-1]  # not a bar
-    from common.run import machine  # as the record names its machine (benchmarks/records.py)
+    if BENCHMARKS not in sys.path:
+        sys.path.append(BENCHMARKS)
+    from records import machine, untimed  # the record's own helpers (benchmarks/default_lines.py --check uses them)
 
-    untimed = lambda text: re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", text)  # noqa: E731
     here = (machine(), torch.__version__)
     if here == (run["machine"], run["torch"]):  # the same CPU kind and torch: the same numbers, bit for bit
         assert untimed(line) == untimed(run["line"]), (line, run["line"])
