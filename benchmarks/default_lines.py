@@ -10,7 +10,12 @@ and grpo.py's and rloo.py's (default_runs.py).
     python benchmarks/default_lines.py --check --scripts ddpo ilql   # rerun, compare with the record, write nothing
 
 `--check` is the test of the lines the suite has no room to rerun (tests/conftest.py's `default_run` reruns the
-short ones): on the CPU kind and torch the record names, each run must end on its recorded line but for the time.
+short ones): on the CPU kind and torch the record names, each run must end on its recorded line but for the time. It
+also checks the lines the other records hold, rerunning each one's first run as that record ran it: kto.py's seed 1
+(RESULTS-kto-default.json), gkd.py's on-policy run, its default (RESULTS-gkd-variants.json), and grpo.py's and rloo.py's seed 1
+(RESULTS-default-runs.json).
+
+    python benchmarks/default_lines.py --check --scripts kto gkd grpo rloo
 """
 
 import json
@@ -30,46 +35,78 @@ sys.path.insert(0, ROOT)
 from records import machine, run_script, untimed  # noqa: E402
 
 PREFIX = {"sft": "sft: ", "reward_modeling": "reward model: ", "dpo": "dpo: ", "ddpo": "ddpo: ", "ilql": "ilql: "}
+KIND = ("machine", "threads", "torch")  # what a rerun must share with the record for its line to be the same
+
+
+def recorded(script: str) -> tuple[list[str], str, dict] | None:
+    """The argv, the line and the machine of the recorded run of `script` that --check reruns (None if none)."""
+    if script in PREFIX:
+        run = read(RESULTS)["runs"].get(script)
+        return None if run is None else ([f"{script}.py"], run["line"], run)
+    if script == "kto":  # benchmarks/kto_default.py: `python kto.py --seed S`, each in a fresh folder
+        r = read(os.path.join(HERE, "RESULTS-kto-default.json"))
+        return ["kto.py", "--seed", "1"], r["runs"]["1"]["line"], r
+    if script == "gkd":  # benchmarks/gkd_variants.py: its on-policy run is the default one
+        r = read(os.path.join(HERE, "RESULTS-gkd-variants.json"))
+        return ["gkd.py"], r["runs"]["on-policy"]["line"], r
+    r = read(os.path.join(HERE, "RESULTS-default-runs.json"))  # benchmarks/default_runs.py: grpo.py and rloo.py
+    run = r["runs"].get(f"{script}-1")
+    argv = [f"{script}.py", "--seed", "1", "--output-dir", run["folder"]] if run else []
+    return None if run is None else (argv, run["summary"], r)
+
+
+def read(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"runs": {}}
+    with open(path) as f:
+        return json.load(f)
 
 
 @dataclass
 class Args:
     scripts: list[str] = field(default_factory=lambda: list(PREFIX))
-    """the scripts whose default run to (re)record"""
+    """the scripts whose default run to (re)record; with --check, also kto, gkd, grpo and rloo"""
     check: bool = False
     """rerun them and compare each line with the record (but for the time) instead of recording: exit status 1 when
     one differs"""
 
 
 def main(args: Args) -> None:
-    unknown = sorted(set(args.scripts) - set(PREFIX))
+    others = {"kto": "kto_default.py", "gkd": "gkd_variants.py", "grpo": "default_runs.py", "rloo": "default_runs.py"}
+    elsewhere = sorted(set(args.scripts) & set(others)) if not args.check else []
+    if elsewhere:
+        raise SystemExit(
+            f"error: --scripts {' '.join(elsewhere)}: recorded by "
+            f"{', '.join(f'benchmarks/{others[s]}' for s in elsewhere)}; here only with --check"
+        )
+    unknown = sorted(set(args.scripts) - set(PREFIX) - set(others))
     if unknown:
-        raise SystemExit(f"error: --scripts {' '.join(unknown)}: not one of {', '.join(PREFIX)}")
-    record = {"runs": {}}
-    if os.path.exists(RESULTS):
-        with open(RESULTS) as f:
-            record = json.load(f)
+        raise SystemExit(f"error: --scripts {' '.join(unknown)}: not one of {', '.join([*PREFIX, *others])}")
+    record = read(RESULTS)
     here = {"machine": machine(), "launcher": "python", "threads": torch.get_num_threads(), "torch": torch.__version__}
     differ = []
     for script in args.scripts:
-        recorded = record["runs"].get(script)
-        if args.check and recorded is None:
-            raise SystemExit(f"error: {script}.py has no recorded line to check: record it first (without --check)")
-        kind = ["machine", "threads", "torch"]
-        if args.check and [recorded[k] for k in kind] != [here[k] for k in kind]:
-            print(
-                f"{script}: not checked, recorded on {recorded['machine']}, {recorded['threads']} threads, torch "
-                f"{recorded['torch']} (here {here['machine']}, {here['threads']} threads, torch {here['torch']})"
-            )
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"rlhf-default-{script}-") as folder:
-            stdout, seconds = run_script([f"{script}.py"], folder)
-        line = next(line for line in stdout.splitlines() if line.startswith(PREFIX[script]))
         if args.check:
-            same = untimed(line) == untimed(recorded["line"])
+            found = recorded(script)
+            if found is None:
+                raise SystemExit(f"error: {script}.py has no recorded line to check: record it first (without --check)")
+            argv, recorded_line, kind = found
+            if [kind.get(k) for k in KIND] != [here[k] for k in KIND]:
+                print(
+                    f"{script}: not checked, recorded on {kind['machine']}, {kind.get('threads')} threads, torch "
+                    f"{kind.get('torch')} (here {here['machine']}, {here['threads']} threads, torch {here['torch']})"
+                )
+                continue
+        else:
+            argv = [f"{script}.py"]
+        with tempfile.TemporaryDirectory(prefix=f"rlhf-default-{script}-") as folder:
+            stdout, seconds = run_script(argv, folder)
+        line = next(line for line in stdout.splitlines() if line.startswith(PREFIX.get(script, f"{script}: ")))
+        if args.check:
+            same = untimed(line) == untimed(recorded_line)
             print(
-                f"{script}: {'the recorded line' if same else 'differs'} ({seconds:.0f} s)\n  now:      {line}"
-                + ("" if same else f"\n  recorded: {recorded['line']}"),
+                f"{script}: {'the recorded line' if same else 'differs'} (python {' '.join(argv)}, {seconds:.0f} s)\n"
+                f"  now:      {line}" + ("" if same else f"\n  recorded: {recorded_line}"),
                 flush=True,
             )
             differ += [] if same else [script]

@@ -152,7 +152,7 @@ if __name__ == "__main__":
             key = f"{script}-{seed}"
             if not args.final_only:
                 results["runs"][key] = train(script, seed, args.out)
-                results |= dict(machine=machine(), launcher="python", threads="torch's default (2)")
+                results |= dict(machine=machine(), launcher="python", threads=torch.get_num_threads(), torch=torch.__version__)
                 print(f"{script} seed {seed}: {results['runs'][key]['summary']}", flush=True)
             run = results["runs"].get(key)
             if run is None or ("final" in run and args.final_only):

@@ -26,9 +26,10 @@ METRICS = ("accuracy", "kl_to_teacher", "completion_length", "top_answer_share")
 def main() -> None:
     record = header("python benchmarks/gkd_variants.py") | {"runs": {}}
     with tempfile.TemporaryDirectory(prefix="rlhf-gkd-variants-") as folder:
-        for name, flags in VARIANTS.items():
-            runs = os.path.join(folder, "runs", name)
-            stdout, seconds = run_script(["gkd.py", *flags, "--output-dir", name, "--log-dir", runs], folder)
+        for name, flags in VARIANTS.items():  # each in a folder of its own: the on-policy run is `python gkd.py`
+            os.makedirs(os.path.join(folder, name))
+            runs = os.path.join(folder, name, "runs")
+            stdout, seconds = run_script(["gkd.py", *flags], os.path.join(folder, name))
             steps = sorted(v for _, v in scalars(runs, "time/step"))
             record["runs"][name] = {
                 "command": " ".join(["python gkd.py", *flags]),

@@ -148,13 +148,71 @@ def default_runs(script: str) -> str:
     first = sum(v["eval"][0] for v in runs.values()) / len(runs)
     last = sum(v["eval"][1] for v in runs.values()) / len(runs)
     rows.append(f"| mean | {first:.3f} -> {last:.3f} ({last - first:+.3f}) | | | | | | |")
+    problems = run["final"]["problems"]
     where = (
         f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each row `python {script}.py --seed N`. The "
-        f"columns from greedy accuracy on evaluate the initial and the saved model on the run's {run['final']['problems']} "
+        f"columns from greedy accuracy on evaluate the initial and the saved model on the run's {problems} "
         f"held-out problems, {samples} sampled replies each (temperature 1); the KL is the saved model's to the initial "
         "one on its own replies."
     )
-    return "\n".join(rows) + f"\n\n{where}"
+    return "\n".join(rows) + f"\n\n{where}\n\n{default_runs_reading(runs, problems)}\n\n" + seed_line(script, runs)
+
+
+def default_runs_reading(runs: dict, problems: int) -> str:
+    """What the table of default runs says, computed from it: how many seeds raise the training reward, whether the
+    held-out score moves beyond its noise, and how the saved model compares with the initial one."""
+    import math
+
+    n = len(runs)
+    rose = sum(v["train"][1] > v["train"][0] for v in runs.values())
+    first = sum(v["eval"][0] for v in runs.values()) / n
+    last = sum(v["eval"][1] for v in runs.values()) / n
+    # a difference of two means of n seeds x `problems` single samples each, at the pooled accuracy
+    p = (first + last) / 2
+    noise = 2 * math.sqrt(2 * p * (1 - p) / (n * problems))
+    ends = [(v["final"]["start"], v["final"]["end"]) for v in runs.values()]
+
+    def fewer(key: str) -> str:  # the seeds whose saved model is lower than the initial one on `key`
+        return count_of(sum(b[key] < a[key] for a, b in ends), n)
+
+    def mean(key: str, side: int) -> float:
+        return sum(pair[side][key] for pair in ends) / n
+
+    return (
+        f"Computed from the table: the training reward rises in {count_of(rose, n)}; the held-out score's mean moves "
+        f"{last - first:+.3f}, {'within' if abs(last - first) <= noise else 'beyond'} two standard errors of a "
+        f"difference ({noise:.3f}, at its mean over {n} x {problems} single samples). The saved model's greedy accuracy "
+        f"is lower than the initial one's in {fewer('greedy')} (mean {mean('greedy', 0):.2f} -> "
+        f"{mean('greedy', 1):.2f}), its sampled accuracy lower in {fewer('sampled')} (mean "
+        f"{mean('sampled', 0):.2f} -> {mean('sampled', 1):.2f}), and its distinct answers fewer in "
+        f"{fewer('distinct')} (mean {mean('distinct', 0):.2f} -> {mean('distinct', 1):.2f}). "
+        + (
+            "The training reward rises while the held-out score stays within its noise: the policy fits its training "
+            "problems, and what it learns does not carry over to held-out ones."
+            if rose == n and abs(last - first) <= noise
+            else f"The held-out score {'rises' if last > first else 'falls'} beyond its noise."
+            if abs(last - first) > noise
+            else "The training reward does not rise in every seed."
+        )
+    )
+
+
+def count_of(k: int, n: int) -> str:
+    return ("its one seed" if n == 1 else "every seed") if k == n else f"{k} of {n} seeds"
+
+
+def seed_line(script: str, runs: dict) -> str:
+    """The line seed 1's default run ended on, and the command that reruns it against the record."""
+    run = runs[f"{script}-1"]
+    return f"Seed 1 ended on\n\n```\n{run['summary']}\n```\n\n{rerun_by_check(script)}"
+
+
+def rerun_by_check(script: str) -> str:
+    """Which command reruns a recorded default line that no test has room to rerun."""
+    return (
+        "No test runs it again (the suite has no room for its length): `python benchmarks/default_lines.py --check "
+        f"--scripts {script}` does, and exits 1 when it ends on another line (on the CPU kind and torch named here)."
+    )
 
 
 def agents_calculator() -> str:
@@ -432,7 +490,7 @@ def kto_default_runs() -> str:
         "\n".join(rows)
         + f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads (`{r['command']}`); the rewards and the KL at "
         + f"the last evaluation, on held-out prompts. The margin rises on {rose} of {len(r['runs'])} seeds. Seed "
-        + f"{first} ended on\n\n```\n{r['runs'][first]['line']}\n```"
+        + f"{first} ended on\n\n```\n{r['runs'][first]['line']}\n```\n\n{rerun_by_check('kto')}"
     )
 
 
@@ -907,7 +965,8 @@ def gkd_variants() -> str:
         + f" two standard errors of a difference ({2 * math.sqrt(2) * se:.3f}). "
         + f"The {lowest} run ends with the lowest KL to the teacher; on-policy GKD's steps take "
         + f"{abs(cheaper):.0%} {'less' if cheaper > 0 else 'more'} time than sequence-level KD's (the student samples, "
-        + "not the teacher)."
+        + f"not the teacher). The on-policy run, `python gkd.py`, ended on\n\n```\n{runs['on-policy']['line']}\n```\n\n"
+        + rerun_by_check("gkd")
     )
 
 
@@ -922,8 +981,7 @@ def default_line(script: str) -> str:
             f"`tests/test_{script}.py` runs it again and fails when it ends on another line (on the CPU kind and torch "
             "named here)."
             if f'default_run("{script}"' in open(os.path.join(ROOT, "tests", f"test_{script}.py")).read()
-            else "No test runs it again (the suite has no room for its length): `python benchmarks/default_lines.py "
-            f"--check --scripts {script}` does, and exits 1 when it ends on another line."
+            else rerun_by_check(script)
         )
     )
 
