@@ -65,7 +65,7 @@ def _report(kind, error, traceback) -> None:
     if issubclass(kind, UsageError):
         sys.stdout.flush()
         if rank:
-            time.sleep(2)
+            _wait_for_the_launcher(2)
         # torch.distributed's exception hook swaps sys.stderr for a buffer that os._exit would never write out
         sys.__stderr__.write(f"error: {error}\n")
         sys.__stderr__.flush()
@@ -75,8 +75,22 @@ def _report(kind, error, traceback) -> None:
         release_outputs()
         os._exit(2)  # an exception hook cannot choose the exit status; nothing is left to clean up before training
     if rank and issubclass(kind, torch.distributed.DistError):
-        time.sleep(3)  # a collective broken by another rank's failure: the launcher stops this rank meanwhile
+        _wait_for_the_launcher(3)  # a collective broken by another rank's failure: the launcher stops this rank meanwhile
     sys.__excepthook__(kind, error, traceback)
+
+
+def _wait_for_the_launcher(seconds: float) -> None:
+    """A rank other than the main one, after a failure that the main rank reports: the launcher stops it meanwhile with
+    SIGTERM, and it then ends without a word (Terminated raised inside this hook would print "Error in sys.excepthook"
+    and both tracebacks under the main rank's one line)."""
+
+    def stop(signum, frame):
+        release_outputs()
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+    time.sleep(seconds)
 
 
 class _Harmless(logging.Filter):

@@ -109,7 +109,10 @@ def free_port() -> str:
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, launcher):
     """A mistake found after the Accelerator exists (so after torch.distributed installed its exception hook, which
-    swaps stderr for a buffer): one `error:` line, every rank non-zero, no hang; over gloo on CPU."""
+    swaps stderr for a buffer): one `error:` line, every rank non-zero, no hang; over gloo on CPU. No frame of this
+    code follows it: rank 1, stopped by the launcher while it waits for rank 0 to report, ends without a word (its
+    SIGTERM raised inside the exception hook printed "Error in sys.excepthook" and both tracebacks). What remains
+    under the line is the launcher's own failure summary, which names the line as its cause."""
     from conftest import DDP_ENV
 
     port = free_port()
@@ -131,6 +134,8 @@ def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, 
         "error: --dataset-name missing.jsonl: no such file (from " + str(tmp_path) + ")"
     ], result.stderr[-3000:]
     assert "exitcode  : 0" not in result.stderr  # no rank ended as if nothing had gone wrong
+    ours = re.search(rf'File "{re.escape(ROOT)}/(?!\.venv/)', result.stderr)  # a frame of this code, not a library's
+    assert "Error in sys.excepthook" not in result.stderr and not ours, result.stderr[-3000:]
 
 
 def test_cheap_checks_come_before_building_a_preset(tmp_path):
