@@ -12,8 +12,8 @@ and grpo.py's and rloo.py's (default_runs.py).
 `--check` is the test of the lines the suite has no room to rerun (tests/conftest.py's `default_run` reruns the
 short ones): on the CPU kind and torch the record names, each run must end on its recorded line but for the time. It
 also checks the lines the other records hold, rerunning each one's first run as that record ran it: kto.py's seed 1
-(RESULTS-kto-default.json), gkd.py's on-policy run, its default (RESULTS-gkd-variants.json), and grpo.py's and rloo.py's seed 1
-(RESULTS-default-runs.json).
+(RESULTS-kto-default.json), gkd.py's on-policy run, its default (RESULTS-gkd-variants.json), and grpo.py's and
+rloo.py's seed 1 (RESULTS-default-runs.json).
 
     python benchmarks/default_lines.py --check --scripts kto gkd grpo rloo
 """
