@@ -51,8 +51,9 @@ def recorded(script: str) -> tuple[list[str], str, dict] | None:
         return ["gkd.py"], r["runs"]["on-policy"]["line"], r
     r = read(os.path.join(HERE, "RESULTS-default-runs.json"))  # benchmarks/default_runs.py: grpo.py and rloo.py
     run = r["runs"].get(f"{script}-1")
-    argv = [f"{script}.py", "--seed", "1", "--output-dir", run["folder"]] if run else []
-    return None if run is None else (argv, run["summary"], r)
+    if run is None:
+        return None
+    return [f"{script}.py", "--seed", "1", "--output-dir", run["folder"]], run["summary"], r
 
 
 def read(path: str) -> dict:
