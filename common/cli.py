@@ -149,7 +149,7 @@ def cli(args_class):
         script = read_checkpoint(args.resume_from).get("script")
         if script not in (None, os.path.basename(sys.argv[0])):
             raise UsageError(f"--resume-from {args.resume_from}: a checkpoint of {script}; resume it with {script}.")
-    check_outputs(args)
+    check_outputs(args, given=any(a.split("=")[0] in ("--output-dir", "--output_dir") for a in sys.argv[1:]))
     check_shared_flags(args)
     hold_outputs(args)  # after every cheap check: a run refused for its flags holds nothing
     return args

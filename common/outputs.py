@@ -47,38 +47,58 @@ def output_folders(args) -> dict[str, str]:
     return folders
 
 
-def check_outputs(args) -> None:
+def check_outputs(args, given: bool = True) -> None:
     """Refuse, before anything loads, an output that would destroy what this codebase did not write: a run writes only
     into a folder that is new, empty, or one it saved (MARKER; replaced with --overwrite), its checkpoints into a folder
-    of checkpoints only (resuming from one continues there), its logs into a new subfolder of --log-dir."""
-    overwrite = getattr(args, "overwrite", False)
-    resume = os.path.realpath(args.resume_from) if getattr(args, "resume_from", None) else None
-    for flag, path in output_folders(args).items():
-        checkpoints = flag == "the checkpoint folder"
-        full = _writable_folder(path, flag)
-        # what is there, less a save's own leftovers (atomic_directory's .tmp- / .new- / .old-), which the next clears
-        entries = [e for e in os.listdir(full) if not e.startswith((".tmp-", ".new-", ".old-"))] if os.path.isdir(full) else []
-        if checkpoints:  # its entries are checkpoint folders (each with MARKER): ours only, nothing else
-            foreign = [e for e in entries if not os.path.isfile(os.path.join(full, e, MARKER))]
-            resuming_here = resume is not None and os.path.dirname(resume) == full
-            ours = bool(entries) and not foreign
-        else:
-            foreign = [] if MARKER in entries else entries
-            resuming_here, ours = False, MARKER in entries
-        if foreign:
-            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise UsageError(
-                f"{flag} {path}: the folder holds files this codebase did not write ({shown}); a run replaces its "
-                "output folder, so choose a new or empty one."
-            )
-        if ours and not overwrite and not resuming_here:
-            raise UsageError(
-                f"{flag} {path}: it holds the {'checkpoints' if checkpoints else 'model'} of an earlier run; pass "
-                "--overwrite to replace what it saved, or choose another --output-dir."
-            )
+    of checkpoints only (resuming from one continues there), its logs into a new subfolder of --log-dir.
+
+    An --output-dir left at its default (`given` False) that an earlier run saved into, or that holds other files, is
+    not refused: the run takes the first free folder beside it (outputs/ppo-2, outputs/ppo-3, ...), so that a command
+    run twice gives two runs. Every rank finds the same one, since no rank saves before the run's end."""
+    default = getattr(args, "output_dir", None)
+    for n in range(1 if given or getattr(args, "overwrite", False) else 100):
+        args.output_dir = default if n == 0 else f"{default}-{n + 1}"
+        conflicts = [c for flag, path in output_folders(args).items() if (c := _conflict(args, flag, path))]
+        if not conflicts:
+            break
+    else:  # none free (or --checkpoint-dir taken): refused as an explicit folder is
+        args.output_dir = default
+        conflicts = [c for flag, path in output_folders(args).items() if (c := _conflict(args, flag, path))]
+    if args.output_dir != default and not int(os.environ.get("RANK", "0")):
+        print(f"{default} holds an earlier run's output: this run saves to {args.output_dir} (--output-dir to choose)")
+    if conflicts:
+        raise UsageError(conflicts[0])
     log_dir = getattr(args, "log_dir", None)
     if log_dir is not None:
         _writable_folder(log_dir, "--log-dir")
+
+
+def _conflict(args, flag: str, path: str) -> str | None:
+    """Why the run may not write `path` (what the folder holds), or None."""
+    resume = os.path.realpath(args.resume_from) if getattr(args, "resume_from", None) else None
+    checkpoints = flag == "the checkpoint folder"
+    full = _writable_folder(path, flag)
+    # what is there, less a save's own leftovers (atomic_directory's .tmp- / .new- / .old-), which the next clears
+    entries = [e for e in os.listdir(full) if not e.startswith((".tmp-", ".new-", ".old-"))] if os.path.isdir(full) else []
+    if checkpoints:  # its entries are checkpoint folders (each with MARKER): ours only, nothing else
+        foreign = [e for e in entries if not os.path.isfile(os.path.join(full, e, MARKER))]
+        resuming_here = resume is not None and os.path.dirname(resume) == full
+        ours = bool(entries) and not foreign
+    else:
+        foreign = [] if MARKER in entries else entries
+        resuming_here, ours = False, MARKER in entries
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+        return (
+            f"{flag} {path}: the folder holds files this codebase did not write ({shown}); a run replaces its output "
+            "folder, so choose a new or empty one."
+        )
+    if ours and not getattr(args, "overwrite", False) and not resuming_here:
+        return (
+            f"{flag} {path}: it holds the {'checkpoints' if checkpoints else 'model'} of an earlier run; pass "
+            "--overwrite to replace what it saved, or choose another --output-dir."
+        )
+    return None
 
 
 def _writable_folder(path: str, flag: str) -> str:

@@ -53,6 +53,25 @@ def wait_for(path, process: subprocess.Popen, seconds: float = 120) -> None:
         time.sleep(0.05)
 
 
+def test_a_command_run_twice_gives_two_runs_each_in_its_own_folder(tmp_path):
+    """`python ppo.py` twice in one folder: --output-dir left at its default, the second run saves beside the first
+    (outputs/ppo-2, saying so), whose model stays as it was; a third takes outputs/ppo-3. Given explicitly, a folder
+    holding a model is refused as before."""
+    ppo = [os.path.join(ROOT, "ppo.py"), "--model-name", "builtin:tiny-gpt2", "--reward-model", "None"]
+    ppo += ["--total-episodes", "8", "--batch-size", "8", "--mini-batch-size", "8", "--max-new-tokens", "4"]
+    ppo += ["--min-new-tokens", "4", "--eval-samples", "4", "--ppo-epochs", "1"]
+    assert "model saved to outputs/ppo\n" in run_script(ppo, tmp_path) + "\n"
+    first = (tmp_path / "outputs" / "ppo" / "model.safetensors").read_bytes()
+    second = run_script([*ppo, "--seed", "2"], tmp_path)
+    assert "outputs/ppo holds an earlier run's output: this run saves to outputs/ppo-2" in second, second
+    assert "model saved to outputs/ppo-2" in second
+    assert (tmp_path / "outputs" / "ppo" / "model.safetensors").read_bytes() == first
+    assert (tmp_path / "outputs" / "ppo-2" / "model.safetensors").read_bytes() != first
+    assert "model saved to outputs/ppo-3" in run_script(ppo, tmp_path)
+    error = run_failing([*ppo, "--output-dir", "outputs/ppo"], tmp_path)
+    assert "--output-dir outputs/ppo: it holds the model of an earlier run; pass --overwrite" in error, error
+
+
 @pytest.mark.slow
 def test_a_second_run_into_a_held_folder_stops_with_one_line_naming_the_first(tmp_path):
     """Two real processes, one output folder: the second stops at once (exit 2, one line naming the first run's script
