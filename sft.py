@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, pad_right, plain, weight_decay_groups
+from common.core import UsageError, check_args, logprobs_from_logits, pad_right, plain, weight_decay_groups
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -101,6 +101,9 @@ class Args:
     """fraction of the examples held out for evaluation"""
 
     # Optimisation
+    loss_type: Literal["nll", "dft"] = "nll"
+    """nll: the mean next-token negative log-likelihood; dft: each token's NLL scaled by its own probability, detached
+    (Dynamic Fine-Tuning, Wu et al. 2025; TRL 1.16's loss_type). The eval loss stays the NLL"""
     learning_rate: float = 1e-3
     """peak learning rate (high because the default model is tiny and random; ~2e-5 for a pretrained model)"""
     lr_scheduler_type: str = "cosine"
@@ -403,13 +406,29 @@ def load_model(args: Args, accelerator: Accelerator, quantization: dict, total_s
     return accelerator.prepare(model, optimizer, scheduler)
 
 
-def lm_loss(model, head, accelerator: Accelerator, batch: dict) -> torch.Tensor:
-    """Mean next-token NLL over the labelled tokens (the model's own loss, or the chunked head's)."""
-    if head is None:
+def token_loss(logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str = "nll") -> torch.Tensor:
+    """The mean over the labelled tokens of -log p (nll), or of -sg(p) log p (dft: Wu et al. 2025, "On the
+    Generalization of SFT", eq. 8; TRL 1.16 SFTTrainer.compute_loss), whose gradient -p grad log p = -grad p weighs
+    each token by its own probability, as an on-policy gradient would. logprobs, mask: [B, T]."""
+    per_token = -logprobs
+    if loss_type == "dft":
+        per_token = per_token * logprobs.exp().detach()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def lm_loss(model, head, accelerator: Accelerator, batch: dict, loss_type: str = "nll") -> torch.Tensor:
+    """`token_loss` over the labelled tokens (the model's own loss for nll without the chunked head)."""
+    if head is None and loss_type == "nll":
         return model(**batch).loss
-    with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
-        logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    return -logprobs.sum() / mask.sum()
+    if head is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        mask = labels != -100
+        logprobs = logprobs_from_logits(logits, labels.clamp(min=0)) * mask
+    else:
+        with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
+            logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    return token_loss(logprobs, mask, loss_type)
 
 
 @torch.no_grad()
@@ -520,7 +539,7 @@ def main(args: Args) -> None:
             tokens = (batch["labels"][:, 1:] != -100).sum()  # the loss is the mean over the global batch's tokens:
             share = tokens * accelerator.num_processes / accelerator.reduce(tokens, "sum")  # a rank weighs its share
             with accelerator.accumulate(model):
-                loss = lm_loss(model, head, accelerator, batch) * share
+                loss = lm_loss(model, head, accelerator, batch, args.loss_type) * share
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

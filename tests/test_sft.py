@@ -9,7 +9,7 @@ from conftest import ROOT, check_model_card, check_resume, default_run, read_sca
 from transformers import AutoModelForCausalLM
 
 from common.loading import load_pretrained, load_tokenizer
-from sft import completion_only_labels, neftune_hook, pack_sequences
+from sft import completion_only_labels, neftune_hook, pack_sequences, token_loss
 
 SFT = os.path.join(ROOT, "sft.py")
 
@@ -57,13 +57,34 @@ def test_default_run_learns_saves_a_loadable_model_and_ends_on_its_pages_line(tm
 
 
 @pytest.mark.slow
-def test_chunked_loss_is_the_models_own_loss(tmp_path):
+def test_dft_loss_by_hand_and_by_trls_formula():
+    """DFT (TRL 1.16 SFTTrainer.compute_loss: per_token_loss = -log_probs * log_probs.exp().detach(), summed over the
+    labelled tokens and divided by their count): each token's NLL weighted by its probability, and the gradient with
+    respect to a token's log-prob is -p / N, where the NLL's is -1 / N."""
+    logprobs = torch.tensor([[-0.1, -2.0, -0.7], [-1.5, -0.3, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    p = [[math.exp(-0.1), math.exp(-2.0), math.exp(-0.7)], [math.exp(-1.5), math.exp(-0.3), 0.0]]
+    by_hand = (0.1 * p[0][0] + 2.0 * p[0][1] + 0.7 * p[0][2] + 1.5 * p[1][0] + 0.3 * p[1][1]) / 5
+    trl = (-logprobs * logprobs.exp().detach() * mask).sum() / mask.sum()  # TRL's two lines, on our masked layout
+    loss = token_loss(logprobs, mask, "dft")
+    assert loss.item() == pytest.approx(by_hand) and loss.item() == pytest.approx(trl.item())
+    loss.backward()
+    expected = [-p[0][0] / 5, -p[0][1] / 5, -p[0][2] / 5, -p[1][0] / 5, -p[1][1] / 5, 0.0]
+    assert logprobs.grad.flatten().tolist() == pytest.approx(expected)
+    assert token_loss(logprobs, mask, "nll").item() == pytest.approx((0.1 + 2.0 + 0.7 + 1.5 + 0.3) / 5)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_chunked_loss_is_the_models_own_loss(tmp_path, loss_type):
+    """The chunked LM head and the model's full logits train the same run, for either loss; DFT's loss is not NLL's."""
     losses = {}
     for flag in ("--chunked-loss", "--no-chunked-loss"):  # same seed, same dropout draws: the same training run
         run_script(
             [
                 SFT,
                 flag,
+                "--loss-type",
+                loss_type,
                 "--overwrite",
                 "--max-steps",
                 "3",
@@ -82,6 +103,8 @@ def test_chunked_loss_is_the_models_own_loss(tmp_path):
     assert len(losses["--chunked-loss"][0]) == 3 and len(losses["--chunked-loss"][1]) == 3
     for chunked, full in zip(losses["--chunked-loss"], losses["--no-chunked-loss"]):
         assert chunked == pytest.approx(full, rel=1e-4)
+    if loss_type == "dft":  # each token's NLL weighted by a probability below 1: a smaller loss than the eval NLL
+        assert losses["--chunked-loss"][0][0] < losses["--chunked-loss"][1][0] / 2, losses
 
 
 @pytest.mark.slow
