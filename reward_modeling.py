@@ -87,6 +87,9 @@ class Args:
     has one (messages always are); --no-chat-template: "prompt response<eos>" as raw text"""
     margin_column: str | None = None
     """an optional per-pair margin (Llama 2): loss = -logsigmoid(r_chosen - r_rejected - margin)"""
+    center_rewards_coefficient: float | None = None
+    """weight of the auxiliary loss mean((r_chosen + r_rejected)^2), which keeps the rewards centred on 0 (Eisenstein
+    et al. 2023; TRL's center_rewards_coefficient, e.g. 0.01); None: off"""
     max_length: int = 128
     """prompt + response tokens; longer pairs are truncated from the left (the response end is kept)"""
     eval_fraction: float = 0.1
@@ -152,12 +155,22 @@ class Args:
     """load the base model in 4 bits (NF4, bf16 compute; bitsandbytes, CUDA only); needs --use-peft"""
 
 
-def reward_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None):
-    """Pairwise loss -log sigmoid(r_chosen - r_rejected - margin), averaged (Stiennon et al. 2020; Llama 2 margin)."""
+def reward_loss(
+    rewards_chosen: torch.Tensor,
+    rewards_rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_coefficient: float | None = None,
+):
+    """Pairwise loss -log sigmoid(r_chosen - r_rejected - margin), averaged (Stiennon et al. 2020; Llama 2 margin),
+    plus center_coefficient * mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023, TRL RewardTrainer.compute_loss):
+    the pairwise loss sees only differences, this term pins the rewards' level near 0."""
     logits = rewards_chosen - rewards_rejected
     if margin is not None:
         logits = logits - margin
-    return -F.logsigmoid(logits).mean()
+    loss = -F.logsigmoid(logits).mean()
+    if center_coefficient is not None:
+        loss = loss + center_coefficient * ((rewards_chosen + rewards_rejected) ** 2).mean()
+    return loss
 
 
 def fold_reward_normalization(model, gain: float, bias: float) -> None:
@@ -189,7 +202,7 @@ def check(args: Args) -> None:
             "save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm "
             "max_length"
         ),
-        non_negative="weight_decay save_steps",
+        non_negative="weight_decay save_steps center_rewards_coefficient",
         fractions="eval_fraction",
     )
     if not 0 <= args.warmup_ratio < 1:
@@ -310,7 +323,7 @@ def batch_rewards(net, batch: dict) -> torch.Tensor:
 def pair_metrics(args: Args, model, batch: dict) -> tuple[torch.Tensor, dict]:
     """Loss and metrics of a batch of pairs."""
     chosen, rejected = batch_rewards(model, batch).chunk(2)
-    loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None)
+    loss = reward_loss(chosen, rejected, batch["margin"] if args.margin_column else None, args.center_rewards_coefficient)
     return loss, {
         "loss": loss.detach(),
         "accuracy": (chosen > rejected).float().mean(),

@@ -12,6 +12,7 @@ from conftest import (
     ddp_launch,
     default_run,
     read_scalars,
+    require,
     run_failing,
     run_script,
 )
@@ -30,6 +31,35 @@ def test_reward_loss_by_hand():
     assert reward_loss(chosen, rejected).item() == pytest.approx(expected)
     with_margin = (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1))) / 2  # margins 0.5, 0
     assert reward_loss(chosen, rejected, torch.tensor([0.5, 0.0])).item() == pytest.approx(with_margin)
+
+
+@pytest.mark.parametrize("margin", [None, [0.5, 0.0, -0.2]])
+def test_reward_loss_with_centring_equals_trls_own_compute_loss(margin):
+    """TRL 1.16's RewardTrainer.compute_loss, driven with the rewards of 3 pairs (its model a stub that returns them):
+    the pairwise loss plus center_rewards_coefficient * mean((r_chosen + r_rejected)^2), with and without margins."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    trl = require("trl")
+    chosen, rejected = torch.tensor([2.0, 0.5, -1.0]), torch.tensor([1.0, 1.5, -3.0])
+    rewards = torch.cat([chosen, rejected])[:, None]
+    identity = lambda x: x  # noqa: E731 - one process: gathering returns the tensor itself
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=False),
+        args=SimpleNamespace(center_rewards_coefficient=0.01),
+        accelerator=SimpleNamespace(gather=identity, gather_for_metrics=identity),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+    )
+    inputs = {"attention_mask": torch.ones(6, 4)} | ({"margin": torch.tensor(margin)} if margin else {})
+    theirs = trl.RewardTrainer.compute_loss(trainer, lambda **kw: SimpleNamespace(logits=rewards), inputs)
+    ours = reward_loss(chosen, rejected, torch.tensor(margin) if margin else None, center_coefficient=0.01)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    centring = 0.01 * ((chosen + rejected) ** 2).mean()  # by hand: 0.01 * (9 + 4 + 16) / 3
+    assert centring.item() == pytest.approx(0.01 * 29 / 3)
+    assert (ours - reward_loss(chosen, rejected, torch.tensor(margin) if margin else None)).item() == pytest.approx(
+        centring.item()
+    )
 
 
 def test_scores_equal_under_left_and_right_padding():
