@@ -131,6 +131,13 @@ class Args:
     """compute the reference log-probs of every pair once before training, then free the reference model"""
     disable_dropout: bool = True
     """set every dropout probability of policy and reference to 0 (TRL default)"""
+    sync_ref_model: bool = False
+    """TR-DPO (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps the reference moves towards the
+    policy, ref <- alpha * policy + (1 - alpha) * ref (TRL's sync_ref_model)"""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha: the policy's share in each update of the reference (1: a hard copy)"""
+    ref_model_sync_steps: int = 512
+    """TR-DPO: optimizer steps between two updates of the reference"""
 
     # Optimisation
     learning_rate: float = 1e-4
@@ -444,13 +451,21 @@ def tokenize_pair_seq2seq(
     return out
 
 
+@torch.no_grad()
+def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
+    becomes alpha * policy + (1 - alpha) * reference, in place."""
+    for ref, param in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
+
+
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_args(
         args,
         positive=(
             "save_total_limit beta learning_rate batch_size gradient_accumulation_steps num_epochs max_length "
-            "max_prompt_length max_target_length eval_steps max_grad_norm"
+            "max_prompt_length max_target_length eval_steps max_grad_norm ref_model_sync_steps"
         ),
         non_negative="weight_decay save_steps",
         fractions="eval_fraction",
@@ -479,6 +494,19 @@ def check(args: Args) -> None:
         )
     if args.discopop_tau <= 0:
         raise UsageError(f"--discopop-tau {args.discopop_tau}: it must be positive.")
+    if args.sync_ref_model and (args.use_peft or args.precompute_ref_log_probs or args.reference_free):
+        what = (
+            "--use-peft"
+            if args.use_peft
+            else "--precompute-ref-log-probs"
+            if args.precompute_ref_log_probs
+            else "--reference-free"
+        )
+        raise UsageError(  # TRL refuses the first two too
+            f"--sync-ref-model moves a reference copy during training, and {what} has none that can move: drop one."
+        )
+    if args.sync_ref_model and not 0 <= args.ref_model_mixup_alpha <= 1:
+        raise UsageError(f"--ref-model-mixup-alpha {args.ref_model_mixup_alpha}: it lies in [0, 1].")
     if args.use_weighting and set(types) & {"aot", "aot_unpaired", "kto_pair"}:
         raise UsageError(
             f"--use-weighting with --loss-type {' '.join(types)}: aot and aot_unpaired sort the batch and kto_pair "
@@ -780,6 +808,10 @@ def main(args: Args) -> None:
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     scorer.model = model
+    if args.sync_ref_model:  # the moving reference: checkpointed with the optimizer, so a resume continues exactly
+        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise UsageError("--sync-ref-model runs in one process or under DDP, not with sharded weights (FSDP, DeepSpeed).")
+        accelerator.register_for_checkpointing(ref_model)
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
@@ -807,6 +839,8 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+        if args.sync_ref_model and (step + 1) % args.ref_model_sync_steps == 0:  # TR-DPO, after the optimizer step
+            sync_reference(accelerator.unwrap_model(model), ref_model, args.ref_model_mixup_alpha)
 
         # 2. bookkeeping: one collective and one device sync for all the metrics
         norm = plain(grad_norm) if grad_norm is not None else 0.0

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -388,11 +389,50 @@ def test_dpo_options_run(tmp_path, pairs_file):
         assert "dpo: 2 steps" in out, flags
 
 
-def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
-    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+@pytest.mark.parametrize("sync", [[], ["--sync-ref-model", "--ref-model-sync-steps", "1"]], ids=["frozen", "tr-dpo"])
+def test_resume_continues_where_it_stopped(tmp_path, pairs_file, sync):
+    """The same final weights and metrics straight or resumed; with TR-DPO the moving reference is in the checkpoint."""
+    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4", *sync]
     out, checkpoint = check_resume(common, ["--save-steps", "2"], "step_2", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "dpo: 2 steps" in out
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "2", "--resume-from", checkpoint], tmp_path)
+
+
+def test_sync_reference_equals_trls_callback():
+    """TR-DPO's soft update against TRL 1.16's SyncRefModelCallback._sync_target_model, on two random tiny GPT-2s,
+    and by hand on one weight."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dpo import sync_reference
+
+    trl = require("trl")
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    policy, reference = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    theirs = GPT2LMHeadModel(config)
+    theirs.load_state_dict(reference.state_dict())
+    before = reference.transformer.wte.weight[3, 5].item()
+    sync_reference(policy, reference, 0.6)
+    trl.trainer.callbacks.SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
+    for (name, ours), theirs_param in zip(reference.named_parameters(), theirs.parameters()):
+        assert torch.equal(ours, theirs_param), name
+    expected = 0.6 * policy.transformer.wte.weight[3, 5].item() + 0.4 * before
+    assert reference.transformer.wte.weight[3, 5].item() == pytest.approx(expected)
+
+
+def test_tr_dpo_with_alpha_1_makes_the_reference_the_policy(tmp_path, pairs_file):
+    """--ref-model-mixup-alpha 1 every step: after the last step the reference is the policy, so the final evaluation's
+    implicit rewards, beta * (log pi - log pi_ref), are 0 (a frozen reference leaves them moved); with LoRA there is
+    no copy to move: one line."""
+    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"]
+    common += ["--learning-rate", "1e-3"]
+    synced = run_script([*common, "--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"], tmp_path)
+    frozen = run_script([*common, "--output-dir", "frozen"], tmp_path)
+    margin = r"margin ([-\d.]+) -> ([-\d.]+);"
+    assert re.search(margin, synced).group(2) == "0.000", synced[-500:]
+    assert re.search(margin, frozen).group(2) != "0.000", frozen[-500:]
+    error = run_failing([*common, "--sync-ref-model", "--use-peft"], tmp_path)
+    assert "--sync-ref-model moves a reference copy during training, and --use-peft has none" in error, error
 
 
 @pytest.mark.slow
