@@ -107,10 +107,11 @@ class Args:
     loss_type: list[
         Literal[
             "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
-            "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair",
+            "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair", "cpo", "simpo", "orpo",
         ]
     ] = field(default_factory=lambda: ["sigmoid"])  # fmt: skip
-    """TRL 1.16's losses (`dpo_loss`; kto_pair is TRL 0.8's); several are summed with --loss-weights (MPO)"""
+    """TRL 1.16's losses (`dpo_loss`; kto_pair is TRL 0.8's), and cpo, simpo, orpo without a reference model
+    (`reference_free_loss`); several are summed with --loss-weights (MPO)"""
     loss_weights: list[float] | None = None
     """one weight per --loss-type (None: 1 each)"""
     label_smoothing: float = 0.0
@@ -123,6 +124,8 @@ class Args:
     """alpha of --f-divergence-type alpha_divergence"""
     discopop_tau: float = 0.05
     """the temperature of DiscoPOP's mixing (--loss-type discopop)"""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (--loss-type simpo; TRL CPOConfig's simpo_gamma)"""
     use_weighting: bool = False
     """WPO: weight each pair's loss by its replies' length-normalised probabilities under the policy (TRL 1.16)"""
     reference_free: bool = False
@@ -200,8 +203,10 @@ class Args:
 
 LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
-    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "kto_pair", "cpo", "simpo", "orpo",
 )  # fmt: skip
+# the losses of the policy's own log-probs, which need no reference model (TRL's experimental CPO and ORPO trainers)
+REFERENCE_FREE = ("cpo", "simpo", "orpo")
 # the losses built on the chosen-rejected score difference: the only ones an f-divergence generalises (TRL 1.16)
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 
@@ -451,6 +456,46 @@ def tokenize_pair_seq2seq(
     return out
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (branching at -ln 2, as TRL's ORPO does)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def reference_free_loss(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    chosen_lengths,
+    rejected_lengths,
+    beta,
+    loss_type="cpo",
+    label_smoothing=0.0,
+    simpo_gamma=0.5,
+    chosen_nll=None,
+):
+    """Per-pair losses and detached rewards of the losses that read the policy's own log-probs only.
+
+    With eps the label smoothing:
+    - cpo: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h), h = log pi(y_w) - log pi(y_l) (CPO, Xu et al.
+      2024, eq. 3; TRL CPOTrainer's sigmoid loss). CPO's NLL term is `--loss-type cpo sft` (TRL's cpo_alpha 1).
+    - simpo: the same on h = log pi(y_w) / |y_w| - log pi(y_l) / |y_l| - gamma / beta (SimPO, Meng et al. 2024, eq. 6;
+      TRL CPOTrainer's simpo, whose log-probs are per token).
+    - orpo: NLL(y_w) - beta log sigmoid(log odds(y_w) - log odds(y_l)), odds(y) = p / (1 - p) with log p the reply's
+      per-token mean log-prob (ORPO, Hong et al. 2024, eqs. 4-7; TRL ORPOTrainer, beta its lambda).
+    The rewards are beta times the log-probs each loss reads (per token for simpo and orpo), as TRL logs them."""
+    chosen, rejected, eps = policy_chosen_logps, policy_rejected_logps, label_smoothing
+    if loss_type in ("simpo", "orpo"):
+        chosen, rejected = chosen / chosen_lengths.clamp(min=1), rejected / rejected_lengths.clamp(min=1)
+    if loss_type in ("cpo", "simpo"):
+        h = chosen - rejected - (simpo_gamma / beta if loss_type == "simpo" else 0.0)
+        losses = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
+    elif loss_type == "orpo":
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        losses = chosen_nll - beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"Unknown reference-free loss_type {loss_type!r}: choose cpo, simpo or orpo.")
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
 @torch.no_grad()
 def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
     """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
@@ -476,7 +521,7 @@ def check(args: Args) -> None:
             "(the chance a label is flipped) lies in [0, 0.5), the warmup ratio in [0, 1)."
         )
     types = args.loss_type
-    smoothed = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+    smoothed = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired", "cpo", "simpo")
     if not types or len(set(types)) < len(types):
         raise UsageError(f"--loss-type {' '.join(types)}: name each loss once (one or more of {', '.join(LOSS_TYPES)}).")
     if args.loss_weights is not None and len(args.loss_weights) != len(types):
@@ -512,6 +557,13 @@ def check(args: Args) -> None:
             f"--use-weighting with --loss-type {' '.join(types)}: aot and aot_unpaired sort the batch and kto_pair "
             "splits it, so a pair's weight has no loss of its own to scale (TRL refuses aot too)."
         )
+
+
+def uses_reference(args: Args) -> bool:
+    """Whether the run needs the reference model: not with --reference-free, nor with reference-free losses only
+    (cpo, simpo, orpo, mixed with sft or not)."""
+    own = set(args.loss_type) - {"sft"}
+    return not args.reference_free and not (own and own <= set(REFERENCE_FREE))
 
 
 @dataclass
@@ -627,7 +679,8 @@ def load_models(args: Args, accelerator: Accelerator, pairs: Pairs, quantization
             task_type=task_type,
         )
         model = get_peft_model(model, lora)
-    ref_model = None if args.reference_free else create_reference_model(model)  # None for peft: adapter disabled
+    # None for peft (its adapter disabled), and where no loss reads a reference
+    ref_model = create_reference_model(model) if uses_reference(args) else None
     if ref_model is not None:
         ref_model = place_frozen(accelerator, ref_model)
     return model.to(accelerator.device), ref_model
@@ -673,7 +726,7 @@ class Scorer:
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> torch.Tensor:
         """Reference log-probs [2B]: precomputed, the frozen copy, or the policy with its adapter disabled."""
-        if "reference_logps" in batch or self.args.reference_free:
+        if "reference_logps" in batch or not uses_reference(self.args):
             return batch.get("reference_logps", torch.zeros(len(batch["input_ids"]), device=self.accelerator.device))
         policy = self.accelerator.unwrap_model(self.model)
         with reference_context(policy, self.ref_model):
@@ -695,11 +748,17 @@ class Scorer:
             pair_weights = chosen_weights * rejected_weights
         loss = 0.0
         for loss_type, weight in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)):
-            losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, loss_type, args.label_smoothing,
-                args.reference_free, chosen_lengths, rejected_lengths, args.f_divergence_type,
-                args.f_alpha_divergence_coef, args.discopop_tau, chosen_nll,
-            )  # fmt: skip
+            if loss_type in REFERENCE_FREE:
+                losses, chosen_rewards, rejected_rewards = reference_free_loss(
+                    policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, args.beta, loss_type,
+                    args.label_smoothing, args.simpo_gamma, chosen_nll,
+                )  # fmt: skip
+            else:
+                losses, chosen_rewards, rejected_rewards = dpo_loss(
+                    policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta, loss_type, args.label_smoothing,
+                    args.reference_free, chosen_lengths, rejected_lengths, args.f_divergence_type,
+                    args.f_alpha_divergence_coef, args.discopop_tau, chosen_nll,
+                )  # fmt: skip
             loss = loss + weight * (losses * pair_weights).mean()
         metrics = {
             "loss": loss.detach(),
@@ -797,7 +856,7 @@ def main(args: Args) -> None:
     batches = Batches(args, accelerator, tokenizer, pairs, steps_per_epoch)
     model, ref_model = load_models(args, accelerator, pairs, quantization)
     scorer = Scorer(args, accelerator, model, ref_model, pairs)
-    if args.precompute_ref_log_probs and not args.reference_free:
+    if args.precompute_ref_log_probs and uses_reference(args):
         scorer.precompute_reference(pairs, batches)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)

@@ -21,9 +21,11 @@ from safetensors.torch import load_file
 from common.loading import load_tokenizer
 from dpo import (
     LOSS_TYPES,
+    REFERENCE_FREE,
     dpo_loss,
     get_batch_logps,
     log_sum_squared_probs,
+    reference_free_loss,
     sequence_logps,
     tokenize_pair,
     tokenize_pair_seq2seq,
@@ -169,7 +171,7 @@ def our_dpo_loss(per_token, ref_per_token, mask, loss_types, loss_weights, **con
     return total
 
 
-TRL_CASES = [([t], [1.0], {}) for t in LOSS_TYPES if t not in ("kto_pair", "exo_pair")] + [
+TRL_CASES = [([t], [1.0], {}) for t in LOSS_TYPES if t not in ("kto_pair", "exo_pair", *REFERENCE_FREE)] + [
     (["exo_pair"], [1.0], {"label_smoothing": 1e-3}),
     (["robust"], [1.0], {"label_smoothing": 0.1}),
     (["aot"], [1.0], {"label_smoothing": 0.1}),
@@ -396,6 +398,56 @@ def test_resume_continues_where_it_stopped(tmp_path, pairs_file, sync):
     out, checkpoint = check_resume(common, ["--save-steps", "2"], "step_2", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "dpo: 2 steps" in out
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "2", "--resume-from", checkpoint], tmp_path)
+
+
+@pytest.mark.parametrize("loss_type, smoothing", [("cpo", 0.0), ("cpo", 0.1), ("simpo", 0.0), ("orpo", 0.0)])
+def test_reference_free_losses_equal_trls_experimental_trainers(loss_type, smoothing):
+    """cpo and simpo against TRL 1.16's CPOTrainer.cpo_loss (plus cpo_alpha times the chosen NLL: `--loss-type cpo
+    sft`), orpo against ORPOTrainer.odds_ratio_loss and its `nll - mean(losses)`, each method driven through a stand-in
+    trainer on random per-token log-probs of 4 pairs of uneven lengths: the same loss and the same gradient."""
+    from types import SimpleNamespace
+
+    require("trl")
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    torch.manual_seed(0)
+    per_token = (-torch.rand(8, 6) * 2).requires_grad_()
+    lengths = torch.tensor([6, 3, 5, 2, 4, 6, 1, 3])
+    mask = (torch.arange(6)[None] < lengths[:, None]).float()
+    sums, means = (per_token * mask).sum(-1), (per_token * mask).sum(-1) / mask.sum(-1)
+    nll = -(per_token * mask)[:4].sum() / mask[:4].sum()  # TRL's cross entropy over the chosen replies' tokens
+    beta, device = 0.2, torch.device("cpu")
+    if loss_type == "orpo":
+        trainer = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device=device))
+        losses, *_ = ORPOTrainer.odds_ratio_loss(trainer, *means.chunk(2))
+        theirs = nll - losses.mean()
+    else:
+        trainer = SimpleNamespace(
+            alpha=0.0, beta=beta, loss_type="simpo" if loss_type == "simpo" else "sigmoid", simpo_gamma=0.5,
+            label_smoothing=smoothing, accelerator=SimpleNamespace(device=device),
+        )  # fmt: skip
+        losses, _, _ = CPOTrainer.cpo_loss(trainer, *(means if loss_type == "simpo" else sums).chunk(2))
+        theirs = losses.mean() + 1.0 * nll  # cpo_alpha 1, TRL's default
+    (their_grad,) = torch.autograd.grad(theirs, per_token, retain_graph=True)
+    ours, _, _ = reference_free_loss(*sums.chunk(2), *mask.sum(-1).chunk(2), beta, loss_type, smoothing, 0.5, nll)
+    ours = ours.mean() + (0 if loss_type == "orpo" else nll)  # cpo and simpo: with `sft` beside them, as TRL's cpo_alpha
+    (our_grad,) = torch.autograd.grad(ours, per_token)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    torch.testing.assert_close(our_grad, their_grad)
+
+
+def test_a_reference_free_loss_trains_without_a_reference_model(tmp_path, pairs_file, monkeypatch):
+    """--loss-type simpo (and orpo, cpo) build no reference model, and the run trains."""
+    import common.models
+
+    made, create = [], common.models.create_reference_model
+    monkeypatch.setattr(common.models, "create_reference_model", lambda model: made.append(model) or create(model))
+    common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"]
+    out = run_script([*common, "--loss-type", "simpo", "--learning-rate", "1e-3"], tmp_path)
+    assert "dpo: 2 steps" in out and not made
+    run_script([*common, "--loss-type", "sigmoid", "--output-dir", "with_ref"], tmp_path)
+    assert len(made) == 1  # a reference-based loss builds its reference
 
 
 def test_sync_reference_equals_trls_callback():
