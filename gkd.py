@@ -116,6 +116,10 @@ class Args:
     """the JSD's interpolation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher); TRL's default is 0.5"""
     temperature: float = 1.0
     """sampling temperature of on-policy and teacher completions (TRL: 0.9)"""
+    top_k: int = 0
+    """top-k sampling of on-policy and teacher completions (0: off)"""
+    top_p: float = 1.0
+    """nucleus sampling of on-policy and teacher completions (1.0: off)"""
     loss_temperature: float = 1.0
     """the temperature both distributions are taken at in the loss (TRL's generalized_jsd_loss default)"""
     seq_kd: bool = False
@@ -222,9 +226,11 @@ def check(args: Args) -> None:
             "save_total_limit total_steps batch_size mini_batch_size teacher_chunk_size learning_rate max_new_tokens "
             "temperature loss_temperature max_prompt_length eval_samples log_freq train_size eval_size max_grad_norm"
         ),
-        non_negative="weight_decay eval_freq save_freq",
+        non_negative="weight_decay eval_freq save_freq top_k",
         fractions="eval_fraction",
     )
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if not (0 <= args.lmbda <= 1 and 0 <= args.beta <= 1 and 0 <= args.warmup_ratio < 1):
         raise UsageError(f"--lmbda {args.lmbda}, --beta {args.beta}: both lie in [0, 1], --warmup-ratio in [0, 1).")
     if args.objective == "reverse_kl_pg" and args.lmbda < 1:

@@ -4,7 +4,9 @@ import os
 import pytest
 import torch
 from conftest import ROOT, check_model_card, read_scalars, run_failing, run_script
+from transformers import AutoModelForCausalLM
 
+from common.core import UsageError
 from gkd import generalized_jsd_loss, reverse_kl_pg_loss
 
 GKD = os.path.join(ROOT, "gkd.py")
@@ -85,6 +87,31 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     assert "needs --lmbda 1" in run_failing(
         [GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5", "--overwrite"], tmp_path
     )
+
+
+def test_top_k_and_top_p_reach_the_sampler():
+    """gkd.py's --top-k and --top-p are the sampler's: with --top-k 1 every seed draws the greedy completion, and a
+    --top-p outside (0, 1] is one line."""
+    from accelerate import Accelerator
+
+    from common.loading import load_pretrained, load_tokenizer
+    from common.sampling import Sampler
+    from gkd import Args, check
+
+    tokenizer = load_tokenizer("builtin:tiny-arith", padding_side="left")
+    model = load_pretrained("builtin:tiny-arith", AutoModelForCausalLM).eval()
+    batch = tokenizer(["3 + 4 =", "12 + 5 ="], padding=True, return_tensors="pt")
+    sampler = Sampler(Args(top_k=1), tokenizer, model, Accelerator(cpu=True), 64)
+    draws = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        draws.append(sampler.generate(batch["input_ids"], batch["attention_mask"], 6)[:2])
+    (completions, mask), (again, _) = draws
+    greedy = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    greedy = greedy[:, batch["input_ids"].shape[1] :][:, : completions.shape[1]]
+    assert torch.equal(completions, again) and torch.equal(completions[mask.bool()], greedy[mask.bool()])
+    with pytest.raises(UsageError, match="--top-p 0.0: it lies in"):
+        check(Args(top_p=0.0))
 
 
 @pytest.mark.slow
