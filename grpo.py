@@ -8,7 +8,7 @@ passes of PPO's clipped objective over the completions, token by token (or per s
 k3 KL penalty to a reference model (beta > 0).
 
 Usage:
-    python grpo.py                                  # offline: builtin:tiny-arith on reasoning-gym's chain_sum problems
+    python grpo.py                                  # offline: SmolLM2-135M-Instruct on reasoning-gym's chain_sum problems
     python grpo.py --loss-type dr_grpo --scale-rewards none                 # Dr. GRPO
     python grpo.py --epsilon-high 0.28 --mask-truncated-completions --drop-zero-std-groups --overlong-buffer 2  # DAPO
     accelerate launch grpo.py --model-name Qwen/Qwen2.5-0.5B-Instruct --dataset-name reasoning-gym:countdown \\
@@ -71,9 +71,9 @@ class Args:
     """TensorBoard logs go to {log_dir}/{run_name}"""
 
     # Model and data
-    model_name: str = "builtin:tiny-arith"
-    """the policy: a hub id, a local folder, or a built-in (builtin:tiny-arith: a small GPT-2 warm-started on the default
-    task's answers, built on first use)"""
+    model_name: str = "builtin:smollm2-135m-instruct"
+    """the policy: a hub id, a local folder, or a built-in (builtin:smollm2-135m-instruct: the real instruct model;
+    builtin:tiny-arith: a small GPT-2 warm-started on the default task's answers)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
@@ -116,21 +116,21 @@ class Args:
     reward_weights: list[float] | None = None
     """one weight per reward function, then one for --reward-model (None: all 1)"""
 
-    # GRPO (defaults: TRL 1.x GRPOConfig, except the learning rate and sizes, set for the tiny default)
-    total_prompts: int = 7680
+    # GRPO (defaults: TRL 1.x GRPOConfig, except the learning rate and sizes, set for the default run on 2 CPU cores)
+    total_prompts: int = 128
     """prompts answered over the run, across all processes (each num_generations times)"""
-    batch_size: int = 16
+    batch_size: int = 8
     """prompts per update on each process"""
-    num_generations: int = 8
+    num_generations: int = 4
     """G: completions per prompt, normalised together"""
-    mini_batch_size: int = 32
+    mini_batch_size: int = 8
     """completions per forward/backward pass"""
     gradient_accumulation_steps: int = 4
-    """mini-batches per optimizer step (the default: one step per generation batch of 16 x 8 completions)"""
+    """mini-batches per optimizer step (the default: one step per generation batch of 8 x 4 completions)"""
     num_iterations: int = 1
     """mu: passes of the clipped objective over each generation batch"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate (TRL: 1e-6, for billion-parameter models; the tiny default policy needs more)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (TRL: 1e-6, for billion-parameter models)"""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """the learning rate over the run: constant, or decayed to 0 by its last step (TRL: linear)"""
     weight_decay: float = 0.0
@@ -261,11 +261,11 @@ class Args:
     """LoRA alpha"""
 
     # Logging, evaluation, saving
-    log_freq: int = 10
+    log_freq: int = 4
     """print a table of sample completions every this many updates"""
-    eval_freq: int = 80
+    eval_freq: int = 8
     """evaluate on the held-out problems every this many updates (and at the start and the end)"""
-    eval_samples: int = 200
+    eval_samples: int = 64
     """held-out prompts per evaluation (at most), one completion each, sampled as in training with a fixed seed"""
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final

@@ -8,7 +8,7 @@ summed log-ratio of the completion), not the loss, and the whole completion is o
 PPO's clip act on the sequence's log-probability.
 
 Usage:
-    python rloo.py                                   # offline: builtin:tiny-arith on reasoning-gym's chain_sum problems
+    python rloo.py                                   # offline: SmolLM2-135M-Instruct on reasoning-gym's chain_sum problems
     python rloo.py --num-generations 4 --normalize-advantages
     accelerate launch rloo.py --model-name Qwen/Qwen2.5-0.5B-Instruct --dataset-name reasoning-gym:countdown \\
         --reward-funcs verifier format --max-completion-length 256
@@ -70,9 +70,9 @@ class Args:
     """TensorBoard logs go to {log_dir}/{run_name}"""
 
     # Model and data
-    model_name: str = "builtin:tiny-arith"
-    """the policy: a hub id, a local folder, or a built-in (builtin:tiny-arith: a small GPT-2 warm-started on the default
-    task's answers, built on first use)"""
+    model_name: str = "builtin:smollm2-135m-instruct"
+    """the policy: a hub id, a local folder, or a built-in (builtin:smollm2-135m-instruct: the real instruct model;
+    builtin:tiny-arith: a small GPT-2 warm-started on the default task's answers)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
@@ -115,30 +115,30 @@ class Args:
     reward_weights: list[float] | None = None
     """one weight per reward function, then one for --reward-model (None: all 1)"""
 
-    # RLOO (defaults: TRL 1.x RLOOConfig, except the learning rate and sizes, set for the tiny default)
-    total_prompts: int = 30720
+    # RLOO (defaults: TRL 1.x RLOOConfig, except the learning rate, beta and sizes, set for the default run on 2 CPU cores)
+    total_prompts: int = 128
     """prompts answered over the run, across all processes (each num_generations times)"""
-    batch_size: int = 64
-    """prompts per update on each process (the default: 64 x 2 = 128 completions, grpo.py's 16 x 8)"""
-    num_generations: int = 2
-    """k: completions per prompt; each one's baseline is the mean reward of the other k - 1"""
-    mini_batch_size: int = 32
+    batch_size: int = 8
+    """prompts per update on each process"""
+    num_generations: int = 4
+    """k: completions per prompt; each one's baseline is the mean reward of the other k - 1 (TRL: 2)"""
+    mini_batch_size: int = 8
     """completions per forward/backward pass"""
     gradient_accumulation_steps: int = 4
-    """mini-batches per optimizer step (the default: one step per generation batch of 64 x 2 completions)"""
+    """mini-batches per optimizer step (the default: one step per generation batch of 8 x 4 completions)"""
     num_iterations: int = 1
     """mu: passes of the clipped objective over each generation batch"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate (TRL: 1e-6 for billion-parameter models; the small default policy needs more)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (TRL: 1e-6 for billion-parameter models)"""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """the learning rate over the run: constant, or decayed to 0 by its last step (TRL: linear)"""
     weight_decay: float = 0.0
     """AdamW weight decay (biases and norm weights are not decayed)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    beta: float = 0.05
+    beta: float = 0.0
     """KL coefficient: each reward loses beta * sum over the completion of (log pi_old - log pi_ref), the first-order
-    estimate of the Ahmadian et al. paper (0: no reference model)"""
+    estimate of the Ahmadian et al. paper (TRL: 0.05; 0: no reference model)"""
     epsilon: float = 0.2
     """clip range of the sequence ratio below 1 (and above 1 unless --epsilon-high)"""
     epsilon_high: float | None = None
@@ -229,11 +229,11 @@ class Args:
     """LoRA alpha"""
 
     # Logging, evaluation, saving
-    log_freq: int = 10
+    log_freq: int = 4
     """print a table of sample completions every this many updates"""
-    eval_freq: int = 80
+    eval_freq: int = 8
     """evaluate on the held-out problems every this many updates (and at the start and the end)"""
-    eval_samples: int = 200
+    eval_samples: int = 64
     """held-out prompts per evaluation (at most), one completion each, sampled as in training with a fixed seed"""
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
@@ -447,7 +447,7 @@ def main(args: Args) -> None:
     last_eval = evaluate(args, engine, logger, num_updates)
     save_policy(args, accelerator, policy, task.tokenizer, last_eval, "rloo")
     done, seconds = num_updates - start_update, time.time() - ledger.start  # the updates this process ran
-    summary("rloo", args, accelerator, done, seconds, ledger.history, ledger.first_eval, last_eval, kl=True)
+    summary("rloo", args, accelerator, done, seconds, ledger.history, ledger.first_eval, last_eval, kl=args.beta > 0)
     engine.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 

@@ -1,12 +1,13 @@
-"""The offline default runs of grpo.py and rloo.py (`python grpo.py`, `python rloo.py`: builtin:tiny-arith on
-reasoning-gym's one-digit chain_sum, 64 held-out problems that never occur in training), over seeds: the script's own
-held-out score at its first and last evaluation, the training reward's first and last tenth, and the wall time; then the
-initial and the saved model on the run's held-out problems, 8 sampled replies each: greedy and sampled accuracy,
-distinct answers, reply length, and the saved model's KL to the initial one. Writes
-benchmarks/RESULTS-default-runs.json, from which docs/grpo.md and docs/rloo.md render their tables
-(docs/build_assets.py).
+"""Every script's offline default run (`python sft.py`, `python grpo.py`, ...) over seeds, each in a folder of its own:
+the script's held-out metric at its first and last evaluation, read off its summary line, and the wall time. For
+grpo.py and rloo.py (SmolLM2-135M-Instruct on reasoning-gym's one-digit chain_sum, 64 held-out problems that never
+occur in training) also the training reward's first and last tenth, then the initial and the saved model on the
+run's held-out problems, 4 sampled replies each: greedy and sampled accuracy, distinct answers, reply length, and the
+saved model's KL to the initial one. Writes benchmarks/RESULTS-default-runs.json, from which docs/grpo.md and
+docs/rloo.md render their tables and docs/benchmarks.md the table of every script (docs/build_assets.py).
 
-    python benchmarks/default_runs.py                  # grpo and rloo, seeds 1 2 3 (about 100 minutes on 2 cores)
+    python benchmarks/default_runs.py                  # grpo and rloo, seeds 1 2 3 (about an hour on 2 cores)
+    python benchmarks/default_runs.py --scripts sft reward_modeling dpo kto ppo ddpo gkd ilql
     python benchmarks/default_runs.py --scripts grpo --seeds 1
     python benchmarks/default_runs.py --final-only     # only evaluate the saved models of the runs in the JSON
 """
@@ -14,6 +15,7 @@ benchmarks/RESULTS-default-runs.json, from which docs/grpo.md and docs/rloo.md r
 import importlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,18 +38,35 @@ from common.fast_paths import sampling_kwargs  # noqa: E402
 from common.loading import load_pretrained, load_tokenizer  # noqa: E402
 from common.rewards import distinct_answers, load_task, verifier  # noqa: E402
 
+# Each script's held-out metric, read off its summary line: what it is, the pattern of its "first -> last" values, and
+# whether higher is better
+METRICS = {
+    "sft": ("held-out loss", r"eval loss ([-\d.]+) -> ([-\d.]+)", False),
+    "reward_modeling": ("held-out pair accuracy", r"eval accuracy ([-\d.]+) -> ([-\d.]+)", True),
+    "dpo": ("held-out reward margin", r"margin ([-\d.]+) -> ([-\d.]+)", True),
+    "kto": ("held-out reward margin", r"eval reward margin ([-\d.]+) -> ([-\d.]+)", True),
+    "ppo": ("held-out reward (the reward model)", r"eval reward ([-\d.]+) -> ([-\d.]+)", True),
+    "grpo": ("held-out accuracy (one sample each)", r"eval reward ([-\d.]+) -> ([-\d.]+)", True),
+    "rloo": ("held-out accuracy (one sample each)", r"eval reward ([-\d.]+) -> ([-\d.]+)", True),
+    "gkd": ("held-out KL to the teacher per token", r"held-out KL to the teacher per token ([-\d.]+) -> ([-\d.]+)", False),
+    "ilql": ("held-out reward, beta 4", r"beta=4 ([-\d.]+) -> ([-\d.]+)", True),
+    "ddpo": ("held-out reward (JPEG compressibility)", r"eval reward ([-\d.]+) -> ([-\d.]+)", True),
+}
+VERIFIED = ("grpo", "rloo")  # their saved models are evaluated again on the held-out problems (final)
+
 
 @dataclass
 class Args:
-    scripts: list[str] = field(default_factory=lambda: ["grpo", "rloo"])
-    """which scripts to run, each with its defaults"""
+    scripts: list[str] = field(default_factory=lambda: list(VERIFIED))
+    """which scripts to run, each with its defaults: any of sft, reward_modeling, dpo, kto, ppo, grpo, rloo, gkd, ilql,
+    ddpo"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     """--seed of each run"""
     out: str = "outputs/default-runs"
     """where the runs write their models and logs (replaced)"""
     final_only: bool = False
     """only evaluate the saved models of the runs already in the JSON (those without an evaluation)"""
-    samples: int = 8
+    samples: int = 4
     """sampled replies per held-out problem in the evaluation of the saved models"""
 
 
@@ -91,11 +110,12 @@ def kl_to(model, base, tokenizer, prompts: list[list[int]], replies: list[list[i
     return sum(kls) / len(kls)
 
 
-def final(script: str, seed: int, folder: str, samples: int) -> dict:
-    """The initial and the saved model of a run on its own held-out problems (the script's defaults with --seed seed):
-    greedy accuracy, the accuracy of `samples` sampled replies per problem, the distinct answers among them, their
-    length in tokens, and (the saved model) the KL to the initial one."""
-    args = importlib.import_module(script).Args(seed=seed)
+def final(script: str, folder: str, samples: int, flags: list[str]) -> dict:
+    """The initial and the saved model of a run on its own held-out problems (the script's defaults with `flags`, as
+    the run had them): greedy accuracy, the accuracy of `samples` sampled replies per problem, the distinct answers
+    among them, their length in tokens, and (the saved model) the KL to the initial one. notebooks/grpo.ipynb and
+    rloo.ipynb call it too."""
+    args = tyro.cli(importlib.import_module(script).Args, args=flags)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     rows = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length)[1][: args.eval_samples]
     answers, entries = [r["answer"] for r in rows], [r["rg_entry"] for r in rows]
@@ -121,7 +141,8 @@ def final(script: str, seed: int, folder: str, samples: int) -> dict:
 
 
 def train(script: str, seed: int, out: str) -> dict:
-    """One default run, its curves read back from its TensorBoard logs."""
+    """One default run: its summary line, its held-out metric first -> last, its wall time; for grpo and rloo their
+    curves read back from the TensorBoard logs."""
     folder = os.path.join(out, f"{script}-{seed}")
     command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", folder, "--overwrite"]
     command += ["--log-dir", os.path.join(folder + "-runs")]
@@ -129,24 +150,35 @@ def train(script: str, seed: int, out: str) -> dict:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    seconds, pattern = time.time() - start, METRICS[script][1]
+    summary = next(line for line in reversed(done.stdout.splitlines()) if re.search(pattern, line))
+    run = dict(
+        command=f"python {script}.py --seed {seed}",
+        folder=folder,
+        held_out=[float(x) for x in re.search(pattern, summary).groups()],
+        seconds=seconds,
+        summary=summary,
+    )
+    if script not in VERIFIED:
+        return run
     run_dir = os.path.join(ROOT, folder + "-runs")
     rewards, evals = values(run_dir, "reward"), values(run_dir, "eval/reward")
     window = max(1, len(rewards) // 10)
-    return dict(
-        command=f"python {script}.py --seed {seed}",
-        folder=folder,
+    return run | dict(
         eval=[evals[0], evals[-1]],
         train=[sum(rewards[:window]) / window, sum(rewards[-window:]) / window],
         top_answer=[values(run_dir, "eval/top_answer_share")[i] for i in (0, -1)],
         kl=values(run_dir, "kl")[-1] if values(run_dir, "kl") else None,
-        seconds=time.time() - start,
-        summary=done.stdout.strip().splitlines()[-1],
     )
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    unknown = sorted(set(args.scripts) - set(METRICS))
+    if unknown:
+        sys.exit(f"error: --scripts {' '.join(unknown)}: not one of {', '.join(METRICS)}")
     results = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {"runs": {}}
+    results["metrics"] = {script: [name, higher] for script, (name, _, higher) in METRICS.items()}
     for script in args.scripts:
         for seed in args.seeds:
             key = f"{script}-{seed}"
@@ -155,9 +187,9 @@ if __name__ == "__main__":
                 results |= dict(machine=machine(), launcher="python", threads=torch.get_num_threads(), torch=torch.__version__)
                 print(f"{script} seed {seed}: {results['runs'][key]['summary']}", flush=True)
             run = results["runs"].get(key)
-            if run is None or ("final" in run and args.final_only):
-                continue
-            run["final"] = final(script, seed, run.get("folder", os.path.join(args.out, key)), args.samples)
-            print(f"{key}: {run['final']}", flush=True)
+            if run is not None and script in VERIFIED and not ("final" in run and args.final_only):
+                folder = run.get("folder", os.path.join(args.out, key))
+                run["final"] = final(script, folder, args.samples, ["--seed", str(seed)])
+                print(f"{key}: {run['final']}", flush=True)
             with open(RESULTS, "w") as f:
                 json.dump(results, f, indent=1)

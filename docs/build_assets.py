@@ -135,32 +135,43 @@ def default_runs(script: str) -> str:
     rows = [
         "| seed | held-out score in training, first -> last evaluation | train reward, first -> last tenth | greedy "
         f"accuracy | sampled accuracy ({samples} per problem) | distinct answers (of {samples}) | reply tokens | KL to "
-        "the start (nats per reply) |",
-        "|---|---|---|---|---|---|---|---|",
+        "the start (nats per reply) | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in sorted(runs.items()):
         a, b = run["final"]["start"], run["final"]["end"]
         rows.append(
             f"| {name.split('-')[-1]} | {run['eval'][0]:.3f} -> {run['eval'][1]:.3f} | {run['train'][0]:.3f} -> "
             f"{run['train'][1]:.3f} | {a['greedy']:.2f} -> {b['greedy']:.2f} | {a['sampled']:.2f} -> {b['sampled']:.2f} | "
-            f"{a['distinct']:.2f} -> {b['distinct']:.2f} | {a['length']:.1f} -> {b['length']:.1f} | {b['kl']:.2f} |"
+            f"{a['distinct']:.2f} -> {b['distinct']:.2f} | {a['length']:.1f} -> {b['length']:.1f} | {b['kl']:.2f} | "
+            f"{run['seconds'] / 60:.1f} |"
         )
     first = sum(v["eval"][0] for v in runs.values()) / len(runs)
     last = sum(v["eval"][1] for v in runs.values()) / len(runs)
-    rows.append(f"| mean | {first:.3f} -> {last:.3f} ({last - first:+.3f}) | | | | | | |")
+    rows.append(f"| mean | {first:.3f} -> {last:.3f} ({last - first:+.3f}) | | | | | | | |")
     problems = run["final"]["problems"]
     where = (
-        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each row `python {script}.py --seed N`. The "
-        f"columns from greedy accuracy on evaluate the initial and the saved model on the run's {problems} "
-        f"held-out problems, {samples} sampled replies each (temperature 1); the KL is the saved model's to the initial "
-        "one on its own replies."
+        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each row `python {script}.py --seed N`, its wall "
+        f"time the whole command's. The columns from greedy accuracy on evaluate the initial and the saved model on the "
+        f"run's {problems} held-out problems, {samples} sampled replies each (temperature 1); the KL is the saved "
+        "model's to the initial one on its own replies."
     )
     return "\n".join(rows) + f"\n\n{where}\n\n{default_runs_reading(runs, problems)}\n\n" + seed_line(script, runs)
 
 
+def beyond_noise(a: float, b: float, n: int) -> bool:
+    """Whether two accuracies, each over n single samples, differ by more than two standard errors of a difference
+    (at their pooled accuracy)."""
+    import math
+
+    p = (a + b) / 2
+    return abs(b - a) > 2 * math.sqrt(2 * p * (1 - p) / n)
+
+
 def default_runs_reading(runs: dict, problems: int) -> str:
-    """What the table of default runs says, computed from it: how many seeds raise the training reward, whether the
-    held-out score moves beyond its noise, and how the saved model compares with the initial one."""
+    """What the table of default runs says, computed from it: how many seeds raise the training reward, in how many
+    the held-out score rises beyond its noise and the greedy accuracy falls beyond it, and how the saved model compares
+    with the initial one."""
     import math
 
     n = len(runs)
@@ -171,30 +182,88 @@ def default_runs_reading(runs: dict, problems: int) -> str:
     p = (first + last) / 2
     noise = 2 * math.sqrt(2 * p * (1 - p) / (n * problems))
     ends = [(v["final"]["start"], v["final"]["end"]) for v in runs.values()]
+    up = sum(v["eval"][1] > v["eval"][0] and beyond_noise(*v["eval"], problems) for v in runs.values())
+    greedy_down = sum(b["greedy"] < a["greedy"] and beyond_noise(a["greedy"], b["greedy"], problems) for a, b in ends)
+
+    top = [sum(v["top_answer"][i] for v in runs.values()) / n for i in (0, 1)]
 
     def fewer(key: str) -> str:  # the seeds whose saved model is lower than the initial one on `key`
-        return count_of(sum(b[key] < a[key] for a, b in ends), n)
+        k = sum(b[key] < a[key] for a, b in ends)
+        return count_of(k, n) if k else "no seed"
 
     def mean(key: str, side: int) -> float:
         return sum(pair[side][key] for pair in ends) / n
 
-    return (
-        f"Computed from the table: the training reward rises in {count_of(rose, n)}; the held-out score's mean moves "
-        f"{last - first:+.3f}, {'within' if abs(last - first) <= noise else 'beyond'} two standard errors of a "
-        f"difference ({noise:.3f}, at its mean over {n} x {problems} single samples). The saved model's greedy accuracy "
-        f"is lower than the initial one's in {fewer('greedy')} (mean {mean('greedy', 0):.2f} -> "
-        f"{mean('greedy', 1):.2f}), its sampled accuracy lower in {fewer('sampled')} (mean "
-        f"{mean('sampled', 0):.2f} -> {mean('sampled', 1):.2f}), and its distinct answers fewer in "
-        f"{fewer('distinct')} (mean {mean('distinct', 0):.2f} -> {mean('distinct', 1):.2f}). "
-        + (
+    if up == n and not greedy_down:
+        verdict = (
+            "The held-out score rises with the training reward in every seed and greedy accuracy does not fall: what "
+            "the policy learns carries over to problems it never saw."
+        )
+    elif rose == n and abs(last - first) <= noise:
+        verdict = (
             "The training reward rises while the held-out score stays within its noise: the policy fits its training "
             "problems, and what it learns does not carry over to held-out ones."
-            if rose == n and abs(last - first) <= noise
-            else f"The held-out score {'rises' if last > first else 'falls'} beyond its noise."
-            if abs(last - first) > noise
-            else "The training reward does not rise in every seed."
         )
+    else:
+        moved = "beyond" if abs(last - first) > noise else "within"
+        verdict = f"The held-out score {'rises' if last > first else 'falls'} {moved} its noise."
+    return (
+        f"Computed from the table: the training reward rises in {count_of(rose, n)}; the held-out score rises beyond two "
+        f"standard errors of its own evaluation ({problems} single samples at the start and at the end) in "
+        f"{count_of(up, n)}, and its mean moves {last - first:+.3f}, {'within' if abs(last - first) <= noise else 'beyond'} "
+        f"two standard errors of a difference ({noise:.3f}, at its mean over {n} x {problems} single samples). The "
+        f"saved model's greedy accuracy falls beyond two standard errors in "
+        f"{count_of(greedy_down, n) if greedy_down else 'no seed'} "
+        f"(mean {mean('greedy', 0):.2f} -> {mean('greedy', 1):.2f}), its sampled accuracy is lower in {fewer('sampled')} "
+        f"(mean {mean('sampled', 0):.2f} -> {mean('sampled', 1):.2f}), and its distinct answers fewer in "
+        f"{fewer('distinct')} (mean {mean('distinct', 0):.2f} -> {mean('distinct', 1):.2f}); the most frequent answer's "
+        f"share of the held-out replies, which a collapse onto one answer would raise, goes "
+        f"{top[0]:.0%} -> {top[1]:.0%} (mean). " + verdict
     )
+
+
+def every_default_run() -> str:
+    """Every script's default run over seeds (benchmarks/RESULTS-default-runs.json): its held-out metric first -> last
+    in each seed, the mean change against two standard errors over the seeds, the wall time, and a computed reading."""
+    import statistics
+
+    r = record("RESULTS-default-runs.json")
+    rows = [
+        "| script | held-out metric | first -> last, by seed | mean change (2 standard errors over the seeds) | minutes "
+        "| reading |",
+        "|---|---|---|---|---|---|",
+    ]
+    for script, (metric, higher) in r["metrics"].items():
+        runs = [v for k, v in sorted(r["runs"].items()) if k.rsplit("-", 1)[0] == script]
+        if not runs:
+            rows.append(f"| `{script}.py` | {metric} | not recorded yet | | | |")
+            continue
+        values = [v.get("held_out", v.get("eval")) for v in runs]
+        gains = [(b - a) if higher else (a - b) for a, b in values]
+        mean = statistics.fmean(gains)
+        if len(gains) > 1:
+            noise = 2 * statistics.stdev(gains) / len(gains) ** 0.5
+            better = sum(g > 0 for g in gains)
+            verdict = (
+                f"{'better' if mean > 0 else 'worse'} in {count_of(better if mean > 0 else len(gains) - better, len(gains))}, "
+                f"{'beyond' if abs(mean) > noise else 'within'} the noise"
+            )
+            change = f"{mean:+.3f} ({noise:.3f})"
+        else:
+            verdict, change = f"{'better' if mean > 0 else 'worse'} in its one seed; the noise is not measured", f"{mean:+.3f}"
+        minutes = statistics.fmean(v["seconds"] for v in runs) / 60
+        seeds = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in values)
+        rows.append(
+            f"| `{script}.py` | {metric}{'' if higher else ' (lower is better)'} | {seeds} | {change} | "
+            f"{minutes:.1f} | {verdict} |"
+        )
+    where = (
+        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each run `python SCRIPT.py --seed N` in a folder of "
+        "its own (`python benchmarks/default_runs.py --scripts ...`), its metric read off its summary line; the change "
+        "is the improvement (for a loss or a KL, its fall), its mean over the seeds beside two standard errors of that "
+        "mean."
+    )
+    return "\n".join(rows) + f"\n\n{where}"
 
 
 def count_of(k: int, n: int) -> str:
@@ -1029,6 +1098,7 @@ FIGURES = {
     "agents-calculator": agents_calculator,
     "test-times": test_times,
     "real-model-table": real_model_table,
+    "every-default-run": every_default_run,
     "grpo-default-runs": lambda: default_runs("grpo"),
     "rloo-default-runs": lambda: default_runs("rloo"),
 }

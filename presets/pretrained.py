@@ -4,7 +4,7 @@ builtin:tiny-chat     GPT-2 (4 layers x 128, tied embeddings) trained as a langu
                       dialogue, each exchange written "utterance reply<eos>": a policy that already answers in English.
 builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, trained on the built-in VADER preference
                       pairs as reward_modeling.py trains one ("prompt response<eos>", Bradley-Terry loss).
-builtin:tiny-arith    grpo.py's and rloo.py's default policy: tiny-chat after an SFT pass (8 epochs, 2,000 problems)
+builtin:tiny-arith    a fast grpo.py / rloo.py policy: tiny-chat after an SFT pass (8 epochs, 2,000 problems)
                       on reasoning-gym's chain_sum (two one-digit terms), "question answer<eos>" with the loss on the
                       answer: a warm start whose most likely answer is right on ~80% of held-out problems but whose
                       samples (temperature 1) are right on only ~40%, so that rewards differ within a group.

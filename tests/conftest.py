@@ -48,6 +48,18 @@ def pytest_configure(config):
             pytest.exit(f"error: torchvision does not load ({error}): {INSTALL['vllm'].split('&& ')[1]}", returncode=2)
 
 
+# grpo.py and rloo.py train the real model by default (minutes a run): their tests train builtin:tiny-arith at the sizes
+# and rates it takes, the scripts' defaults before the real model was. A test's own flags come after these and win.
+ARITH = {
+    "grpo": ["--model-name", "builtin:tiny-arith", "--total-prompts", "7680", "--batch-size", "16"]
+    + ["--num-generations", "8", "--mini-batch-size", "32", "--learning-rate", "1e-4", "--eval-freq", "80"]
+    + ["--eval-samples", "200", "--log-freq", "10"],
+    "rloo": ["--model-name", "builtin:tiny-arith", "--total-prompts", "30720", "--batch-size", "64"]
+    + ["--num-generations", "2", "--mini-batch-size", "32", "--learning-rate", "1e-4", "--beta", "0.05"]
+    + ["--eval-freq", "80", "--eval-samples", "200", "--log-freq", "10"],
+}
+
+
 # The packages that only tests (or only --use-vllm) import, with the README's line that installs each
 INSTALL = {
     "trl": "pip install -r requirements-dev.txt (trl==1.16.0)",
@@ -306,3 +318,13 @@ def chat_llama(tmp_path_factory) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def pytest_unconfigure(config):
+    """What run_in_process froze (gc.freeze) is unfrozen and collected before the interpreter exits: frozen objects
+    outlive Python's final collection, and triton's bindings (imported with torch's compiler, by transformers) then
+    print a screen of "nanobind: leaked instance" lines as the test process exits."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()

@@ -25,13 +25,16 @@ import tyro
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import ARITH  # noqa: E402 - grpo.py's and rloo.py's tiny setting (their defaults train the real model)
+
 # A few updates of each script from its offline default (the pretrained presets where the script starts from them)
 RUNS = {
     "ppo": ["--total-episodes", "32", "--eval-samples", "8"],
     "dpo": ["--max-steps", "4"],
     "kto": ["--max-steps", "4"],
-    "grpo": ["--total-prompts", "32", "--eval-samples", "16"],
-    "rloo": ["--total-prompts", "128", "--eval-samples", "16"],
+    "grpo": [*ARITH["grpo"], "--total-prompts", "32", "--eval-samples", "16"],
+    "rloo": [*ARITH["rloo"], "--total-prompts", "128", "--eval-samples", "16"],
     "gkd": ["--total-steps", "2", "--batch-size", "4", "--eval-samples", "8", "--lmbda", "0.5"],
     "sft": ["--max-steps", "4"],
     "reward_modeling": ["--max-steps", "4"],

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from conftest import ROOT, read_scalars, run_failing, run_script
+from conftest import ARITH, ROOT, read_scalars, run_failing, run_script
 
 from common.core import UsageError
 from common.loading import load_tokenizer
@@ -444,6 +444,7 @@ def final_answer(prompts, completions, environments=None, **columns):
 def agent_args(script, chat_llama, tmp_path, *extra):
     return [
         script,
+        *ARITH[os.path.basename(script)[: -len(".py")]],
         "--model-name",
         chat_llama,
         "--dataset-name",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import RANDOM_MODEL, ROOT, run_failing, run_in_process, run_script
+from conftest import ARITH, RANDOM_MODEL, ROOT, run_failing, run_in_process, run_script
 
 from common.core import UsageError
 
@@ -193,7 +193,7 @@ def test_a_model_folder_of_an_earlier_run_is_replaced_only_with_overwrite(tmp_pa
 
     from common.outputs import MARKER
 
-    command = [SCRIPTS["sft"], *RANDOM_MODEL, *SFT_QUICK, "--save-steps", "1"]
+    command = [SCRIPTS["sft"], *RANDOM_MODEL, *SFT_QUICK, "--save-steps", "1", "--output-dir", "outputs/sft"]
     run_script(command, tmp_path)
     assert (tmp_path / "outputs" / "sft" / MARKER).is_file() and (
         tmp_path / "outputs" / "sft_checkpoints" / "step_1" / MARKER
@@ -315,7 +315,7 @@ def test_model_folders_without_weights_or_with_truncated_weights(tmp_path):
 def test_checkpoints_that_are_truncated_corrupt_or_of_another_script(tmp_path):
     import shutil
 
-    command = [SCRIPTS["sft"], *RANDOM_MODEL, *SFT_QUICK, "--save-steps", "1"]
+    command = [SCRIPTS["sft"], *RANDOM_MODEL, *SFT_QUICK, "--save-steps", "1", "--output-dir", "outputs/sft"]
     run_script(command, tmp_path)
     good = tmp_path / "outputs" / "sft_checkpoints" / "step_1"
     cases = {}
@@ -363,7 +363,7 @@ def test_an_integer_answer_column_is_accepted(tmp_path):
     flags = ["--dataset-name", "sums.jsonl", "--prompt-column", "question", "--total-prompts", "8", "--batch-size", "4"]
     flags += ["--num-generations", "2", "--mini-batch-size", "8", "--gradient-accumulation-steps", "1"]
     flags += ["--max-completion-length", "4", "--eval-samples", "4"]
-    out = run_script([os.path.join(ROOT, "grpo.py"), *RANDOM_MODEL, *flags], tmp_path)
+    out = run_script([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *RANDOM_MODEL, *flags], tmp_path)
     assert "grpo: 2 updates" in out
 
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from conftest import ARITH as ARITHS
 from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, require, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +13,7 @@ from common.rewards import reward_model_function
 from grpo import group_advantages, grpo_loss
 
 GRPO = os.path.join(ROOT, "grpo.py")
+ARITH = ARITHS["grpo"]
 
 
 def test_group_advantages_by_hand():
@@ -131,7 +133,7 @@ def test_bad_input_fails_before_generation(tmp_path):
         (["--reward-funcs", "nope"], "--reward-funcs nope: unknown; choose one of"),
         (["--task-config", "{bad"], "is not JSON"),
     ):
-        assert message in run_failing([GRPO, *flags], tmp_path), flags
+        assert message in run_failing([GRPO, *ARITH, *flags], tmp_path), flags
 
 
 TINY = [
@@ -180,7 +182,7 @@ TINY = [
     ],
 )
 def test_options_run(tmp_path, flags):
-    out = run_script([GRPO, *TINY, *flags], tmp_path)
+    out = run_script([GRPO, *ARITH, *TINY, *flags], tmp_path)
     assert "grpo: 2 updates" in out
     tags = ("reward", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio")
     for tag in (*tags, "time/logprobs"):
@@ -193,7 +195,7 @@ def test_options_run(tmp_path, flags):
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
     the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
-    common = [GRPO, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2"]
+    common = [GRPO, *ARITH, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2"]
     # the summary reads from the run's start (its first evaluation and reward history)
     out, checkpoint = check_resume(common, ["--save-freq", "3"], "update_3", r"train reward .*? of them\)", tmp_path)
     assert "grpo: 1 updates" in out and AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer > 0
@@ -224,7 +226,7 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     tokenizer.save_pretrained(tmp_path / "lm")
     with pytest.raises(UsageError, match="no trained classification head"):
         reward_model_function(str(tmp_path / "lm"), None, torch.device("cpu"))
-    run_script([GRPO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
+    run_script([GRPO, *ARITH, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
 
 
@@ -239,6 +241,7 @@ def test_grpo_learns_a_reward_it_can_reach(tmp_path):
     out = run_script(
         [
             GRPO,
+            *ARITH,
             "--reward-funcs",
             "rewards.py:seven",
             "--total-prompts",
@@ -272,13 +275,17 @@ def test_reward_plugins_that_fail_are_named_with_their_line(tmp_path):
         "def array(prompts, completions, **kw):\n    return np.array([float(len(c) > 2) for c in completions])\n\n\n"
         "def unscored(prompts, completions, **kw):\n    return [None] * len(completions)\n"
     )
-    error = run_failing([GRPO, *TINY, "--reward-funcs", "broken.py:f"], tmp_path)
+    error = run_failing([GRPO, *ARITH, *TINY, "--reward-funcs", "broken.py:f"], tmp_path)
     assert "importing broken.py failed: ModuleNotFoundError" in error and "broken.py, line 1)" in error, error
-    error = run_failing([GRPO, *TINY, "--reward-funcs", "plugins.py:raises"], tmp_path)
+    error = run_failing([GRPO, *ARITH, *TINY, "--reward-funcs", "plugins.py:raises"], tmp_path)
     assert "reward function plugins.py:raises raised ZeroDivisionError" in error and "plugins.py, line 5)" in error, error
-    assert "grpo: 2 updates" in run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:array"], tmp_path)  # NumPy is fine
+    assert "grpo: 2 updates" in run_script(
+        [GRPO, *ARITH, *TINY, "--reward-funcs", "plugins.py:array"], tmp_path
+    )  # NumPy is fine
     # a batch no reward function scored trains nothing: said in a warning line and counted in the logs, never silent
-    out = run_script([GRPO, *TINY, "--reward-funcs", "plugins.py:unscored", "--log-dir", "unscored", "--overwrite"], tmp_path)
+    out = run_script(
+        [GRPO, *ARITH, *TINY, "--reward-funcs", "plugins.py:unscored", "--log-dir", "unscored", "--overwrite"], tmp_path
+    )
     assert "warning: update 1 has nothing to learn from: no reward function scored any completion" in out
     assert read_scalars(str(tmp_path / "unscored"), "degenerate_updates") == [1, 2]
 
@@ -287,7 +294,7 @@ def test_reward_plugins_that_fail_are_named_with_their_line(tmp_path):
 def test_eval_statistics_pool_every_process(tmp_path):
     """With --top-k 1 the completions are the same under 1 and 2 processes, so the held-out statistics must be too (the
     share of the most frequent answer was a mean of per-process shares: 33% on one process, 75% on two)."""
-    flags = [GRPO, *TINY, "--top-k", "1"]
+    flags = [GRPO, *ARITH, *TINY, "--top-k", "1"]
     run_script([*flags, "--log-dir", "one"], tmp_path)
     run_script([*ddp_launch(), *flags, "--log-dir", "two", "--output-dir", "model_two"], tmp_path, **DDP_ENV)
     for tag in ("eval/top_answer_share", "eval/reward", "eval/completion_length"):
@@ -489,7 +496,7 @@ def test_evaluating_more_often_leaves_the_trained_weights_bit_for_bit_the_same(t
     flags = ["--total-prompts", "32", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
     flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--learning-rate", "1e-3"]
     for name, every in (("often", "1"), ("rarely", "100")):
-        args = [GRPO, *flags, "--eval-freq", every, "--output-dir", str(tmp_path / name)]
+        args = [GRPO, *ARITH, *flags, "--eval-freq", every, "--output-dir", str(tmp_path / name)]
         monkeypatch.setattr("sys.argv", args + ["--log-dir", str(tmp_path / f"{name}_runs")])
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -530,7 +537,7 @@ def test_stale_rollouts_come_from_the_weights_k_updates_back_and_repeat_exactly(
     flags = ["--total-prompts", "40", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
     flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--max-staleness", "2", "--learning-rate", "1e-3"]
     for name in ("a", "b"):
-        args = [GRPO, *flags, "--output-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"{name}_runs")]
+        args = [GRPO, *ARITH, *flags, "--output-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"{name}_runs")]
         monkeypatch.setattr("sys.argv", args)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -545,7 +552,7 @@ def test_stale_rollouts_come_from_the_weights_k_updates_back_and_repeat_exactly(
 def test_the_asynchronous_worker_keeps_the_bound_and_its_failure_is_one_line(tmp_path, monkeypatch):
     """--async-rollouts: no rollout older than --max-staleness is trained on (older ones are dropped and counted); a
     worker that fails ends the run with one line naming the cause, and never hangs the trainer."""
-    flags = [GRPO, "--total-prompts", "48", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
+    flags = [GRPO, *ARITH, "--total-prompts", "48", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "32"]
     flags += ["--gradient-accumulation-steps", "1", "--eval-samples", "8", "--max-staleness", "1", "--async-rollouts"]
     out = run_script([*flags, "--log-dir", "runs"], tmp_path)
     assert "rollouts: HF generate; up to 1 update old, sampled ahead in a background thread" in out, out[:1000]
@@ -579,13 +586,23 @@ def test_the_asynchronous_worker_keeps_the_bound_and_its_failure_is_one_line(tmp
 def test_off_policy_flags_that_cannot_work_are_one_line_errors(tmp_path, flags, message):
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text('{"update": 1, "script": "grpo.py"}')
-    error = run_failing([GRPO, *flags], tmp_path)
+    error = run_failing([GRPO, *ARITH, *flags], tmp_path)
     assert error.startswith("UsageError") and message in error, error
 
 
 def test_a_stale_run_without_a_correction_warns_naming_it(tmp_path):
     out = run_script(
-        [GRPO, "--total-prompts", "32", "--eval-samples", "8", "--max-staleness", "1", "--no-importance-sampling-correction"],
+        [
+            GRPO,
+            *ARITH,
+            "--total-prompts",
+            "32",
+            "--eval-samples",
+            "8",
+            "--max-staleness",
+            "1",
+            "--no-importance-sampling-correction",
+        ],
         tmp_path,
     )
     assert "warning: --max-staleness 1 with --no-importance-sampling-correction: nothing corrects" in out
@@ -601,6 +618,6 @@ def test_grpo_learns_from_rollouts_two_updates_stale(tmp_path):
     )
     flags = ["--reward-funcs", "rewards.py:seven", "--total-prompts", "320", "--batch-size", "8", "--mini-batch-size"]
     flags += ["32", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-4", "--eval-samples", "64"]
-    out = run_script([GRPO, *flags, "--eval-freq", "0", "--log-freq", "1000", "--max-staleness", "2"], tmp_path)
+    out = run_script([GRPO, *ARITH, *flags, "--eval-freq", "0", "--log-freq", "1000", "--max-staleness", "2"], tmp_path)
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]

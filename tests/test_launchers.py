@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, run_in_process, run_script
+from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, run_in_process, run_script
 from safetensors.torch import load_file
 
 from common.core import UsageError
@@ -140,7 +140,7 @@ def test_grpo_and_ppo_are_the_same_under_ddp_and_fsdp(tmp_path):
     FSDP2 x2 sample the same ones, and must then train the same model. grpo pools the reward statistics over the ranks
     (--scale-rewards batch) and checks that DDP's ranks end with identical weights; ppo shards its policy with the
     value head, the reference and the reward model."""
-    grpo = [GRPO, "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [GRPO, *ARITH["grpo"], "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
     grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
     (tmp_path / "grpo").mkdir()
@@ -165,7 +165,7 @@ def test_grpo_and_ppo_under_deepspeed_zero3_train_as_one_process(tmp_path):
     mini-batches per optimizer step (DeepSpeed steps at the step's last: accumulate) and a reference placed before the
     policy is prepared, and ppo (no clipping, as --max-grad-norm's default; the value head; the reference and the
     reward model placed after; the whole model gathered for the save) train what one plain process trains."""
-    grpo = [GRPO, "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [GRPO, *ARITH["grpo"], "--model-name", "builtin:tiny-gpt2", "--total-prompts", "8", "--num-generations", "4"]
     grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1", "--beta", "0.04"]
     (tmp_path / "grpo").mkdir()

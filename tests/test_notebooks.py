@@ -42,8 +42,9 @@ BUDGETS = {
     "ddpo": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "4", "--sample-num-steps", "4"]},
     "ilql": {"NUM_EPOCHS": 1, "FLAGS": ["--eval-samples", "16", "--max-length", "24"]},
     "gkd": {"TOTAL_STEPS": 2, "FLAGS": ["--eval-samples", "4", "--batch-size", "4", "--mini-batch-size", "4"]},
-    "grpo": {
-        "TOTAL_PROMPTS": 32,
+    "grpo": {  # the tiny built-in in place of the real model: 2 updates
+        "MODEL_NAME": "builtin:tiny-arith",
+        "TOTAL_PROMPTS": 16,
         "STALE_UPDATES": 1,
         "FLAGS": ["--eval-samples", "16", "--train-size", "64", "--eval-size", "16"],
     },
@@ -52,7 +53,11 @@ BUDGETS = {
         "UPDATES": 1,
         "FLAGS": ["--eval-samples", "1", "--eval-problems", "4", "--threads", "1", "--prompts", "2"],
     },
-    "rloo": {"TOTAL_PROMPTS": 128, "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"]},
+    "rloo": {
+        "MODEL_NAME": "builtin:tiny-arith",
+        "TOTAL_PROMPTS": 16,
+        "FLAGS": ["--eval-samples", "16", "--train-size", "128", "--eval-size", "16"],
+    },
 }
 
 

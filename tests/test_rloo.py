@@ -4,12 +4,14 @@ import re
 
 import pytest
 import torch
+from conftest import ARITH as ARITHS
 from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from rloo import rloo_advantages, rloo_loss
 
 RLOO = os.path.join(ROOT, "rloo.py")
+ARITH = ARITHS["rloo"]
 
 
 def test_rloo_advantages_by_hand():
@@ -79,7 +81,7 @@ def test_bad_input_fails_before_generation(tmp_path):
         (["--reward-funcs", f"{tmp_path / 'rewards.py'}:nan"], "must be a finite number or None"),
         (["--reward-clip-range", "1", "0"], "min < max"),
     ):
-        assert message in run_failing([RLOO, *flags], tmp_path), flags
+        assert message in run_failing([RLOO, *ARITH, *flags], tmp_path), flags
 
 
 TINY = [
@@ -128,7 +130,7 @@ def test_options_run(tmp_path, flags):
     (tmp_path / "alternate.py").write_text(
         "def alternate(prompts, completions, **kw):\n    return [i % 2 for i in range(len(prompts))]\n"
     )
-    out = run_script([RLOO, *TINY, *flags], tmp_path)
+    out = run_script([RLOO, *ARITH, *TINY, *flags], tmp_path)
     assert "rloo: 2 updates" in out
     tags = ("reward", "kl", "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "completions/clipped_ratio")
     for tag in (*tags, "time/logprobs"):
@@ -143,7 +145,7 @@ def test_options_run(tmp_path, flags):
 def test_resume_continues_where_it_stopped(tmp_path):
     """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
     the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
-    common = [RLOO, *TINY, "--total-prompts", "16", "--num-iterations", "2"]
+    common = [RLOO, *ARITH, *TINY, "--total-prompts", "16", "--num-iterations", "2"]
     # the summary reads from the run's start (its first evaluation and reward history)
     out, checkpoint = check_resume(common, ["--save-freq", "3"], "update_3", r"train reward .*? of them\)", tmp_path)
     assert "rloo: 1 updates" in out and AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer > 0
@@ -157,10 +159,21 @@ def test_reward_model_is_one_more_reward_function(tmp_path):
 
     load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1).save_pretrained(tmp_path / "rm")
     load_tokenizer("builtin:tiny-gpt2").save_pretrained(tmp_path / "rm")
-    run_script([RLOO, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
+    run_script([RLOO, *ARITH, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
     assert "2 --reward-weights for 3 rewards" in run_failing(
-        [RLOO, "--reward-funcs", "verifier", "format", "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "1"]
+        [
+            RLOO,
+            *ARITH,
+            "--reward-funcs",
+            "verifier",
+            "format",
+            "--reward-model",
+            str(tmp_path / "rm"),
+            "--reward-weights",
+            "1",
+            "1",
+        ]
         + ["--overwrite"],
         tmp_path,
     )
@@ -169,7 +182,10 @@ def test_reward_model_is_one_more_reward_function(tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp_ranks_end_with_identical_weights(tmp_path):
     out = run_script(
-        [*ddp_launch(), RLOO, *TINY, "--total-prompts", "16", "--normalize-advantages"], tmp_path, timeout=300, **DDP_ENV
+        [*ddp_launch(), RLOO, *ARITH, *TINY, "--total-prompts", "16", "--normalize-advantages"],
+        tmp_path,
+        timeout=300,
+        **DDP_ENV,
     )
     assert "rloo: 2 updates" in out and "weights identical on 2 ranks" in out
 
@@ -185,6 +201,7 @@ def test_rloo_learns_a_reward_it_can_reach(tmp_path):
     out = run_script(
         [
             RLOO,
+            *ARITH,
             "--reward-funcs",
             "rewards.py:seven",
             "--total-prompts",

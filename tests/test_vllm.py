@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, read_scalars, require
+from conftest import ARITH, ROOT, read_scalars, require
 
 REAL = "builtin:smollm2-135m-instruct"
 TINY_RUN = [
@@ -113,7 +113,7 @@ def test_a_run_with_lora_and_a_tool_samples_through_vllm_and_logs_the_sampler_ga
     require("vllm")
     flags = ["--use-peft", "--tools", "calculator", "--max-prompt-length", "320", "--max-completion-length", "32"]
     flags += ["--total-prompts", "4", "--batch-size", "2", "--mini-batch-size", "4"]  # 2 updates of 2 prompts x 2
-    result = python([os.path.join(ROOT, "rloo.py"), *TINY_RUN, *flags], tmp_path)
+    result = python([os.path.join(ROOT, "rloo.py"), *ARITH["rloo"], *TINY_RUN, *flags], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "rollouts: vLLM, colocated (float32, weights synced every update" in result.stdout, result.stdout[-2000:]
     assert "rloo: 2 updates, 4 prompts x 2" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -127,12 +127,12 @@ def test_a_run_with_lora_and_a_tool_samples_through_vllm_and_logs_the_sampler_ga
 
 @pytest.mark.slow
 def test_asynchronous_rollouts_sample_through_the_shared_engine(tmp_path):
-    """--async-rollouts with --use-vllm (grpo.py's offline default, a GPT-2 built-in): the background worker samples
+    """--async-rollouts with --use-vllm (builtin:tiny-arith, a GPT-2 built-in): the background worker samples
     through the trainer's engine, every update trains on a rollout at most one update old, the sync after each update
     refreshes it, and the sampler's correction and metrics follow."""
     require("vllm")
     flags = ["--use-vllm", "--total-prompts", "64", "--max-staleness", "1", "--async-rollouts"]
-    result = python([os.path.join(ROOT, "grpo.py"), *flags], tmp_path, OMP_NUM_THREADS="1")
+    result = python([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *flags], tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "up to 1 update old, sampled ahead in a background thread" in result.stdout
     assert "grpo: 4 updates, 64 prompts x 8" in result.stdout, result.stdout[-2000:]
@@ -178,7 +178,10 @@ def test_without_vllm_the_flag_is_one_line_naming_the_install_command(tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError(\"No module named 'vllm'\")\n")
     result = python(
-        [os.path.join(ROOT, "grpo.py"), "--use-vllm"], tmp_path, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", timeout=120
+        [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm"],
+        tmp_path,
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     (line,) = result.stderr.strip().splitlines()
@@ -234,7 +237,7 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
     from conftest import DDP_ENV, ddp_launch, fsdp_launch
     from safetensors.torch import load_file
 
-    grpo = [os.path.join(ROOT, "grpo.py"), "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
     grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
     for name, launch in (("ddp", ddp_launch), ("fsdp", fsdp_launch)):
@@ -262,7 +265,7 @@ def test_grpo_with_vllm_under_deepspeed_zero3_trains_as_one_process(tmp_path):
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 2\n  zero_stage: 3\n"
         "  zero3_init_flag: true\nnum_processes: 1\nmixed_precision: 'no'\n"
     )
-    grpo = [os.path.join(ROOT, "grpo.py"), "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
     grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1"]
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(config)]
