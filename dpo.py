@@ -539,14 +539,9 @@ def check(args: Args) -> None:
         )
     if args.discopop_tau <= 0:
         raise UsageError(f"--discopop-tau {args.discopop_tau}: it must be positive.")
-    if args.sync_ref_model and (args.use_peft or args.precompute_ref_log_probs or args.reference_free):
-        what = (
-            "--use-peft"
-            if args.use_peft
-            else "--precompute-ref-log-probs"
-            if args.precompute_ref_log_probs
-            else "--reference-free"
-        )
+    if args.sync_ref_model and (args.use_peft or args.precompute_ref_log_probs or not uses_reference(args)):
+        flags = ("--use-peft", "--precompute-ref-log-probs", "--reference-free")
+        what = next((f for f in flags if getattr(args, f[2:].replace("-", "_"))), f"--loss-type {' '.join(types)}")
         raise UsageError(  # TRL refuses the first two too
             f"--sync-ref-model moves a reference copy during training, and {what} has none that can move: drop one."
         )
@@ -835,6 +830,8 @@ def main(args: Args) -> None:
     """Setup, then the loop, then the final evaluation, save and summary."""
     check(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    if args.sync_ref_model and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UsageError("--sync-ref-model runs in one process or under DDP, not with sharded weights (FSDP, DeepSpeed).")
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
     pairs = load_pairs(args)  # checked before any model is built or loaded
@@ -868,8 +865,6 @@ def main(args: Args) -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     scorer.model = model
     if args.sync_ref_model:  # the moving reference: checkpointed with the optimizer, so a resume continues exactly
-        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise UsageError("--sync-ref-model runs in one process or under DDP, not with sharded weights (FSDP, DeepSpeed).")
         accelerator.register_for_checkpointing(ref_model)
     start_step, resumed = 0, {}
     if args.resume_from:

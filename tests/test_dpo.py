@@ -485,6 +485,8 @@ def test_tr_dpo_with_alpha_1_makes_the_reference_the_policy(tmp_path, pairs_file
     assert re.search(margin, frozen).group(2) != "0.000", frozen[-500:]
     error = run_failing([*common, "--sync-ref-model", "--use-peft"], tmp_path)
     assert "--sync-ref-model moves a reference copy during training, and --use-peft has none" in error, error
+    error = run_failing([*common, "--sync-ref-model", "--loss-type", "simpo"], tmp_path)
+    assert "and --loss-type simpo has none that can move" in error, error
 
 
 @pytest.mark.slow
