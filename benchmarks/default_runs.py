@@ -4,7 +4,7 @@ grpo.py and rloo.py (SmolLM2-135M-Instruct on reasoning-gym's one-digit chain_su
 occur in training) also the training reward's first and last tenth, then the initial and the saved model on the
 run's held-out problems, 4 sampled replies each: greedy and sampled accuracy, distinct answers, reply length, and the
 saved model's KL to the initial one. Writes benchmarks/RESULTS-default-runs.json, from which docs/grpo.md and
-docs/rloo.md render their tables and docs/benchmarks.md the table of every script (docs/build_assets.py).
+docs/rloo.md render their tables and docs/getting-started.md the table of every script (docs/build_assets.py).
 
     python benchmarks/default_runs.py                  # grpo and rloo, seeds 1 2 3 (about an hour on 2 cores)
     python benchmarks/default_runs.py --scripts sft reward_modeling dpo kto ppo ddpo gkd ilql
