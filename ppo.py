@@ -28,7 +28,7 @@ from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import AutoModel, AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
@@ -59,6 +59,7 @@ from common.loading import (
     context_length,
     load_config,
     load_data,
+    load_pretrained,
     load_tokenizer,
     quantization_kwargs,
     reward_model_text,
@@ -66,6 +67,7 @@ from common.loading import (
 )
 from common.models import (
     REWARD_NORMALIZATION_FILE,
+    VALUE_HEAD_FILE,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     check_lora_targets,
@@ -264,6 +266,32 @@ class Args:
     value_head_init: Literal["zero", "normal"] = "zero"
     """value head init: zero (lm-human-preferences) or normal(0, 0.2)"""
 
+    # The PPO of today's field (OpenRLHF, verl, VC-PPO, VAPO): each part off by default, which is TRL 0.8's PPO
+    value_model_path: str | None = None
+    """a separate critic (its own weights and learning rate) started from: a hub id, a folder (a causal LM, a reward
+    model, a critic ppo.py saved), a built-in, `policy`, or `auto` (the reward model if the run has one that reads the
+    policy's tokens, else the policy); None: TRL 0.8's value head on the policy's trunk"""
+    critic_learning_rate: float | None = None
+    """the separate critic's Adam learning rate (OpenRLHF's critic_learning_rate); None: --learning-rate"""
+    freezing_actor_steps: int = 0
+    """updates at the start that train only the critic, the policy held still (OpenRLHF's freezing_actor_steps,
+    VC-PPO's value pretraining); needs --value-model-path"""
+    critic_lam: float | None = None
+    """the GAE lambda of the critic's targets, decoupled from the policy's --lam (VC-PPO: 1.0, unbiased returns);
+    None: --lam"""
+    lam_length_alpha: float | None = None
+    """VAPO's length-adaptive policy lambda = 1 - 1 / (alpha * response length), per response, clamped to [0, 1]
+    (VAPO: alpha 0.05, for responses of thousands of tokens); None: --lam"""
+    use_kl_loss: bool = False
+    """the KL to the reference as a term of the policy loss (kl_coef x the --kl-penalty estimate, k3 as GRPO) instead
+    of a penalty in the reward (OpenRLHF's use_kl_loss)"""
+    n_samples_per_prompt: int = 1
+    """completions sampled per query (OpenRLHF's n_samples_per_prompt): --batch-size counts completions, so an update
+    answers batch_size / n queries, each n times"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """how the losses average over a mini-batch: token-mean (every response token weighs the same: TRL 0.8, OpenRLHF,
+    verl's default) or seq-mean-token-mean (each response's mean, then the mean over responses)"""
+
     # LoRA
     use_peft: bool = False
     """train LoRA adapters; the reference is the policy with its adapter disabled (no second model)"""
@@ -399,19 +427,21 @@ def ppo_loss(
     cliprange_value,
     vf_coef,
     ratio_threshold=10.0,
+    loss_agg_mode="token-mean",
 ):
-    """Clipped PPO objective (Schulman et al. 2017, eq. 7) and clipped value loss, as TRL 0.8's `loss`.
+    """Clipped PPO objective (Schulman et al. 2017, eq. 7) and clipped value loss, as TRL 0.8's `loss` (and OpenRLHF's
+    PolicyLoss and ValueLoss, for a separate critic too), averaged by `aggregate`.
 
     All inputs [B, T]. Returns (pg_loss, vf_coef * vf_loss, stats); both losses are zeroed when the mean ratio
     exceeds `ratio_threshold` (the mini-batch is skipped, stats["ppo/skipped"] = 1).
     """
     vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1, vf_losses2 = (vpreds - returns) ** 2, (vpredclipped - returns) ** 2
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask, loss_agg_mode)
     ratio = torch.exp(logprobs - old_logprobs)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    pg_loss = aggregate(torch.max(pg_losses, pg_losses2), mask, loss_agg_mode)
     keep = (masked_mean(ratio, mask) <= ratio_threshold).float()  # a tensor, not an `if`: no device sync
     pg_loss, vf_loss = pg_loss * keep, vf_loss * keep
     with torch.no_grad():
@@ -428,10 +458,42 @@ def ppo_loss(
             "ppo/val/vpred": masked_mean(vpreds, mask),
             "ppo/val/error": masked_mean(vf_losses1, mask),
             "ppo/val/clipfrac": masked_mean(torch.gt(vf_losses2, vf_losses1).float(), mask),
-            "ppo/val/var_explained": 1 - masked_var(returns - vpreds, mask) / masked_var(returns, mask),
+            "ppo/val/var_explained": explained_variance(returns, vpreds, mask),
             "ppo/skipped": 1 - keep,
         }
     return pg_loss, vf_coef * vf_loss, stats
+
+
+def explained_variance(returns, vpreds, mask):
+    """1 - var(returns - values) / var(returns) over the masked tokens (TRL 0.8's ppo/val/var_explained): 1 when the
+    values predict the returns, 0 when they are no better than their mean; NaN (left out of the update's mean) when
+    the returns do not vary, as when every response of a mini-batch scored alike without a KL penalty."""
+    variance = masked_var(returns, mask)
+    return torch.where(variance > 0, 1 - masked_var(returns - vpreds, mask) / variance, torch.nan)
+
+
+def aggregate(losses, mask, mode="token-mean"):
+    """A mini-batch's loss from per-token losses [B, T]: token-mean (TRL 0.8, OpenRLHF, verl's default: every response
+    token weighs the same, so long responses weigh more) or seq-mean-token-mean (each response's mean, then their mean)."""
+    if mode == "token-mean":
+        return masked_mean(losses, mask)
+    return masked_mean(losses, mask, axis=1).mean()
+
+
+def length_adaptive_lam(mask, alpha):
+    """VAPO's policy lambda, one per response [B]: 1 - 1 / (alpha * length), clamped to [0, 1] (short responses lean on
+    the critic, long ones on the returns)."""
+    return (1 - 1 / (alpha * mask.sum(1).clamp(min=1))).clamp(0.0, 1.0)
+
+
+def gae_targets(values, rewards, mask, gamma, lam, critic_lam, whiten_rewards=False):
+    """Decoupled GAE (VC-PPO): the policy's whitened advantages with `lam` (a float, or one per response [B]), the
+    critic's targets with `critic_lam` (1.0: the Monte-Carlo returns, unbiased by the critic's own errors). With
+    critic_lam == lam this is `compute_advantages`. Returns (values * mask, advantages, returns)."""
+    values, advantages, returns = compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards)
+    if not isinstance(lam, float) or critic_lam != lam:
+        returns = compute_advantages(values, rewards, mask, gamma, critic_lam, whiten_rewards)[2]
+    return values, advantages, returns
 
 
 def forward(model, queries, query_mask, responses, response_mask, temperature, decoder_start_token_id=None, logit_mask=None):
@@ -516,7 +578,10 @@ def main(args: Args) -> None:
     first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
+    explained_history = state.get("explained_history", [])  # the critic's explained variance, update by update
     clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
+    clipping |= dict(loss_agg_mode=args.loss_agg_mode)
+    actor = [p for p in unwrapped.pretrained_model.parameters() if p.requires_grad] if args.freezing_actor_steps else []
     start_time = time.time()
     progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
     for update in progress:
@@ -524,7 +589,9 @@ def main(args: Args) -> None:
         marks = [clock(device)]  # phase boundaries, for time/* (bookkeeping below)
 
         # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
-        rows = epoch_rows(train_rows, args.batch_size, update, args.seed, accelerator)  # seeded reshuffle per epoch
+        n = args.n_samples_per_prompt  # each query answered n times (OpenRLHF's n_samples_per_prompt)
+        rows = epoch_rows(train_rows, args.batch_size // n, update, args.seed, accelerator)  # seeded reshuffle per epoch
+        rows = [row for row in rows for _ in range(n)]
         queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
@@ -548,18 +615,26 @@ def main(args: Args) -> None:
         )
         with torch.no_grad():
             # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
-            rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_ctl.value, args.kl_penalty)
+            #    (with --use-kl-loss the KL leaves the reward for the policy loss: r_t is the score alone)
+            kl_coef = 0.0 if args.use_kl_loss else kl_ctl.value
+            rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_coef, args.kl_penalty)
             del kl_inputs
 
             # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
             #    (compute_advantages), then whitened; returns = A + V are the value head's targets
-            values, advantages, returns = compute_advantages(values, rewards, mask, args.gamma, args.lam, args.whiten_rewards)
+            #    (gae_targets: the critic's targets may take their own lambda, VC-PPO's decoupled GAE; the policy's
+            #    lambda may adapt to each response's length, VAPO's)
+            lam = length_adaptive_lam(mask, args.lam_length_alpha) if args.lam_length_alpha else args.lam
+            critic_lam = args.lam if args.critic_lam is None else args.critic_lam
+            values, advantages, returns = gae_targets(values, rewards, mask, args.gamma, lam, critic_lam, args.whiten_rewards)
             # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
             # loss then shows up as exploding ratios instead of passing silently
             old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
         marks.append(clock(device))
 
-        # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss)
+        # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss);
+        #    for the first --freezing-actor-steps updates only the critic learns (VC-PPO's value pretraining)
+        frozen = update < args.freezing_actor_steps
         model.train()
         all_stats, epochs_done, grad_norms = [], 0, []
         for _ in range(args.ppo_epochs):
@@ -574,9 +649,15 @@ def main(args: Args) -> None:
                     pg_loss, vf_loss, stats = ppo_loss(
                         old, value, logprobs, vpreds, mask[mb], adv, ret, vf_coef=args.vf_coef, **clipping
                     )
-                    accelerator.backward(pg_loss + vf_loss)
+                    loss = pg_loss * (not frozen) + vf_loss  # frozen: 0 x the policy loss keeps every rank's graph alike
+                    if args.use_kl_loss:  # OpenRLHF's use_kl_loss: kl_coef x the mean per-token estimate
+                        kl = aggregate(kl_estimate(logprobs, ref_logprobs[mb], args.kl_penalty), mask[mb], args.loss_agg_mode)
+                        loss, stats["ppo/policy/kl_loss"] = loss + kl_ctl.value * kl * (not frozen), kl.detach()
+                    accelerator.backward(loss)
                     if args.max_grad_norm is not None and accelerator.sync_gradients:
                         grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                    for p in actor if frozen and accelerator.sync_gradients else ():
+                        p.grad = None  # Adam skips the policy: its weights and moments stay as they are
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
@@ -602,6 +683,7 @@ def main(args: Args) -> None:
         logger.log(metrics, update + 1)
         reward_history.append(metrics["env/reward_mean"])
         kl_history.append(metrics["objective/kl"])
+        explained_history.append(metrics["ppo/val/var_explained"])
         progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
         if (update + 1) % args.log_freq == 0:
             sampled = (rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens)
@@ -613,13 +695,15 @@ def main(args: Args) -> None:
             # the run's first evaluation and histories too: the summary and the health line compare with its start
             state = dict(update=update + 1, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
             state |= dict(first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
+            state |= dict(explained_history=explained_history)
             save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
     last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
     save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
-    summary(args, accelerator, start_update, start_time, reward_history, kl_history, first_eval, last_eval, best_reward)
+    histories = (reward_history, kl_history, explained_history)
+    summary(args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward)
     rollout.sampler.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 
@@ -648,10 +732,15 @@ def batch_sizes(args: Args, accelerator: Accelerator) -> int:
 
 def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int):
     """The model prepared with its Adam optimizer (fused: one kernel over all parameters, several times faster than the
-    per-tensor update) and a constant or linearly annealed learning rate."""
-    optimizer = torch.optim.Adam(
-        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=args.adam_eps, fused=True
-    )
+    per-tensor update; a separate critic is a parameter group of its own) and a constant or linearly annealed learning
+    rate."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    critic = [p for p in getattr(model, "critic", torch.nn.Module()).parameters() if p.requires_grad]
+    if critic:  # the separate critic: a parameter group of its own (its learning rate, its own Adam moments)
+        ids = {id(p) for p in critic}
+        critic_lr = args.critic_learning_rate or args.learning_rate
+        trainable = [{"params": [p for p in trainable if id(p) not in ids]}, {"params": critic, "lr": critic_lr}]
+    optimizer = torch.optim.Adam(trainable, lr=args.learning_rate, eps=args.adam_eps, fused=True)
     optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
     # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(
@@ -670,6 +759,7 @@ def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_
     mask, stats = values["mask"], values["stats"]
     with torch.no_grad():
         metrics = {k: torch.stack([s[k].float() for s in stats]).mean() for k in stats[0]}
+        metrics["ppo/val/var_explained"] = torch.stack([s["ppo/val/var_explained"] for s in stats]).nanmean()
         metrics |= {
             "objective/kl": values["kls"].sum(1).mean(),
             "objective/entropy": (-values["old_logprobs"] * mask).sum(1).mean(),
@@ -746,10 +836,10 @@ def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, rollout, qu
     return old_logprobs, ref_logprobs, values, kl_inputs
 
 
-def summary(args: Args, accelerator, start_update, start_time, reward_history, kl_history, first_eval, last_eval, best_reward):
+def summary(args: Args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward):
     """The run's last lines: what it did and what moved, then the health line (a reward that rose while the policy
     left its reference is reward hacking, not learning)."""
-    per_update = args.batch_size * args.world_size
+    per_update, (reward_history, kl_history, explained_history) = args.batch_size * args.world_size, histories
     window = max(1, len(reward_history) // 10)
     final_kl = float(np.mean(kl_history[-window:]))
     accelerator.print(
@@ -775,6 +865,14 @@ def summary(args: Args, accelerator, start_update, start_time, reward_history, k
         (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
+    explained = [x for x in explained_history[-window:] if np.isfinite(x)]  # NaN: returns that did not vary
+    explained = float(np.mean(explained)) if explained else float("nan")  # the critic explains the returns, or not
+    if explained < 0.05:  # near zero: the values are no better than their mean
+        fix = "--critic-learning-rate, or warm it up with --freezing-actor-steps" if args.value_model_path else "--vf-coef"
+        accelerator.print(
+            f"warning: the critic does not learn (it explains {explained:.2f} of the returns' variance over the last "
+            f"updates): its advantages are the raw returns' noise; raise {fix}"
+        )
 
 
 def check(args: Args) -> None:
@@ -784,13 +882,35 @@ def check(args: Args) -> None:
         positive=(
             "save_total_limit total_episodes batch_size mini_batch_size gradient_accumulation_steps ppo_epochs learning_rate "
             "max_query_length temperature target horizon cliprange cliprange_value reward_batch_size eval_samples log_freq "
-            "compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip"
+            "compare_steps ratio_threshold generation_batch_size adam_eps max_grad_norm score_clip critic_learning_rate "
+            "lam_length_alpha n_samples_per_prompt"
         ),
-        non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl",
+        non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl freezing_actor_steps",
         fractions="eval_fraction",
     )
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}: gamma and lam lie in [0, 1].")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 <= (args.critic_lam or 0) <= 1):
+        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}, --critic-lam {args.critic_lam}: each lies in [0, 1].")
+    if args.batch_size % args.n_samples_per_prompt:
+        raise UsageError(
+            f"--batch-size {args.batch_size} counts completions, --n-samples-per-prompt {args.n_samples_per_prompt} "
+            "of them per query: make the batch size a multiple of it."
+        )
+    if args.value_model_path is None:
+        for flag, on in (
+            ("--critic-learning-rate", args.critic_learning_rate),
+            ("--freezing-actor-steps", args.freezing_actor_steps),
+        ):
+            if on:
+                raise UsageError(f"{flag} sets the separate critic: add --value-model-path (e.g. auto), or drop {flag}.")
+    else:
+        shared = [flag for flag, on in (("--use-peft", args.use_peft), ("--reward-adapter", args.reward_adapter)) if on]
+        if shared:
+            raise UsageError(
+                f"--value-model-path with {shared[0]}: the separate critic trains whole weights beside a LoRA policy "
+                "not yet; drop one of the two."
+            )
+    if args.use_kl_loss and args.kl_penalty == "full":
+        raise UsageError("--use-kl-loss with --kl-penalty full: the loss takes a per-token estimate (k3, kl, mse, abs).")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
@@ -853,12 +973,14 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         if too_long:  # --truncate-queries: each long query keeps its last `limit` tokens
             for row in train_rows + eval_rows:
                 row["prompt_ids"] = row["prompt_ids"][-limit:]
-    per_update = args.batch_size * args.world_size
+    per_update = args.batch_size * args.world_size // args.n_samples_per_prompt
     if len(train_rows) < per_update:
         raise UsageError(f"{len(train_rows)} training queries are fewer than one batch of {per_update}.")
     accelerator.print(
         f"{len(train_rows)} training queries, {len(eval_rows)} held out{', rendered by the chat template' if chat else ''}; "
-        f"{args.num_updates} updates of {per_update} episodes; each pass over the data reshuffles and leaves out "
+        f"{args.num_updates} updates of {per_update} "
+        + (f"queries x {args.n_samples_per_prompt} completions" if args.n_samples_per_prompt > 1 else "episodes")
+        + "; each pass over the data reshuffles and leaves out "
         f"{len(train_rows) % per_update} queries (different ones each pass)"
     )
     for specs in (args.reward_funcs, args.gold_reward_funcs):
@@ -874,6 +996,8 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
     if is_encoder_decoder and args.use_vllm:
         raise UsageError(f"--use-vllm with {args.model_name}, an encoder-decoder: vLLM samples decoder-only models here.")
+    if is_encoder_decoder and args.value_model_path:
+        raise UsageError(f"--value-model-path with {args.model_name}, an encoder-decoder: the critic reads decoder-only LMs.")
     # Always the initial weights, also on resume: the reference is a copy of them; the resumed policy comes
     # from the checkpoint's accelerate state
     model = wrapper_class.from_pretrained(
@@ -910,6 +1034,17 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         f"parameters; reference: {'adapter disabled' if ref_model is None else 'frozen copy'}"
         f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
     )
+    if args.value_model_path:  # the policy's own value head is dropped: the separate critic gives the values
+        critic = load_critic(args, model, scorer, tokenizer)
+        for module in critic.modules() if args.disable_dropout else ():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        model = PolicyAndCritic(model.pretrained_model, critic)
+        accelerator.print(
+            f"critic: a separate value model from {args.value_model_path} "
+            f"({sum(p.numel() for p in critic.parameters()):,} parameters, learning rate "
+            f"{args.critic_learning_rate or args.learning_rate:g})"
+        )
     reward_context = context_length(scorer.reward_model.config if scorer.reward_model is not None else None)
     if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
         rows = train_rows + eval_rows
@@ -924,6 +1059,67 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
                 "--truncate-queries) or --max-new-tokens."
             )
     return model, ref_model, scorer
+
+
+class Critic(AutoModelForCausalLMWithValueHead):
+    """A separate value model (OpenRLHF's critic): a transformer trunk without its LM head, and a value head on its last
+    hidden state; forward(...) -> values [B, L]. Saved as the trunk (plain `AutoModel.from_pretrained` loads it) and
+    value_head.safetensors."""
+
+    def forward(self, logits_to_keep=None, **inputs) -> torch.Tensor:
+        return self.v_head(self.pretrained_model(**inputs, use_cache=False).last_hidden_state)
+
+
+class PolicyAndCritic(AutoModelForCausalLMWithValueHead):
+    """The policy and its separate critic as one module, forward(...) -> (policy logits, critic values) as the value-head
+    policy's: every launcher prepares, shards and checkpoints the two together (TRL 0.11's PolicyAndValueWrapper), one
+    Adam with a parameter group each. Saved as the policy (plain from_pretrained format) with the critic in critic/."""
+
+    def __init__(self, policy, critic: Critic):
+        torch.nn.Module.__init__(self)
+        self.pretrained_model, self.critic, self.config = policy, critic, policy.config
+
+    def forward(self, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pretrained_model(**inputs, use_cache=False).logits, self.critic(**inputs)
+
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        parts = {"pretrained_model.": None, "critic.": None}
+        for prefix in parts if state_dict is not None else ():
+            parts[prefix] = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.pretrained_model.save_pretrained(save_directory, state_dict=parts["pretrained_model."], **kwargs)
+        self.critic.save_pretrained(os.path.join(save_directory, "critic"), state_dict=parts["critic."], **kwargs)
+
+
+def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
+    """The critic of --value-model-path: the trunk of the policy, of the reward model (its reward logit becomes the value
+    head, as OpenRLHF starts its critic from the reward model), of a critic ppo.py saved, or of any causal LM (with a
+    fresh value head)."""
+    source = args.value_model_path
+    if source == "auto":
+        reward_model = scorer.reward_model
+        same_tokens = reward_model is not None and scorer.tokenizer.get_vocab() == tokenizer.get_vocab()
+        source = reward_model if same_tokens else policy.pretrained_model
+    elif source == "policy":
+        source = policy.pretrained_model
+    elif os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):  # a critic saved by ppo.py: its trunk and head
+        source = load_pretrained(source, AutoModel, dtype=args.dtype), load_file(os.path.join(source, VALUE_HEAD_FILE))
+    elif any(a.endswith("ForSequenceClassification") for a in load_config(source).architectures or []):
+        source = load_reward_model(source, args.reward_label, args.dtype)[0]
+    else:
+        source = load_pretrained(source, AutoModelForCausalLM, dtype=args.dtype)
+    trunk, head = source if isinstance(source, tuple) else (copy.deepcopy(source.base_model), None)
+    critic = Critic(trunk.requires_grad_(True), init=args.value_head_init)
+    if head is not None:
+        critic.v_head.load_state_dict(head)
+    elif getattr(source, "score", None) is not None:  # a reward model: its reward logit starts the values
+        index = scorer.index if source is scorer.reward_model else 0
+        critic.v_head.summary.weight.data.copy_(source.score.weight[index : index + 1])
+    if trunk.config.vocab_size != policy.config.vocab_size:
+        raise UsageError(
+            f"--value-model-path {args.value_model_path}: its vocabulary ({trunk.config.vocab_size} tokens) is not the "
+            f"policy's ({policy.config.vocab_size}); the critic reads the policy's tokens: pass a model of its tokenizer."
+        )
+    return critic
 
 
 class Rollout:

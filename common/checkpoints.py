@@ -107,6 +107,8 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
     """Load into `model` (plain, peft, or with a value head) the weights its save_pretrained wrote to `folder`."""
     if hasattr(model, "v_head"):
         model.v_head.load_state_dict(load_file(os.path.join(folder, VALUE_HEAD_FILE)))
+    if hasattr(model, "critic"):  # ppo.py's separate value model, saved in critic/ beside the policy
+        load_weights(model.critic, os.path.join(folder, "critic"))
     peft = peft_model_of(model)
     if peft is not None:
         set_peft_model_state_dict(peft, load_file(os.path.join(folder, "adapter_model.safetensors")))

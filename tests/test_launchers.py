@@ -205,3 +205,21 @@ def test_a_launch_whose_processes_would_train_alone_is_an_error(tmp_path):
     """Two processes that accelerate would run as two lone runs (no GPU, no ACCELERATE_USE_CPU=1) stop with one line."""
     _, error = run_in_process([SFT, "--model-name", "builtin:tiny-gpt2", "--max-steps", "1"], tmp_path, WORLD_SIZE="2")
     assert "2 processes were launched but each would train alone" in str(error) and "ACCELERATE_USE_CPU=1" in str(error)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_separate_critic_is_the_same_under_ddp_fsdp_and_deepspeed_zero3(tmp_path):
+    """ppo.py's separate critic is prepared with the policy as one module (one optimizer, a parameter group each): DDP x2
+    and FSDP2 x2 train the same policy and critic (after a critic-only update), and one process under ZeRO-3 (the critic
+    partitioned and gathered for the save) trains what a plain process trains; the critic lands in critic/ under every
+    launcher. (Not the warm-up under DeepSpeed: its engine steps Adam over the policy's zero gradients, which the other
+    launchers skip, so the policy's first steps after it differ by Adam's bias correction: docs/ppo.md.)"""
+    ppo = [PPO, "--model-name", "builtin:tiny-gpt2", "--batch-size", "4", "--mini-batch-size", "2", "--eval-samples", "8"]
+    ppo += ["--min-new-tokens", "8", "--max-new-tokens", "8", "--total-episodes", "16", "--n-samples-per-prompt", "2"]
+    ppo += ["--value-model-path", "policy", "--critic-learning-rate", "1e-4"]
+    files = ("model.safetensors", "critic/model.safetensors", "critic/value_head.safetensors")
+    for pair, warmup in ((("ddp", "fsdp"), ["--freezing-actor-steps", "1"]), (("one", "zero3"), [])):
+        (tmp_path / pair[0]).mkdir()
+        for name in pair:
+            assert "critic: a separate value model from policy" in launch(name, [*ppo, *warmup], tmp_path / pair[0])
+        assert_equal_runs(tmp_path / pair[0], list(pair), "ppo/loss/total", lr=1e-4, files=files)
