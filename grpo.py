@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from common.chat import text_of
 from common.cli import cli
-from common.core import UsageError, masked_mean, nanstd
+from common.core import EntropyBonus, UsageError, masked_mean, nanstd
 from common.rollout import (
     Engine,
     Ledger,
@@ -177,6 +177,20 @@ class Args:
     """multiply the k3 KL term by the ratio: DeepSeek-V3.2's unbiased KL gradient (TRL 1.16's default; beta > 0)"""
     top_entropy_quantile: float = 1.0
     """keep in the loss only the top quantile of tokens by entropy ("Beyond the 80/20 rule": 0.2); 1.0: every token"""
+    entropy_coef: float = 0.0
+    """the entropy bonus: loss - entropy_coef x the mean per-token entropy of the tokens the loss acts on (TRL 1.16);
+    with --use-adaptive-entropy, the starting coefficient"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's control: after each optimizer step the coefficient rises by --entropy-coef-delta while the entropy
+    is at or below --entropy-target, else falls; the bonus applies only at or below the target (TRL 1.16)"""
+    entropy_coef_min: float = 0.0
+    """--use-adaptive-entropy: the coefficient's lower bound"""
+    entropy_coef_max: float = 1.0
+    """--use-adaptive-entropy: the coefficient's upper bound"""
+    entropy_coef_delta: float = 0.005
+    """--use-adaptive-entropy: the coefficient's step per optimizer step"""
+    entropy_target: float = 0.2
+    """--use-adaptive-entropy: the target mean per-token entropy, in nats"""
 
     # Off-policy: stale rollouts and their corrections (docs/grpo.md#off-policy)
     max_staleness: int = 0
@@ -509,6 +523,7 @@ def off_policy_terms(args: Args, accelerator, logprobs, old, sampled, advantages
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_online_args(args, non_negative="overlong_buffer overlong_penalty off_policy_mask_threshold delta")
+    EntropyBonus.check(args)
     if not 0 <= args.top_entropy_quantile <= 1:
         raise UsageError(f"--top-entropy-quantile {args.top_entropy_quantile}: it lies in [0, 1].")
     if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
@@ -543,6 +558,7 @@ def main(args: Args) -> None:
     first_eval = evaluate(args, engine, logger, start_update)  # the run's start (a resume keeps the first run's)
     stream = RolloutStream(args, task, engine, accelerator, start_update, num_updates)  # on-policy, or stale by k
     ledger = Ledger(resumed, first_eval)  # what the loop carries from update to update, and into checkpoints
+    bonus = EntropyBonus(args, ledger.extra.get("entropy_bonus"))  # --entropy-coef (adaptive: its controller)
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="grpo")
     for update in progress:
         update_start = time.time()
@@ -597,8 +613,9 @@ def main(args: Args) -> None:
                 for mb in step_indices.split(args.mini_batch_size):
                     with accelerator.accumulate(model):
                         logprobs, entropy = per_token_logprobs(
-                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
-                        )
+                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature,
+                            entropy="grad" if bonus.enabled else True,
+                        )  # fmt: skip
                         old = logprobs.detach() if old_logprobs is None else old_logprobs[mb]
                         ref = old if ref_logprobs is None else ref_logprobs[mb]  # unused at beta 0
                         corrections, stats = off_policy_terms(
@@ -612,13 +629,19 @@ def main(args: Args) -> None:
                         # accelerate divides by the accumulation steps (the step's gradient: the mini-batches' mean, for
                         # grpo / bnpo / dr_grpo / luspo / sapo); dapo's, cispo's and vespo's are per token of the step
                         token_sum = args.loss_type in ("dapo", "cispo", "vespo")
-                        accelerator.backward(loss * args.gradient_accumulation_steps if token_sum else loss)
+                        loss = loss * args.gradient_accumulation_steps if token_sum else loss
+                        if bonus.enabled:  # on the tokens the loss acts on (TRL: its mask, and the entropy mask)
+                            acting = loss_mask[mb] * corrections.get("entropy_mask", 1.0)
+                            loss = loss + bonus.loss(entropy, acting)
+                            entropy = entropy.detach()
+                        accelerator.backward(loss)
                         entropy_stats = torch.stack([(entropy * token_mask[mb]).sum(), token_mask[mb].sum()])
                         stats_list.append(stats | loss_stats | {"entropy": entropy_stats})
                 grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                bonus.step(accelerator)  # --use-adaptive-entropy: the coefficient for the next step
 
         # 6. bookkeeping: the metrics (TRL 1.x names), samples, evaluation, checkpoints
         reasons, metrics = rollout_metrics(args, accelerator, task, rollout, rewards_per_func, all_rewards)
@@ -629,6 +652,7 @@ def main(args: Args) -> None:
                 "reward_std": nanstd(all_rewards).item(),
                 "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
                 "charts/learning_rate": scheduler.get_last_lr()[0],
+                **({"entropy_coef": bonus.coef} if bonus.enabled else {}),
                 "time/generate": generate_time,
                 "time/logprobs": forward_time,
                 "time/step": time.time() - update_start,
@@ -636,6 +660,7 @@ def main(args: Args) -> None:
             | stream.metrics(staleness)
         )
         stream.trained(update, policy)
+        ledger.extra["entropy_bonus"] = bonus.state()  # checkpointed with the ledger
         ledger.record(accelerator, logger, update, metrics, reasons)  # a warning line for each reason, the logs
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", zero_std=f"{metrics['frac_reward_zero_std']:.2f}")
         if (update + 1) % args.log_freq == 0:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from common.chat import text_of
 from common.cli import cli
-from common.core import UsageError, nanstd
+from common.core import EntropyBonus, UsageError, nanstd
 from common.rollout import (
     Engine,
     Ledger,
@@ -149,6 +149,20 @@ class Args:
     """clip the summed reward (before the KL penalty) to (min, max); None: no clipping"""
     mask_truncated_completions: bool = False
     """completions cut by max_completion_length (no EOS) take no part in the loss"""
+    entropy_coef: float = 0.0
+    """the entropy bonus: loss - entropy_coef x the mean per-token entropy of the completions (TRL 1.16's GRPOConfig;
+    RLOOConfig lacks it); with --use-adaptive-entropy, the starting coefficient"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's control: after each optimizer step the coefficient rises by --entropy-coef-delta while the entropy
+    is at or below --entropy-target, else falls; the bonus applies only at or below the target (TRL 1.16)"""
+    entropy_coef_min: float = 0.0
+    """--use-adaptive-entropy: the coefficient's lower bound"""
+    entropy_coef_max: float = 1.0
+    """--use-adaptive-entropy: the coefficient's upper bound"""
+    entropy_coef_delta: float = 0.005
+    """--use-adaptive-entropy: the coefficient's step per optimizer step"""
+    entropy_target: float = 0.2
+    """--use-adaptive-entropy: the target mean per-token entropy, in nats"""
 
     # Generation
     max_completion_length: int = 32
@@ -317,6 +331,7 @@ def correction(args: Args, old_logps, sampled_logps):
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_online_args(args)
+    EntropyBonus.check(args)
     if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:
         raise UsageError(f"--reward-clip-range {args.reward_clip_range}: give (min, max) with min < max.")
 
@@ -338,6 +353,7 @@ def main(args: Args) -> None:
     first_eval = evaluate(args, engine, logger, start_update)  # the run's start (a resume keeps the first run's)
     stream = RolloutStream(args, task, engine, accelerator, start_update, num_updates)  # on-policy, or stale by k
     ledger = Ledger(resumed, first_eval)  # what the loop carries from update to update, and into checkpoints
+    bonus = EntropyBonus(args, ledger.extra.get("entropy_bonus"))  # --entropy-coef (adaptive: its controller)
     progress = tqdm(range(start_update, num_updates), disable=not accelerator.is_local_main_process, desc="rloo")
     for update in progress:
         update_start = time.time()
@@ -397,8 +413,9 @@ def main(args: Args) -> None:
                 for mb in permutation[s : s + step_size].split(args.mini_batch_size):
                     with accelerator.accumulate(model):
                         logprobs, entropy = per_token_logprobs(
-                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature, entropy=True
-                        )
+                            model, prompts[mb], prompt_mask[mb], completions[mb], mask[mb], args.temperature,
+                            entropy="grad" if bonus.enabled else True,
+                        )  # fmt: skip
                         logps = (logprobs * loss_mask[mb]).sum(1)  # log pi(completion): the whole completion is one action
                         old = logps.detach() if old_logps is None else old_logps[mb]
                         is_ratio, is_stats = correction(args, old, sampled[mb] if sampled is not None else None)
@@ -408,6 +425,8 @@ def main(args: Args) -> None:
                         loss, stats = rloo_loss(
                             logps, old, advantages[mb], args.epsilon, args.epsilon_high or args.epsilon, is_ratio
                         )
+                        if bonus.enabled:  # over the completion tokens the loss reads
+                            loss, entropy = loss + bonus.loss(entropy, loss_mask[mb]), entropy.detach()
                         accelerator.backward(loss)  # accelerate divides by the steps: the gradient is their mean
                         entropy_stats = torch.stack([(entropy * loss_mask[mb]).sum(), loss_mask[mb].sum()])
                         stats_list.append(stats | is_stats | {"entropy": entropy_stats})
@@ -415,6 +434,7 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                bonus.step(accelerator)  # --use-adaptive-entropy: the coefficient for the next step
 
         # 6. bookkeeping: the metrics (TRL 1.x names), samples, evaluation, checkpoints
         reasons, metrics = rollout_metrics(args, accelerator, task, rollout, rewards_per_func, all_rewards)
@@ -426,6 +446,7 @@ def main(args: Args) -> None:
                 "rewards/kl_penalized": all_rewards.nanmean().item(),
                 "grad_norm": sum(float(g) for g in grad_norms if g is not None) / len(grad_norms),  # mean over the steps
                 "charts/learning_rate": scheduler.get_last_lr()[0],
+                **({"entropy_coef": bonus.coef} if bonus.enabled else {}),
                 "time/generate": generate_time,
                 "time/logprobs": forward_time,
                 "time/step": time.time() - update_start,
@@ -433,6 +454,7 @@ def main(args: Args) -> None:
             | stream.metrics(staleness)
         )
         stream.trained(update, policy)
+        ledger.extra["entropy_bonus"] = bonus.state()  # checkpointed with the ledger
         ledger.record(accelerator, logger, update, metrics, reasons)  # a warning line for each reason, the logs
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.3f}")
         if (update + 1) % args.log_freq == 0:

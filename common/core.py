@@ -4,6 +4,7 @@ tensors of the shape of the values they mask."""
 
 import ctypes
 import json
+import math
 import os
 
 import torch
@@ -190,6 +191,53 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
         # F.kl_div(input, target) = target_p * (log target - input): target is the policy here
         return F.kl_div(ref_logprobs, logprobs, log_target=True, reduction="none").sum(-1)
     raise ValueError(f"Unknown KL penalty {kind!r}: choose one of kl, abs, mse, k3, full.")
+
+
+class EntropyBonus:
+    """TRL 1.16's entropy bonus (grpo.py, rloo.py; the Args fields entropy_coef, use_adaptive_entropy, entropy_coef_min,
+    entropy_coef_max, entropy_coef_delta, entropy_target): a mini-batch's loss gets -coef x H, H the mean per-token
+    entropy over the tokens its loss acts on. With --use-adaptive-entropy (Skywork-OR1), after each optimizer step the
+    coefficient rises by delta while that step's entropy over every process was at or below the target, else falls
+    (within [min, max]), and the bonus applies only while the last step's entropy was at or below the target (none
+    before the first step)."""
+
+    def __init__(self, args, state: dict | None = None):
+        self.args, self.coef, self.last, self.window = args, args.entropy_coef, math.inf, None
+        self.enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+        if state:  # a resumed run's controller
+            self.coef, self.last = state["coef"], state["last"]
+
+    def loss(self, entropy, mask):
+        """The term to add to a mini-batch's loss (entropy [B, T] with its gradient, mask [B, T])."""
+        adaptive, target = self.args.use_adaptive_entropy, self.args.entropy_target
+        applied = self.coef if not adaptive or self.last <= target else 0.0  # the last step's gate, for every mini-batch
+        if adaptive:  # the step's entropy, over all its mini-batches
+            stats = torch.stack([(entropy * mask).sum(), mask.sum()]).detach()
+            self.window = stats if self.window is None else self.window + stats
+        return -applied * (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def step(self, accelerator) -> None:
+        """An optimizer step's end: the adaptive coefficient moves by the step's entropy over every process."""
+        if self.window is None:
+            return
+        total = accelerator.reduce(self.window, "sum")
+        self.last, a, self.window = (total[0] / total[1].clamp(min=1.0)).item(), self.args, None
+        if self.last <= a.entropy_target:
+            self.coef = min(self.coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - a.entropy_coef_delta, a.entropy_coef_min)
+
+    def state(self) -> dict:
+        return {"coef": self.coef, "last": self.last}
+
+    @staticmethod
+    def check(args) -> None:
+        """A one-line error for bounds that cannot work."""
+        if not (args.entropy_coef_delta >= 0 and args.entropy_coef_min <= args.entropy_coef_max):
+            raise UsageError(
+                f"--entropy-coef-min {args.entropy_coef_min}, --entropy-coef-max {args.entropy_coef_max}, "
+                f"--entropy-coef-delta {args.entropy_coef_delta}: the bounds need min <= max, and the step is not negative."
+            )
 
 
 class AdaptiveKLController:

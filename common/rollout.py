@@ -241,6 +241,7 @@ class Ledger:
     def __init__(self, resumed: dict, first_eval: dict):
         self.first_eval = resumed.get("first_eval", first_eval)
         self.history, self.degenerate, self.start = resumed.get("history", []), resumed.get("degenerate", 0), time.time()
+        self.extra = resumed.get("extra", {})  # a script's own state (a controller): checkpointed as it is
 
     def record(self, accelerator: Accelerator, logger, update: int, metrics: dict, reasons: list[str]) -> None:
         """An update's end: a warning line for each reason it had nothing to learn from (and the counter in the logs),
@@ -258,7 +259,7 @@ class Ledger:
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             state = {"update": update + 1, "first_eval": self.first_eval, "history": self.history}
-            state["degenerate"] = self.degenerate
+            state |= {"degenerate": self.degenerate, "extra": self.extra}
             save_checkpoint(accelerator, folder, state, policy, tokenizer, total_limit=args.save_total_limit)
 
 

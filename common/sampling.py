@@ -131,9 +131,11 @@ def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
     }
 
 
-def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool = False):
+def per_token_logprobs(
+    net, prompts, prompt_mask, completions, completion_mask, temperature: float, entropy: bool | str = False
+):
     """log pi(completion token) [N, T], logits / temperature as in sampling, and with `entropy` the policy's entropy
-    [N, T] (for the logs; None otherwise)."""
+    [N, T] (for the logs; entropy="grad": with its gradient, for an entropy bonus; None otherwise)."""
     input_ids = torch.cat([prompts, completions], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
@@ -143,6 +145,8 @@ def per_token_logprobs(net, prompts, prompt_mask, completions, completion_mask, 
     if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
         logits = logits / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)  # once, for both the log-probs and the entropy
+    if entropy == "grad":
+        return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
     with torch.no_grad():
         entropies = -logp.exp().mul_(logp).sum(-1) if entropy else None  # H = -sum_v p_v log p_v, one buffer
     return logp.gather(-1, completions.unsqueeze(-1)).squeeze(-1), entropies

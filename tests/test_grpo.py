@@ -621,3 +621,96 @@ def test_grpo_learns_from_rollouts_two_updates_stale(tmp_path):
     out = run_script([GRPO, *ARITH, *flags, "--eval-freq", "0", "--log-freq", "1000", "--max-staleness", "2"], tmp_path)
     first, last = (float(x) for x in re.search(r"eval reward ([\d.]+) -> ([\d.]+)", out).groups())
     assert first < 0.25 and last > first + 0.25, out[-1500:]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_entropy_bonus_equals_trls_own_code(adaptive):
+    """The entropy bonus (and Skywork-OR1's adaptive coefficient) against TRL 1.16's `_compute_loss`, step by step: the
+    loss, its gradient with respect to the log-probs and to the entropies, and the coefficient after each optimizer step
+    (the gate opens and closes as the entropy crosses the target). A bonus of the wrong sign, a sum for the mean, or a
+    controller that moves the other way fails here."""
+    from types import SimpleNamespace
+
+    from common.core import EntropyBonus
+
+    logprobs, old, _, _, mask, advantages = off_policy_batch()
+    settings = dict(entropy_coef=0.3, use_adaptive_entropy=adaptive, entropy_coef_min=0.0, entropy_coef_max=0.32)
+    settings |= dict(entropy_coef_delta=0.01, entropy_target=1.5)
+    ours_bonus = EntropyBonus(SimpleNamespace(**settings))
+    theirs_state = dict(entropy_coef=0.3, last=math.inf, window=None)
+    accelerator = SimpleNamespace(reduce=lambda x, reduction: x)
+    coefficients, pulls = [], []
+    for step, scale in enumerate((1.0, 0.5, 0.4, 1.2)):  # mean entropy about 2, 1, 0.8, 2.4: across the target
+        entropies = torch.rand(logprobs.shape, generator=torch.Generator().manual_seed(step)) * 4 * scale
+        ours_in, theirs_in = logprobs.clone().requires_grad_(), logprobs.clone().requires_grad_()
+        ours_h, theirs_h = entropies.clone().requires_grad_(), entropies.clone().requires_grad_()
+        theirs = trl_entropy_loss(theirs_in, old, advantages, mask, theirs_h, settings, theirs_state)
+        ours, _ = grpo_loss(ours_in, old, old, advantages, mask, 0.0, 0.2, 0.28, "dapo", mask.shape[1], "token", mask.sum())
+        ours = ours + ours_bonus.loss(ours_h, mask)
+        ours_bonus.step(accelerator)
+        (ours + 0).backward()
+        theirs.backward()
+        assert torch.allclose(ours, theirs, atol=1e-6), (step, ours.item(), theirs.item())
+        assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6)
+        assert torch.allclose(ours_h.grad, theirs_h.grad, atol=1e-7)
+        assert ours_bonus.coef == pytest.approx(theirs_state["entropy_coef"]), step
+        coefficients.append(ours_bonus.coef)
+        pulls.append(theirs_h.grad.abs().sum().item() > 0)  # the bonus reached the entropies
+    if adaptive:  # fell above the target, rose at or below it; applied after a step at or below it
+        assert coefficients == pytest.approx([0.29, 0.30, 0.31, 0.30]) and pulls == [False, False, True, True]
+    else:
+        assert coefficients == [0.3] * 4 and all(pulls)
+
+
+def trl_entropy_loss(logprobs, old, advantages, mask, entropies, settings, state):
+    """TRL 1.16's `_compute_loss` (dapo, train mode, one process, no accumulation) with the entropy bonus on: one
+    optimizer step, the controller's state carried in `state` from step to step."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    GRPOTrainer = require("trl").GRPOTrainer
+    accelerator = SimpleNamespace(
+        num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x, sync_gradients=True
+    )  # fmt: skip
+    args = SimpleNamespace(
+        use_bias_correction_kl=False, delta=None, steps_per_generation=1,
+        **{k: v for k, v in settings.items() if k.startswith("entropy_") and k != "entropy_coef"},
+    )  # fmt: skip
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, entropies, None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, args=args, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28,
+        use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=mask.shape[1], accelerator=accelerator,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _entropy_bonus_enabled=True, use_adaptive_entropy=settings["use_adaptive_entropy"],
+        entropy_coef=state["entropy_coef"], _last_world_entropy=state["last"], _entropy_window_stats=state["window"],
+    )  # fmt: skip
+    B, T = mask.shape
+    inputs = dict(
+        prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+        completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask, advantages=advantages,
+        old_per_token_logps=old, num_items_in_batch=mask.sum(),
+    )  # fmt: skip
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    state |= dict(entropy_coef=trainer.entropy_coef, last=trainer._last_world_entropy, window=trainer._entropy_window_stats)
+    return loss
+
+
+@pytest.mark.slow
+def test_adaptive_entropy_coefficient_steps_and_resumes(tmp_path):
+    """--use-adaptive-entropy with a target above any entropy: the coefficient rises by delta at each optimizer step (one
+    an update here), is logged as entropy_coef, and a resumed run takes the checkpoint's controller on."""
+    import json
+
+    flags = ["--entropy-coef", "0.01", "--use-adaptive-entropy", "--entropy-target", "100", "--entropy-coef-delta", "0.005"]
+    run_script([GRPO, *ARITH, *TINY, *flags, "--save-freq", "1", "--output-dir", "straight"], tmp_path)
+    assert read_scalars(str(tmp_path / "runs"), "entropy_coef") == pytest.approx([0.015, 0.02])
+    checkpoint = tmp_path / "straight_checkpoints" / "update_1"
+    state = json.load(open(checkpoint / "trainer_state.json"))["extra"]["entropy_bonus"]
+    assert state["coef"] == pytest.approx(0.015) and 0 < state["last"] < 100
+    out = run_script(
+        [GRPO, *ARITH, *TINY, *flags, "--resume-from", str(checkpoint), "--output-dir", "resumed", "--log-dir", "again"],
+        tmp_path,
+    )
+    assert "resumed from" in out and read_scalars(str(tmp_path / "again"), "entropy_coef") == pytest.approx([0.02])

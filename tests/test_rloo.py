@@ -241,3 +241,15 @@ def test_masked_truncated_completions_still_reach_the_reward_and_the_length_stat
     seen = (tmp_path / "seen.txt").read_text().splitlines()[2:]  # after the two rows load_rewards tries
     assert seen and all(line != "''" for line in seen), seen[:8]
     assert read_scalars(str(tmp_path / "runs"), "completions/mean_length") == [3.0, 3.0]
+
+
+def test_entropy_bonus_runs_and_logs_its_coefficient(tmp_path):
+    """rloo.py's entropy bonus (GRPOConfig's field, common.core.EntropyBonus as grpo.py's): the coefficient is logged,
+    and the bonus changes the trained weights."""
+    from safetensors.torch import load_file
+
+    run_script([RLOO, *ARITH, *TINY, "--output-dir", "plain", "--log-dir", "plain_runs"], tmp_path)
+    run_script([RLOO, *ARITH, *TINY, "--entropy-coef", "0.5", "--output-dir", "bonus"], tmp_path)
+    assert read_scalars(str(tmp_path / "runs"), "entropy_coef") == pytest.approx([0.5, 0.5])
+    plain, bonus = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "bonus"))
+    assert any(not torch.equal(plain[k], bonus[k]) for k in plain)
