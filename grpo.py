@@ -148,6 +148,9 @@ class Args:
     clip the ratio; cispo clips it as a weight; sapo gates it softly; luspo sums per sequence; vespo weighs sequences"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantages divided by the group's reward std (GRPO), the batch's (batch), or not at all (Dr. GRPO)"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """several reward functions: sum them (weighted), then the group advantage; or GDPO's normalize_then_sum: each
+    function normalised within its group, the weighted sum normalised over the batch (TRL 1.16)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: a ratio per token (GRPO); sequence: one ratio per completion from its mean log-ratio (GSPO)"""
     mask_truncated_completions: bool = False
@@ -311,6 +314,22 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
         advantages = advantages / (nanstd(rewards) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"Unknown scale_rewards {scale_rewards!r}: choose group, batch or none.")
+    return torch.nan_to_num(advantages, nan=0.0), is_std_zero
+
+
+def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int):
+    """GDPO (Liu et al. 2026; TRL 1.16's normalize_then_sum), rewards_per_func [N, F] in group order: each function's
+    rewards minus their group mean over their group std + 1e-4, the weighted sum of those, then minus its batch mean
+    over its batch std + 1e-4. NaN rewards are left out of the statistics; a completion no function scored gets 0.
+    Returns (advantages [N], is_std_zero [N]: the group's normalised sums are all equal, as group_advantages')."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    std = nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(grouped[:, :1])
+    normalised = ((grouped - grouped.nanmean(1, keepdim=True)) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
+    summed = (normalised * weights).nansum(1)
+    summed[rewards_per_func.isnan().all(1)] = math.nan
+    advantages = (summed - summed.nanmean()) / (nanstd(summed) + 1e-4)
+    group_std = nanstd(summed.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    is_std_zero = torch.isclose(group_std, torch.zeros_like(group_std)) | group_std.isnan()
     return torch.nan_to_num(advantages, nan=0.0), is_std_zero
 
 
@@ -575,11 +594,17 @@ def main(args: Args) -> None:
         rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
         if args.overlong_buffer:
             over = (rollout.model_mask.sum(1) - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
-            rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
+            punishment = -args.overlong_penalty * over / args.overlong_buffer
+            rewards = rewards + punishment
 
         # 3. group advantages over every process's groups: A = r - mean(group), / std (group, batch or none)
         all_rewards = accelerator.gather(rewards)  # [world * N]: "batch" scaling uses the whole batch
         all_advantages, is_std_zero = group_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each function normalised in its group
+            columns, weights = rewards_per_func, task.weights
+            if args.overlong_buffer:  # DAPO's punishment as a reward function of its own (as TRL has it)
+                columns, weights = torch.cat([columns, punishment[:, None]], 1), torch.cat([weights, weights.new_ones(1)])
+            all_advantages, is_std_zero = gdpo_advantages(accelerator.gather(columns), weights, args.num_generations)
         local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
         advantages = all_advantages[local]
         token_mask = rollout.model_mask  # the policy's own tokens: tool and environment tokens are context, never loss

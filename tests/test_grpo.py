@@ -178,6 +178,8 @@ TINY = [
             "0.5",
             "--num-iterations",
             "2",
+            "--multi-objective-aggregation",
+            "normalize_then_sum",
         ],
     ],
 )
@@ -714,3 +716,34 @@ def test_adaptive_entropy_coefficient_steps_and_resumes(tmp_path):
         tmp_path,
     )
     assert "resumed from" in out and read_scalars(str(tmp_path / "again"), "entropy_coef") == pytest.approx([0.02])
+
+
+def test_gdpo_normalize_then_sum_equals_trls_formula():
+    """GDPO's aggregation against TRL 1.16's normalize_then_sum block (GRPOTrainer._generate_and_score_completions,
+    reproduced line by line below): each function normalised within its group, the weighted sum over the batch; a
+    completion no function scored gets advantage 0, a NaN reward stays out of its function's group statistics."""
+    from grpo import gdpo_advantages
+
+    generator = torch.Generator().manual_seed(0)
+    rewards_per_func = torch.rand(12, 3, generator=generator) * torch.tensor([1.0, 10.0, 0.1])  # three scales
+    rewards_per_func[2, 1] = math.nan  # one function could not score one completion
+    rewards_per_func[7] = math.nan  # no function could score this one
+    weights, num_generations = torch.tensor([1.0, 0.5, 2.0]), 4
+
+    # TRL 1.16, grpo_trainer.py, multi_objective_aggregation == "normalize_then_sum" (with TRL's own nanstd)
+    nanstd = require("trl").trainer.utils.nanstd
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, 3)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 3)
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = nanstd(rewards).expand_as(rewards)
+    expected = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4), nan=0.0)
+
+    advantages, is_std_zero = gdpo_advantages(rewards_per_func, weights, num_generations)
+    assert torch.allclose(advantages, expected, atol=1e-6) and advantages[7] == 0
+    assert not is_std_zero.any()
+    summed, _ = group_advantages((rewards_per_func * weights).nansum(1), num_generations)  # sum_then_normalize differs
+    assert not torch.allclose(advantages, summed, atol=1e-2)
