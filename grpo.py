@@ -131,8 +131,15 @@ class Args:
     """mu: passes of the clipped objective over each generation batch"""
     learning_rate: float = 1e-5
     """AdamW learning rate (TRL: 1e-6, for billion-parameter models)"""
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    """the learning rate over the run: constant, or decayed to 0 by its last step (TRL: linear)"""
+    lr_scheduler_type: str = "constant"
+    """the learning rate over the run: a transformers scheduler (constant, linear: decayed to 0 by the last step,
+    cosine, cosine_with_min_lr, warmup_stable_decay, ...; TRL: linear)"""
+    lr_scheduler_kwargs: str | None = None
+    """the scheduler's own options as JSON, e.g. '{"min_lr_rate": 0.1}' for cosine_with_min_lr (TRL's lr_scheduler_kwargs)"""
+    warmup_steps: float = 0.0
+    """linear warm-up of the learning rate: a number of optimizer steps, or below 1 a fraction of them (TRL 1.16)"""
+    gradient_checkpointing: bool = False
+    """recompute the activations in the backward: less memory, more time (TRL: on; off here, as CPU runs need no saving)"""
     weight_decay: float = 0.0
     """AdamW weight decay (biases and norm weights are not decayed)"""
     max_grad_norm: float = 1.0

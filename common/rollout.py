@@ -26,7 +26,17 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import text_of
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
-from common.core import UsageError, check_args, epoch_rows, exact_div, nanstd, sizes, warn_once, weight_decay_groups
+from common.core import (
+    UsageError,
+    check_args,
+    epoch_rows,
+    error_line,
+    exact_div,
+    nanstd,
+    sizes,
+    warn_once,
+    weight_decay_groups,
+)
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
 from common.outputs import atomic_directory, check_finite, write_model_card
@@ -58,7 +68,7 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     check_args(
         args,
         positive=f"{SHARED_POSITIVE} {positive}",
-        non_negative=f"beta weight_decay top_k eval_freq save_freq max_tool_calling_iterations {non_negative}",
+        non_negative=f"beta weight_decay top_k eval_freq save_freq max_tool_calling_iterations warmup_steps {non_negative}",
         fractions="eval_fraction",
     )
     if args.num_generations < 2:
@@ -73,6 +83,13 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
         warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     check_off_policy_args(args)
+    try:  # the schedule, on a stand-in parameter: a name or option that transformers cannot take is one line
+        learning_rate_schedule(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10)
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise UsageError(
+            f"--lr-scheduler-type {args.lr_scheduler_type} (--lr-scheduler-kwargs {args.lr_scheduler_kwargs}): "
+            f"{error_line(error)}; pass a transformers scheduler and the options it takes."
+        ) from None
     if getattr(args, "use_vllm", False):
         check_vllm_args(args)
     sources = len(args.reward_funcs) + (args.reward_model is not None)
@@ -209,14 +226,26 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
     ref_model = create_reference_model(model) if args.beta > 0 else None
     if ref_model is not None:
         ref_model = place_frozen(accelerator, ref_model)
+    if args.gradient_checkpointing:  # activations recomputed in the backward (non-reentrant: LoRA needs no input grads)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
-    ticks = optimizer_steps * accelerator.num_processes  # accelerate steps a prepared scheduler once per process
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=ticks)
+    scheduler = learning_rate_schedule(args, optimizer, optimizer_steps * accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
     return model, ref_model, optimizer, scheduler
+
+
+def learning_rate_schedule(args, optimizer, ticks: int):
+    """--lr-scheduler-type over `ticks` scheduler steps (accelerate steps a prepared scheduler once per process and
+    optimizer step), after --warmup-steps of linear warm-up (a count, or below 1 a fraction, rounded up as
+    transformers does), with --lr-scheduler-kwargs."""
+    warmup = int(args.warmup_steps) if args.warmup_steps >= 1 else math.ceil(args.warmup_steps * ticks)
+    options = json.loads(args.lr_scheduler_kwargs) if args.lr_scheduler_kwargs else None
+    return get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=ticks, scheduler_specific_kwargs=options
+    )
 
 
 def resume(args, accelerator: Accelerator, num_updates: int) -> dict:

@@ -140,7 +140,9 @@ def per_token_logprobs(
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: count real tokens only
     T = completions.shape[1]
-    logits = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1).logits
+    logits = net(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
+    ).logits
     logits = logits[:, :-1]
     if temperature != 1.0:  # a full-vocabulary copy, skipped at temperature 1
         logits = logits / temperature

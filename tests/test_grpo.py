@@ -747,3 +747,21 @@ def test_gdpo_normalize_then_sum_equals_trls_formula():
     assert not is_std_zero.any()
     summed, _ = group_advantages((rewards_per_func * weights).nansum(1), num_generations)  # sum_then_normalize differs
     assert not torch.allclose(advantages, summed, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_the_same_and_warmup_schedules(tmp_path):
+    """--gradient-checkpointing recomputes the activations: the same weights as without (to float rounding); a warm-up
+    of 2 optimizer steps under constant_with_warmup logs half the rate after the first and the whole after the second;
+    a scheduler transformers cannot build is one line before anything loads."""
+    from safetensors.torch import load_file
+
+    run_script([GRPO, *ARITH, *TINY, "--output-dir", "plain", "--log-dir", "plain_runs"], tmp_path)
+    schedule = ["--lr-scheduler-type", "constant_with_warmup", "--warmup-steps", "2", "--learning-rate", "1e-4"]
+    run_script([GRPO, *ARITH, *TINY, "--gradient-checkpointing", "--output-dir", "ckpt"], tmp_path)
+    plain, ckpt = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "ckpt"))
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+    run_script([GRPO, *ARITH, *TINY, *schedule, "--output-dir", "warm", "--log-dir", "warm_runs"], tmp_path)
+    assert read_scalars(str(tmp_path / "warm_runs"), "charts/learning_rate") == pytest.approx([5e-5, 1e-4])
+    bad = ["--lr-scheduler-type", "cosine_with_min_lr"]  # needs min_lr or min_lr_rate
+    assert "pass a transformers scheduler and the options it takes" in run_failing([GRPO, *ARITH, *TINY, *bad], tmp_path)
