@@ -291,6 +291,9 @@ class Args:
     """evaluate on the held-out problems every this many updates (and at the start and the end)"""
     eval_samples: int = 64
     """held-out prompts per evaluation (at most), one completion each, sampled as in training with a fixed seed"""
+    num_generations_eval: int | None = None
+    """completions per held-out problem at evaluation: eval/pass@k and eval/mean@k beside eval/reward (TRL 1.16);
+    None: one"""
     save_freq: int = 0
     """write a resumable checkpoint every this many updates to {output_dir}_checkpoints/update_N (0: only the final
     model): the policy in from_pretrained format beside accelerate's state"""

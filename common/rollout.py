@@ -58,6 +58,7 @@ from common.vllm_engine import check_vllm_args
 SHARED_POSITIVE = (
     "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations learning_rate "
     "max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length eval_samples log_freq "
+    "num_generations_eval "
     "train_size eval_size tool_timeout"
 )
 
@@ -694,20 +695,24 @@ def score(task: Task, rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor,
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
 def evaluate(args, engine: Engine, logger, update: int) -> dict[str, float]:
-    """The held-out verifier score: one completion per held-out prompt (this rank's share), sampled as in training
-    (TRL's evaluation) with the same seed at every evaluation, scored by the first reward function; the completion
-    length, the share of the most frequent answer, and with tools the episodes' metrics."""
+    """The held-out verifier score: one completion per held-out prompt (this rank's share; --num-generations-eval k: k
+    of them, with pass@k and mean@k), sampled as in training (TRL's evaluation) with the same seed at every evaluation,
+    scored by the first reward function; the completion length, the share of the most frequent answer, and with tools
+    the episodes' metrics."""
     accelerator, device, task = engine.accelerator, engine.accelerator.device, engine.task
     torch.manual_seed(args.seed + accelerator.process_index)
     engine.policy.eval()
-    totals, tools = torch.zeros(3, device=device), 0
+    k = args.num_generations_eval or 1
+    totals, tools = torch.zeros(4, device=device), 0
     table = {"prompt": [], "completion": [], "answer": [], "score": []}
-    for chunk, weight in rank_batches(task.eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
+    for rows, weight in rank_batches(task.eval_rows, 64, accelerator):  # this rank's share, as many chunks on every rank
+        chunk = [row for row in rows for _ in range(k)]  # each problem k times, side by side
         rollout = engine.rollout(chunk)
         scores, texts = score(task, chunk, rollout)
         scores = scores[:, 0]
         count = torch.tensor(len(chunk), device=device)
-        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count])
+        best = scores.nan_to_num().view(-1, k).max(1).values.sum()  # pass@k: each problem's best of its k
+        totals += weight * torch.stack([scores.nan_to_num().sum(), rollout.model_mask.sum(), count, best])
         if task.toolset is not None:  # tool use on the held-out prompts, pooled over the chunks
             tools = tools + weight * episode_totals(rollout)
         if weight:  # (not a rank's stand-in)
@@ -726,6 +731,8 @@ def evaluate(args, engine: Engine, logger, update: int) -> dict[str, float]:
         "eval/completion_length": (totals[1] / totals[2]).item(),
         "eval/top_answer_share": float(top_share),
     }
+    if k > 1:  # the problems' best of k (pass@k for a 0/1 verifier) and the mean over all k (mean@k, = eval/reward)
+        metrics |= {f"eval/pass@{k}": (totals[3] * k / totals[2]).item(), f"eval/mean@{k}": metrics["eval/reward"]}
     if task.toolset is not None:
         metrics |= {f"eval/{k}": v for k, v in episode_stats(accelerator.reduce(tools, "sum")).items()}
     logger.log(metrics, update)

@@ -765,3 +765,13 @@ def test_gradient_checkpointing_trains_the_same_and_warmup_schedules(tmp_path):
     assert read_scalars(str(tmp_path / "warm_runs"), "charts/learning_rate") == pytest.approx([5e-5, 1e-4])
     bad = ["--lr-scheduler-type", "cosine_with_min_lr"]  # needs min_lr or min_lr_rate
     assert "pass a transformers scheduler and the options it takes" in run_failing([GRPO, *ARITH, *TINY, *bad], tmp_path)
+
+
+def test_several_completions_per_held_out_problem_give_pass_and_mean_at_k(tmp_path):
+    """--num-generations-eval 4: each held-out problem answered 4 times; eval/mean@4 is eval/reward (the mean over every
+    completion), eval/pass@4 (each problem's best) is at least it, and the table holds 4 completions a problem."""
+    run_script([GRPO, *ARITH, *TINY, "--num-generations-eval", "4", "--eval-freq", "0"], tmp_path)
+    runs = str(tmp_path / "runs")
+    mean, best, reward = (read_scalars(runs, f"eval/{tag}") for tag in ("mean@4", "pass@4", "reward"))
+    assert len(mean) == 2 and mean == pytest.approx(reward)
+    assert all(b >= m for b, m in zip(best, mean)) and any(b > m for b, m in zip(best, mean))
