@@ -100,6 +100,8 @@ class Args:
     are); --no-chat-template sends them as raw text, as TRL does with string prompts"""
     system_prompt: str | None = None
     """a system message put before every chat prompt that has none (None: the template's default, if any)"""
+    chat_template_kwargs: str | None = None
+    """options of the chat template as JSON, e.g. '{"enable_thinking": false}' for Qwen3 (TRL's chat_template_kwargs)"""
     task_instruction: str = "Give only the final answer."
     """appended to each reasoning-gym question when it is rendered as a chat (the answer is then its last number)"""
 

@@ -7,6 +7,7 @@ any other answer token. Plain-string prompts are rendered too, as one user messa
 (--no-chat-template sends them as raw text, as TRL does with string data).
 """
 
+import functools
 from itertools import takewhile
 
 from common.core import UsageError, warn_once
@@ -76,3 +77,11 @@ def render(tokenizer, prompt, answer=None, system_prompt: str | None = None, too
     if tokenizer.eos_token and not answer_text.endswith(tokenizer.eos_token):
         answer_text += tokenizer.eos_token
     return prompt_text, answer_text
+
+
+def bind_template_kwargs(tokenizer, kwargs: dict | None):
+    """`tokenizer` whose every later `apply_chat_template` (prompts, tool turns) gets `kwargs`: TRL's
+    chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3's template. Returns the tokenizer."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return tokenizer

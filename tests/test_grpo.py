@@ -775,3 +775,17 @@ def test_several_completions_per_held_out_problem_give_pass_and_mean_at_k(tmp_pa
     mean, best, reward = (read_scalars(runs, f"eval/{tag}") for tag in ("mean@4", "pass@4", "reward"))
     assert len(mean) == 2 and mean == pytest.approx(reward)
     assert all(b >= m for b, m in zip(best, mean)) and any(b > m for b, m in zip(best, mean))
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """--chat-template-kwargs binds its options to every later apply_chat_template (a template reading
+    `enable_thinking`, as Qwen3's does), and a value that is not a JSON object is one line before anything loads."""
+    from common.chat import bind_template_kwargs, render
+    from common.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:smollm2-135m-instruct")
+    tokenizer.chat_template = "{% if enable_thinking %}<think>{% endif %}{{ messages[-1]['content'] }}"
+    assert render(tokenizer, "2 + 2")[0] == "2 + 2"
+    assert render(bind_template_kwargs(tokenizer, {"enable_thinking": True}), "2 + 2")[0] == "<think>2 + 2"
+    error = run_failing([GRPO, *ARITH, *TINY, "--chat-template-kwargs", "[1]"], tmp_path)
+    assert "give a JSON object" in error
