@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from common.chat import text_of
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, masked_mean, nanstd
+from common.core import EntropyBonus, UsageError, epoch_rows, masked_mean, nanstd
 from common.rollout import (
     Engine,
     Ledger,
@@ -166,6 +166,12 @@ class Args:
     """DAPO: completions cut by max_completion_length (no EOS) take no part in the loss"""
     drop_zero_std_groups: bool = False
     """DAPO's dynamic sampling, as a filter: groups whose rewards are all equal (no signal) are left out of the loss"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts sampled until the batch
+    is full of groups with a signal (Yu et al. 2025, Algorithm 1; TRL has none)"""
+    max_num_gen_batches: int = 4
+    """--dynamic-sampling: generation rounds per update at most (verl's max_num_gen_batches); then the batch is topped
+    up with dropped groups, and dynamic_sampling/filled counts them"""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: completions longer than max_completion_length - overlong_buffer lose up to
     overlong_penalty, linearly (0: off)"""
@@ -343,6 +349,79 @@ def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     group_std = nanstd(summed.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     is_std_zero = torch.isclose(group_std, torch.zeros_like(group_std)) | group_std.isnan()
     return torch.nan_to_num(advantages, nan=0.0), is_std_zero
+
+
+def score_rollout(args: Args, task, rows: list[dict], rollout):
+    """Phase 2 for one rollout: every reward function's rewards [N, F] and the completions' texts, their weighted sum
+    [N] (NaN where no function could score) with DAPO's overlong punishment [N] (zeros without --overlong-buffer)."""
+    rewards_per_func, texts = score(task, rows, rollout)  # [N, F]
+    rewards = (rewards_per_func * task.weights).nansum(1)
+    rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
+    punishment = torch.zeros_like(rewards)
+    if args.overlong_buffer:
+        over = (rollout.model_mask.sum(1) - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
+        punishment = -args.overlong_penalty * over / args.overlong_buffer
+        rewards = rewards + punishment
+    return rewards_per_func, texts, rewards, punishment
+
+
+def dynamic_sampling(args: Args, task, engine, accelerator, update: int, rows, rollout, scored):
+    """DAPO's dynamic sampling (Yu et al. 2025, Algorithm 1; verl's filter_groups): a group whose rewards are all equal
+    has no advantage to learn from, so it is set aside and more prompts are sampled, round after round, until this rank
+    holds batch_size groups whose rewards differ, or --max-num-gen-batches rounds were drawn; the batch is then topped
+    up with groups set aside. Every rank samples in every round while any rank lacks groups (their collectives stay in
+    step). Returns the batch's rows, rollout and scores, the rounds drawn, and the groups topped up."""
+    G, want = args.num_generations, args.batch_size
+    kept, aside, rounds = [], [], 0
+    while True:
+        flat = group_advantages(scored[2], G)[1].view(-1, G)[:, 0]  # this rank's groups: all rewards equal
+        for g, flat_group in enumerate(flat.tolist()):
+            (aside if flat_group else kept).append((rows, rollout, scored, slice(g * G, (g + 1) * G)))
+        rounds += 1
+        short = accelerator.reduce(torch.tensor(float(len(kept) < want), device=accelerator.device), "max")
+        if short.item() == 0 or rounds >= args.max_num_gen_batches:
+            break
+        # the next prompts: a draw of its own per (update, round), the same on every rank, each rank its slice
+        draw = (update + 1) * args.max_num_gen_batches + rounds + 10**6
+        rows = [row for row in epoch_rows(task.train_rows, want, draw, args.seed, accelerator) for _ in range(G)]
+        engine.policy.eval()
+        rollout = engine.rollout(rows)
+        scored = score_rollout(args, task, rows, rollout)
+    chosen = (kept + aside)[:want]
+    rows = [row for part_rows, _, _, part in chosen for row in part_rows[part]]
+    per_func, rewards, punishment = (torch.cat([scored[i][part] for _, _, scored, part in chosen]) for i in (0, 2, 3))
+    texts = [text for _, _, scored, part in chosen for text in scored[1][part]]
+    rollout = cat_rollouts([(r, part) for _, r, _, part in chosen], task.tokenizer.pad_token_id)
+    return rows, rollout, (per_func, texts, rewards, punishment), rounds, max(0, want - len(kept))
+
+
+def dynamic_metrics(accelerator, rounds: int, filled: int) -> dict[str, float]:
+    """The update's generation rounds (the most over the processes) and the groups topped up (summed over them)."""
+    values = accelerator.gather(torch.tensor([[float(rounds), float(filled)]], device=accelerator.device))
+    return {"dynamic_sampling/rounds": values[:, 0].max().item(), "dynamic_sampling/filled": values[:, 1].sum().item()}
+
+
+def cat_rollouts(parts: list, pad_id: int):
+    """One rollout of the `(rollout, slice)` parts: prompts left-padded and completions right-padded to the widest."""
+    first = parts[0][0]
+    P = max(r.prompts.shape[1] for r, _ in parts)
+    T = max(r.completions.shape[1] for r, _ in parts)
+
+    def left(x, value):
+        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
+
+    def right(x, value):
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    def cat(name, pad, value):
+        return torch.cat([pad(getattr(r, name)[part], value) for r, part in parts])
+
+    sampled = None if first.sampling_logprobs is None else cat("sampling_logprobs", right, 0.0)
+    return type(first)(
+        cat("prompts", left, pad_id), cat("prompt_mask", left, 0), cat("completions", right, pad_id),
+        cat("mask", right, 0), cat("model_mask", right, 0), torch.cat([r.ended[part] for r, part in parts]),
+        sampling_logprobs=sampled, version=first.version,
+    )  # fmt: skip
 
 
 def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0):
@@ -555,6 +634,16 @@ def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_online_args(args, non_negative="overlong_buffer overlong_penalty off_policy_mask_threshold delta")
     EntropyBonus.check(args)
+    if args.dynamic_sampling:
+        refused = [
+            f
+            for f, on in (("--max-staleness", args.max_staleness), ("--tools / --environment", args.tools or args.environment))
+            if on
+        ]
+        if refused:
+            raise UsageError(f"--dynamic-sampling with {refused[0]}: it samples again on-policy, without tools; drop one.")
+        if args.max_num_gen_batches < 1:
+            raise UsageError(f"--max-num-gen-batches {args.max_num_gen_batches}: at least 1 round of generation.")
     if not 0 <= args.top_entropy_quantile <= 1:
         raise UsageError(f"--top-entropy-quantile {args.top_entropy_quantile}: it lies in [0, 1].")
     if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
@@ -596,18 +685,20 @@ def main(args: Args) -> None:
         # 1. generate: G completions of each of this rank's prompts, side by side (with tools: whole episodes), by the
         #    weights of this update, or with --max-staleness by those of an earlier one
         rows, rollout, staleness = stream.next(update)  # completions [N, T], N = batch_size * G
-        prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
-        sampled = rollout.sampling_logprobs  # [N, T], the sampler's own log-probs (--max-staleness, --old-logprobs sampler)
         generate_time = time.time() - update_start
 
         # 2. score: every reward function on every completion, a weighted sum; DAPO's overlong punishment
-        rewards_per_func, completions_text = score(task, rows, rollout)  # [N, F]
-        rewards = (rewards_per_func * task.weights).nansum(1)
-        rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
-        if args.overlong_buffer:
-            over = (rollout.model_mask.sum(1) - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
-            punishment = -args.overlong_penalty * over / args.overlong_buffer
-            rewards = rewards + punishment
+        #    (--dynamic-sampling: groups whose rewards are all equal are replaced by newly sampled ones)
+        rewards_per_func, completions_text, rewards, punishment = score_rollout(args, task, rows, rollout)  # [N, F], [N]
+        if args.dynamic_sampling:
+            scored = (rewards_per_func, completions_text, rewards, punishment)
+            rows, rollout, scored, rounds, filled = dynamic_sampling(
+                args, task, engine, accelerator, update, rows, rollout, scored
+            )
+            rewards_per_func, completions_text, rewards, punishment = scored
+            generate_time = time.time() - update_start  # every round's sampling (and its scoring)
+        prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
+        sampled = rollout.sampling_logprobs  # [N, T], the sampler's own log-probs (--max-staleness, --old-logprobs sampler)
 
         # 3. group advantages over every process's groups: A = r - mean(group), / std (group, batch or none)
         all_rewards = accelerator.gather(rewards)  # [world * N]: "batch" scaling uses the whole batch
@@ -695,6 +786,7 @@ def main(args: Args) -> None:
                 "time/step": time.time() - update_start,
             }
             | stream.metrics(staleness)
+            | (dynamic_metrics(accelerator, rounds, filled) if args.dynamic_sampling else {})
         )
         stream.trained(update, policy)
         ledger.extra["entropy_bonus"] = bonus.state()  # checkpointed with the ledger
