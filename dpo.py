@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_schedu
 from common.chat import render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, masked_mean, pad_right, plain, weight_decay_groups
+from common.core import UsageError, check_adam, check_args, masked_mean, pad_right, plain, weight_decay_groups
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -149,6 +149,12 @@ class Args:
     """a transformers scheduler name"""
     weight_decay: float = 0.0
     """AdamW weight decay (TRL's default 0), on the weight matrices only: biases and norm weights are not decayed"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     warmup_ratio: float = 0.1
     """fraction of the steps spent warming up"""
     batch_size: int = 8
@@ -506,6 +512,7 @@ def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: f
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive=(
@@ -856,7 +863,13 @@ def main(args: Args) -> None:
     if args.precompute_ref_log_probs and uses_reference(args):
         scorer.precompute_reference(pairs, batches)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

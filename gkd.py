@@ -37,6 +37,7 @@ from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import (
     UsageError,
+    check_adam,
     check_args,
     epoch_rows,
     logprobs_from_logits,
@@ -138,6 +139,12 @@ class Args:
     """AdamW learning rate (TRL: 2e-5, for a student that starts close to its teacher)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     warmup_ratio: float = 0.0
@@ -220,6 +227,7 @@ def reverse_kl_pg_loss(student_logprobs, teacher_logprobs, mask):
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive=(
@@ -257,7 +265,13 @@ def load_models(args: Args, accelerator: Accelerator):
             module.p = 0.0
     if args.use_peft:
         student = get_peft_model(student, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    optimizer = torch.optim.AdamW(weight_decay_groups(student, args.weight_decay), lr=args.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(student, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * args.total_steps) * ticks
     scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from common.chat import text_of
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, epoch_rows, masked_mean, nanstd
+from common.core import EntropyBonus, UsageError, check_adam, epoch_rows, masked_mean, nanstd
 from common.rollout import (
     Engine,
     Ledger,
@@ -144,6 +144,12 @@ class Args:
     """recompute the activations in the backward: less memory, more time (TRL: on; off here, as CPU runs need no saving)"""
     weight_decay: float = 0.0
     """AdamW weight decay (biases and norm weights are not decayed)"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     beta: float = 0.0
@@ -632,6 +638,7 @@ def off_policy_terms(args: Args, accelerator, logprobs, old, sampled, advantages
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_online_args(args, non_negative="overlong_buffer overlong_penalty off_policy_mask_threshold delta")
     EntropyBonus.check(args)
     if args.dynamic_sampling:

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import LogitMask, UsageError, check_args, check_scores, masked_mean, pad_right, plain
+from common.core import LogitMask, UsageError, check_adam, check_args, check_scores, masked_mean, pad_right, plain
 from common.fast_paths import cache_argument
 from common.loading import (
     check_columns,
@@ -117,6 +117,12 @@ class Args:
     """AdamW learning rate (trlX's examples use 5e-5 on pretrained GPT-2; the random tiny default needs more)"""
     weight_decay: float = 1e-6
     """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     lr_scheduler_type: str = "cosine"
     """transformers scheduler name (linear, cosine, constant, ...)"""
     warmup_ratio: float = 0.0
@@ -314,6 +320,7 @@ def tokenize_sample(tokenizer, prompt: str | None, response: str, max_length: in
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive=(
@@ -407,7 +414,14 @@ def load_model(args: Args, accelerator: Accelerator, total_steps: int):
                 torch.distributed.broadcast(parameter.data, src=0)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(
+        trained,
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

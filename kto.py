@@ -31,7 +31,16 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import render, text_of, use_chat
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, epoch_rows, logprobs_from_logits, pad_right, plain, weight_decay_groups
+from common.core import (
+    UsageError,
+    check_adam,
+    check_args,
+    epoch_rows,
+    logprobs_from_logits,
+    pad_right,
+    plain,
+    weight_decay_groups,
+)
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -123,6 +132,12 @@ class Args:
     """a transformers scheduler name"""
     weight_decay: float = 0.0
     """AdamW weight decay (TRL's default 0), on the weight matrices only: biases and norm weights are not decayed"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     warmup_ratio: float = 0.1
     """fraction of the steps spent warming up"""
     batch_size: int = 8
@@ -253,6 +268,7 @@ def generation_prompt(tokenizer, prompt, chat: bool, system_prompt: str | None, 
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive=(
@@ -566,7 +582,13 @@ def main(args: Args) -> None:
     batches = Batches(args, accelerator, tokenizer, steps_per_epoch)
     model, ref_model = load_models(args, accelerator, quantization)
     scorer = Scorer(args, accelerator, model, ref_model)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(
         args.lr_scheduler_type,

@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 from common.chat import use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, plain, weight_decay_groups
+from common.core import UsageError, check_adam, check_args, plain, weight_decay_groups
 from common.loading import (
     check_columns,
     context_length,
@@ -104,6 +104,12 @@ class Args:
     """fraction of the steps spent warming up"""
     weight_decay: float = 0.0
     """AdamW weight decay, on the weight matrices only: biases and norm weights are not decayed (as TRL)"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     batch_size: int = 16
     """pairs per forward/backward pass on each process (2x sequences: chosen and rejected together)"""
     gradient_accumulation_steps: int = 1
@@ -196,6 +202,7 @@ def fold_reward_normalization(model, gain: float, bias: float) -> None:
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive=(
@@ -306,7 +313,13 @@ def load_model(args: Args, accelerator: Accelerator, tokenizer, quantization: di
         )
         model = get_peft_model(model, lora)
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

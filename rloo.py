@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from common.chat import text_of
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, nanstd
+from common.core import EntropyBonus, UsageError, check_adam, nanstd
 from common.rollout import (
     Engine,
     Ledger,
@@ -143,6 +143,12 @@ class Args:
     """recompute the activations in the backward: less memory, more time (TRL: on; off here, as CPU runs need no saving)"""
     weight_decay: float = 0.0
     """AdamW weight decay (biases and norm weights are not decayed)"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     beta: float = 0.0
@@ -342,6 +348,7 @@ def correction(args: Args, old_logps, sampled_logps):
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_online_args(args)
     EntropyBonus.check(args)
     if args.reward_clip_range is not None and args.reward_clip_range[0] >= args.reward_clip_range[1]:

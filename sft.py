@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_args, logprobs_from_logits, pad_right, plain, weight_decay_groups
+from common.core import UsageError, check_adam, check_args, logprobs_from_logits, pad_right, plain, weight_decay_groups
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -112,6 +112,12 @@ class Args:
     """fraction of the steps spent warming up"""
     weight_decay: float = 0.0
     """AdamW weight decay, on the weight matrices only: biases and norm weights are not decayed (as TRL)"""
+    adam_beta1: float = 0.9
+    """AdamW's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """AdamW's beta2 (TRL's default)"""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon (TRL's default)"""
     batch_size: int = 16
     """examples per forward/backward pass on each process"""
     gradient_accumulation_steps: int = 1
@@ -240,6 +246,7 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int
 
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
+    check_adam(args)
     check_args(
         args,
         positive="save_total_limit learning_rate batch_size gradient_accumulation_steps num_epochs eval_steps max_grad_norm",
@@ -397,7 +404,13 @@ def load_model(args: Args, accelerator: Accelerator, quantization: dict, total_s
     if args.neftune_noise_alpha:
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
     # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=True,
+    )
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

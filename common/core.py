@@ -193,6 +193,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     raise ValueError(f"Unknown KL penalty {kind!r}: choose one of kl, abs, mse, k3, full.")
 
 
+def check_adam(args) -> None:
+    """A one-line error for AdamW settings that cannot work: betas in [0, 1), a positive epsilon."""
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1 and args.adam_epsilon > 0):
+        raise UsageError(
+            f"--adam-beta1 {args.adam_beta1}, --adam-beta2 {args.adam_beta2}, --adam-epsilon {args.adam_epsilon}: the "
+            "betas lie in [0, 1), epsilon above 0."
+        )
+
+
 class EntropyBonus:
     """TRL 1.16's entropy bonus (grpo.py, rloo.py; the Args fields entropy_coef, use_adaptive_entropy, entropy_coef_min,
     entropy_coef_max, entropy_coef_delta, entropy_target): a mini-batch's loss gets -coef x H, H the mean per-token

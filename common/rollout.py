@@ -238,7 +238,10 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
         ref_model = place_frozen(accelerator, ref_model)
     if args.gradient_checkpointing:  # activations recomputed in the backward (non-reentrant: LoRA needs no input grads)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, fused=True)
+    betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_epsilon
+    optimizer = torch.optim.AdamW(
+        weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, betas=betas, eps=eps, fused=True
+    )
     scheduler = learning_rate_schedule(args, optimizer, optimizer_steps * accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
