@@ -467,9 +467,10 @@ def ppo_loss(
 def explained_variance(returns, vpreds, mask):
     """1 - var(returns - values) / var(returns) over the masked tokens (TRL 0.8's ppo/val/var_explained): 1 when the
     values predict the returns, 0 when they are no better than their mean; NaN (left out of the update's mean) when
-    the returns do not vary, as when every response of a mini-batch scored alike without a KL penalty."""
+    the returns do not vary beyond float rounding, as when every response of a mini-batch scored alike without a KL
+    penalty (GAE's returns then differ by ~1e-8: the ratio would be noise over noise)."""
     variance = masked_var(returns, mask)
-    return torch.where(variance > 0, 1 - masked_var(returns - vpreds, mask) / variance, torch.nan)
+    return torch.where(variance > 1e-10, 1 - masked_var(returns - vpreds, mask) / variance, torch.nan)
 
 
 def aggregate(losses, mask, mode="token-mean"):
@@ -854,6 +855,9 @@ def summary(args: Args, accelerator, start_update, start_time, histories, first_
     )
     # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
     golds = [k for k in last_eval if k.startswith("eval/gold/") and k != "eval/gold/correlation"]
+    # verifiable rewards (--reward-funcs) are their own gold: replies that agree on a checked answer are no hacking
+    verified = ("+".join(args.reward_funcs), first_eval["eval/reward_mean"], last_eval["eval/reward_mean"])
+    verified = verified if args.reward_funcs else None
     health, warning = health_check(
         final_kl,
         args.target,
@@ -862,7 +866,7 @@ def summary(args: Args, accelerator, start_update, start_time, histories, first_
         last_eval["eval/distinct_2"],
         first_eval["eval/distinct_2"],
         first_eval["eval/top_token_share"],
-        (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else None,
+        (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else verified,
     )
     accelerator.print(health + (f"\n{warning}" if warning else ""))
     explained = [x for x in explained_history[-window:] if np.isfinite(x)]  # NaN: returns that did not vary

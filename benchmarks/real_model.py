@@ -74,6 +74,21 @@ METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_s
 METHODS += ("grpo_linear", "rloo_linear")  # grpo and rloo with TRL's learning-rate schedule
 METHODS += ("grpo_vllm",)  # grpo sampling through vLLM (--use-vllm)
 METHODS += ("kto",)  # kto.py on dpo's pairs, unpaired
+# ppo.py as the field runs it: a separate critic, 4 completions a prompt, the KL out of the reward; and its ablation
+CRITIC_ABLATION = {  # one part of ppo_critic changed each, one seed each
+    "ppo_critic_lam95": ("--lam", "0.95"),  # the policy's GAE lambda below the critic's (VC-PPO's decoupled GAE)
+    "ppo_critic_warmup": ("--freezing-actor-steps", "2"),  # two critic-only updates first
+    "ppo_critic_one_sample": ("--n-samples-per-prompt", "1"),  # 32 prompts x 1 completion an update
+    "ppo_critic_shared": ("--value-model-path", "None"),  # TRL 0.8's value head on the policy's trunk
+}
+METHODS += ("ppo_critic", *CRITIC_ABLATION)
+# grpo's recipe with a research feature on, one seed each: the adaptive entropy bonus holding the entropy at a target
+# (Skywork-OR1), and DAPO's dynamic sampling (no group of equal rewards in a batch)
+FEATURES = {
+    "grpo_entropy": ("--use-adaptive-entropy", "--entropy-target", "1.5", "--entropy-coef-delta", "0.02"),
+    "grpo_dynamic": ("--dynamic-sampling", "--max-num-gen-batches", "4"),
+}
+METHODS += tuple(FEATURES)
 # the methods that learn from the base model's own replies, and the folder of those replies (in a seed's folder)
 SELF_SAMPLED = {"rft": "self_samples", "dpo": "self_samples", "rm_ppo": "rm_samples", "rm_ppo_kl": "rm_samples"}
 SELF_SAMPLED["rm_ppo_small"] = SELF_SAMPLED["kto"] = "self_samples"
@@ -146,6 +161,15 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     ppo += ["--batch-size", "16", "--mini-batch-size", "8", "--total-episodes", str(16 * args.ppo_updates)]
     ppo += ["--eval-freq", str(max(1, args.ppo_updates // 4)), "--learning-rate", "1.41e-5", "--log-freq", "10"]
     data = os.path.join(folder, "self_samples")
+    # the PPO of OpenRLHF / verl at grpo's budget: 8 prompts x 4 completions an update, one pass in mini-batches of 8
+    # (4 optimizer steps), a critic of its own (the policy's copy: the verifier has no weights), GAE lambda 1 for both,
+    # no KL (grpo's beta 0)
+    critic = ["--model-name", MODEL, *TASK, "--seed", str(seed), "--min-new-tokens", "32", "--max-new-tokens", "32"]
+    critic += ["--eval-samples", str(args.eval_problems), "--reward-funcs", "verifier", "--eval-freq", str(every)]
+    critic += ["--batch-size", "32", "--n-samples-per-prompt", "4", "--mini-batch-size", "8", "--ppo-epochs", "1"]
+    critic += ["--total-episodes", str(32 * args.updates), "--learning-rate", "1e-5", "--log-freq", "10"]
+    critic += ["--value-model-path", "auto", "--critic-learning-rate", "5e-5", "--lam", "1.0", "--critic-lam", "1.0"]
+    critic += ["--init-kl-coef", "0"]  # (and --no-adap-kl-ctrl, below: a flag without a value)
 
     def rm_ppo(pairs: str, epochs: int, suffix: str, kl: tuple = ()) -> list[list[str]]:  # a reward model, then PPO
         rm = os.path.join(folder, "rm" + suffix)
@@ -167,9 +191,15 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
         "grpo": critic_free("grpo.py", "grpo"),
         "grpo_linear": critic_free("grpo.py", "grpo_linear", *linear),
         "grpo_vllm": critic_free("grpo.py", "grpo_vllm", "--use-vllm"),
+        **{name: critic_free("grpo.py", name, *flags) for name, flags in FEATURES.items()},
         "rloo": critic_free("rloo.py", "rloo", "--beta", "0"),
         "rloo_linear": critic_free("rloo.py", "rloo_linear", *linear, "--beta", "0"),
         "ppo": [["ppo.py", *ppo, "--reward-funcs", "verifier", *out("ppo")]],
+        "ppo_critic": [["ppo.py", *critic, "--no-adap-kl-ctrl", *out("ppo_critic")]],
+        **{
+            name: [["ppo.py", *ablated(critic, change), "--no-adap-kl-ctrl", *out(name)]]
+            for name, change in CRITIC_ABLATION.items()
+        },
         "rft": [
             ["sft.py", "--model-name", MODEL, "--dataset-name", os.path.join(data, "rft.jsonl"), "--prompt-column"]
             + ["prompt", "--completion-column", "completion", "--learning-rate", "1e-5", "--num-epochs", "2"]
@@ -192,6 +222,14 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
         "rm_ppo_kl": rm_ppo(SELF_SAMPLED["rm_ppo_kl"], 1, "_kl", ("--target", "2", "--horizon", "32")),
         "rm_ppo_small": rm_ppo(SELF_SAMPLED["rm_ppo_small"], 2, "_small"),
     }
+
+
+def ablated(flags: list[str], change: tuple[str, str]) -> list[str]:
+    """`flags` with one flag's value changed (added if absent); without a separate critic, no critic learning rate."""
+    pairs = dict(zip(flags[::2], flags[1::2])) | dict([change])
+    if pairs.get("--value-model-path") == "None":
+        pairs.pop("--critic-learning-rate")
+    return [x for pair in pairs.items() for x in pair]
 
 
 def run(command: list[str], threads: int) -> float:
@@ -414,6 +452,13 @@ LABELS = {
     "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (rloo.py --lr-scheduler-type linear)",
     "grpo_vllm": "GRPO sampling through vLLM (grpo.py --use-vllm)",
+    "grpo_entropy": "GRPO with the adaptive entropy bonus, target 1.5 nats (grpo.py --use-adaptive-entropy)",
+    "grpo_dynamic": "GRPO with DAPO's dynamic sampling (grpo.py --dynamic-sampling)",
+    "ppo_critic": "PPO with a separate critic (ppo.py --value-model-path auto, 4 completions a prompt)",
+    "ppo_critic_lam95": "the same, the policy's GAE lambda 0.95 (the critic's 1)",
+    "ppo_critic_warmup": "the same, 2 critic-only updates first (--freezing-actor-steps 2)",
+    "ppo_critic_one_sample": "the same, 1 completion a prompt (32 prompts an update)",
+    "ppo_critic_shared": "the same with TRL 0.8's value head on the policy's trunk",
 }
 # (TensorBoard folder, the held-out accuracy tag, completions sampled per update, the step-time tags, the rollout tag)
 PPO_PHASES = ["time/rollout", "time/score", "time/forward", "time/optimise"]
@@ -431,6 +476,10 @@ CURVES = {
     "rm_ppo_kl": ("rm_ppo_kl", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
     "rm_ppo_small": ("rm_ppo_small", "eval/gold/verifier", 16, PPO_PHASES, "time/rollout"),
 }
+CURVES |= {name: (name, "eval/reward_mean", 32, PPO_PHASES, "time/rollout") for name in ("ppo_critic", *CRITIC_ABLATION)}
+CURVES |= {name: (name, "eval/reward", 32, ["time/step"], "time/generate") for name in FEATURES}
+# what docs/grpo.md reads of each feature's run, update by update
+FEATURE_TAGS = ["entropy", "entropy_coef", "frac_reward_zero_std", "dynamic_sampling/rounds", "dynamic_sampling/filled"]
 
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
@@ -474,7 +523,25 @@ def with_curve(r: dict, folder: str, method: str) -> dict:
             r["sampler_gap"] = [(drawn + per_update * step, value) for step, value in gap]
     if method.startswith("rm_ppo") and os.path.isdir(os.path.join(folder, "runs", method)):  # the learned reward
         r["learned_reward"] = learned_reward(folder, method, drawn)
+    if method in FEATURES and os.path.isdir(os.path.join(folder, "runs", method)):  # what the feature holds, per update
+        run = os.path.join(folder, "runs", method)
+        r["feature"] = {tag: [value for _, value in scalars(run, tag)] for tag in FEATURE_TAGS}
+    if method.startswith("ppo") and os.path.isdir(os.path.join(folder, "runs", method)):  # the critic beside the reward
+        run, per_update = os.path.join(folder, "runs", method), CURVES[method][2]
+        r["critic"] = {
+            name: [(per_update * step, value if math.isfinite(value) else None) for step, value in scalars(run, tag)]
+            for name, tag in CRITIC_TAGS.items()
+        }
     return r
+
+
+# what docs/ppo.md plots of each PPO run, update by update: the critic's fit beside the training reward and the KL
+CRITIC_TAGS = {
+    "reward": "env/reward_mean",
+    "explained_variance": "ppo/val/var_explained",
+    "value_loss": "ppo/loss/value",
+    "kl": "objective/kl",
+}
 
 
 def learned_reward(folder: str, method: str, drawn: int) -> dict:
@@ -537,7 +604,41 @@ COMPARED = (  # (ours, theirs): ours against TRL, then TRL's schedule in ours ag
     ("rloo_linear", "trl_rloo"),
     ("rloo_linear", "rloo"),
     ("grpo_vllm", "grpo"),
+    ("ppo_critic", "grpo"),  # PPO as the field runs it, at grpo's completions
+    ("ppo_critic", "ppo"),  # and against TRL 0.8's
 )
+
+
+def critic_report(args: Args, results: dict, seeds: list[str]) -> None:
+    """The separate critic beside the reward, update by update (docs/ppo.md): ppo_critic's training reward, its critic's
+    explained variance and value loss, and the KL to the start, one line per seed (its ablations dashed), drawn from
+    the record beside `args.write` as RESULTS-real-model-critic.png."""
+    import matplotlib.pyplot as plt
+
+    runs = [
+        (m, s, results["seeds"][s][m]["critic"])
+        for m in METHODS
+        for s in seeds
+        if m.startswith("ppo_critic") and "critic" in results["seeds"][s].get(m, {})
+    ]
+    if not runs:
+        return
+    titles = {"reward": "training reward (verifier)", "explained_variance": "critic: explained variance",
+              "value_loss": "critic: value loss (x --vf-coef)", "kl": "KL to the start (nats per reply)"}  # fmt: skip
+    figure, axes = plt.subplots(1, len(CRITIC_TAGS), figsize=(16, 3.8))
+    for axis, name in zip(axes, CRITIC_TAGS):
+        for method, seed, curves in runs:
+            points = [(x, y) for x, y in curves[name] if y is not None]
+            style = "-" if method == "ppo_critic" else "--"
+            label = f"{method}, seed {seed}"
+            axis.plot(*zip(*points), style, marker=".", label=label, color=f"C{seeds.index(seed)}", alpha=0.8)
+        axis.set(xlabel="sampled completions used", title=titles[name])
+        if name == "explained_variance":
+            axis.set_ylim(-0.5, 1)
+    axes[0].legend(fontsize=7)
+    figure.suptitle("ppo.py with a separate critic on the real-model task, update by update", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(os.path.splitext(os.path.join(ROOT, args.write))[0] + "-critic.png", dpi=110)
 
 
 def comparison(stats: dict, problems: int, samples: int) -> str:
@@ -581,10 +682,10 @@ def machine() -> str:
 
 
 # the eleventh and twelfth methods: colours of their own (matplotlib's ten would give them grpo's and rloo's again)
-COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown", "grpo_vllm": "darkorange"}
+COLORS = {"grpo_linear": "midnightblue", "rloo_linear": "saddlebrown", "grpo_vllm": "darkorange", "ppo_critic": "crimson"}
 FAMILIES = {  # one panel each
     "critic-free RL, ours and TRL's": ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm"),
-    "PPO: the verifier, a learned reward": ("ppo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
+    "PPO: the verifier, a learned reward": ("ppo", "ppo_critic", "rm_ppo", "rm_ppo_kl", "rm_ppo_small"),
     "offline, from the base model's samples": ("rft", "dpo", "kto"),
 }
 
@@ -692,6 +793,7 @@ def report(args: Args, results: dict, folder: str) -> None:
     figure.savefig(plot, dpi=110)
 
     learned = learned_reward_report(args, results, seeds)
+    critic_report(args, results, seeds)
     rows = [
         f"| {LABELS['base']} | - | 0 | {base['greedy']:.2f} | {base['sampled']:.2f} | 0 | {base['length']:.1f} | "
         f"{base['distinct']:.2f} |"

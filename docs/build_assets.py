@@ -97,6 +97,7 @@ def real_model_table() -> str:
         "grpo": "`grpo.py` (the verifier's reward)",
         "rloo": "`rloo.py`",
         "ppo": "`ppo.py --reward-funcs verifier`",
+        "ppo_critic": "`ppo.py` with a separate critic, 4 completions a prompt (`--value-model-path auto`)",
         "rft": "rejection-sampling SFT (`sft.py`)",
         "dpo": "`dpo.py` on verifier-ranked pairs",
         "kto": "`kto.py` on the same pairs, unpaired",
@@ -304,6 +305,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "grpo": "GRPO (`grpo.py`, the verifier's reward)",
     "rloo": "RLOO (`rloo.py`, the verifier's reward)",
     "ppo": "PPO (`ppo.py --reward-funcs verifier`, value head, adaptive KL)",
+    "ppo_critic": "PPO with a separate critic (`ppo.py --value-model-path auto`, 4 completions a prompt, no KL)",
     "rft": "rejection-sampling SFT (`sft.py` on its own correct replies, 2 epochs)",
     "dpo": "DPO (`dpo.py` on verifier-ranked pairs of its own replies)",
     "kto": "KTO (`kto.py` on the same pairs, unpaired: each correct reply desirable, each wrong one not)",
@@ -341,12 +343,12 @@ def real_model_full_table() -> str:
         f"- {REAL_MODEL_ROWS[m].split(' (')[0]} over {r['aggregate'][m]['sampled']['n']} seeds: sampled "
         f"{value(r['aggregate'][m]['sampled'], spread=True)}, greedy {value(r['aggregate'][m]['greedy'], spread=True)}, "
         f"KL {value(r['aggregate'][m]['kl'], spread=True)}"
-        for m in ("grpo", "rloo", "ppo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
+        for m in ("grpo", "rloo", "ppo", "ppo_critic", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
     ]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from real_model import comparison
 
-    compared = ("grpo", "rloo", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
+    compared = ("grpo", "rloo", "ppo", "ppo_critic", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
     stats = {m: r["aggregate"][m] for m in compared}
     tests = comparison(stats, problems=64, samples=2)
     return (
@@ -358,6 +360,84 @@ def real_model_full_table() -> str:
             "accuracies, against two binomial standard errors of the evaluation (64 problems, 1 or 2 replies each):"
             f"\n\n{tests}"
         )
+    )
+
+
+def ppo_critic() -> str:
+    """docs/ppo.md: ppo.py with a separate critic on the real-model task, seed by seed, against grpo.py and TRL 0.8's PPO
+    at the comparisons docs/real-model.md makes (benchmarks/RESULTS-real-model.json), with seed 1's command."""
+    r = record("RESULTS-real-model.json")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from real_model import comparison
+
+    seeds = sorted((s for s in r["seeds"] if "ppo_critic" in r["seeds"][s]), key=int)
+    rows = [
+        "| seed | greedy accuracy | sampled accuracy (2 per problem) | KL to the start (nats per reply) | reply tokens | "
+        "distinct answers (of 2) | critic's explained variance, median of the last 4 updates | minutes (threads) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for seed in seeds:
+        run = r["seeds"][seed]["ppo_critic"]
+        last = [y for _, y in run["critic"]["explained_variance"][-4:] if y is not None]
+        rows.append(
+            f"| {seed} | {run['greedy']:.2f} | {run['sampled']:.2f} | {run['kl']:.2f} | {run['length']:.1f} | "
+            f"{run['distinct']:.2f} | {statistics.median(last):.2f} | {run['wall_s'] / 60:.0f} ({run['threads']}) |"
+        )
+    base = r["base"]
+    stats = {m: r["aggregate"][m] for m in ("ppo_critic", "grpo", "ppo")}
+    below = [s for s in seeds if r["seeds"][s]["ppo_critic"]["sampled"] < base["sampled"]]
+    below += [s for s in seeds if r["seeds"][s]["ppo_critic"]["greedy"] < base["greedy"] and s not in below]
+    command = r["seeds"][seeds[0]]["ppo_critic"]["commands"][0].replace(ROOT + "/", "")
+    return (
+        "\n".join(rows)
+        + f"\n\nBefore training: {base['greedy']:.2f} greedy, {base['sampled']:.2f} sampled. Seeds that end below it: "
+        + (", ".join(below) if below else "none")
+        + f". {r['seeds'][seeds[0]]['ppo_critic']['machine']}, `python`. Against grpo.py (640 completions) and TRL 0.8's "
+        "PPO (320), as docs/real-model.md compares:\n\n"
+        + comparison(stats, problems=64, samples=2)
+        + "\n\nSeed 1's command (`python benchmarks/real_model.py --methods ppo_critic --seeds 1 2 3`):\n\n```bash\n"
+        + command
+        + "\n```"
+    )
+
+
+def grpo_features() -> str:
+    """docs/grpo.md: the adaptive entropy bonus and dynamic sampling on grpo.py's real-model recipe, one seed each
+    (benchmarks/RESULTS-real-model.json, `python benchmarks/real_model.py --methods grpo_entropy grpo_dynamic`): what
+    each holds, update by update, and where the run ends."""
+    r = record("RESULTS-real-model.json")
+    runs = {m: r["seeds"]["1"][m] for m in ("grpo_entropy", "grpo_dynamic") if m in r["seeds"]["1"]}
+    grpo = r["aggregate"]["grpo"]
+    lines = []
+    if "grpo_entropy" in runs:
+        run, target = runs["grpo_entropy"], 1.5
+        entropy = run["feature"]["entropy"]
+        half = entropy[len(entropy) // 2 :]
+        mean = sum(half) / len(half)
+        verdict = "within" if abs(mean - target) <= 0.1 * target else "outside"
+        lines.append(
+            f"- `--use-adaptive-entropy --entropy-target 1.5 --entropy-coef-delta 0.02`: the per-token entropy went "
+            f"{entropy[0]:.2f} -> {entropy[-1]:.2f} nats; over the last half of the run its mean was {mean:.2f}, "
+            f"{verdict} 10% of the target; the coefficient ended at {run['feature']['entropy_coef'][-1]:.2f} "
+            f"(at most {max(run['feature']['entropy_coef']):.2f}). Held-out accuracy {run['greedy']:.2f} greedy, "
+            f"{run['sampled']:.2f} sampled, KL {run['kl']:.2f}, {run['length']:.1f} reply tokens."
+        )
+    if "grpo_dynamic" in runs:
+        run = runs["grpo_dynamic"]
+        zero, filled, rounds = (run["feature"][k] for k in ("frac_reward_zero_std", "dynamic_sampling/filled",
+                                                             "dynamic_sampling/rounds"))  # fmt: skip
+        unfilled = [z for z, f in zip(zero, filled) if f == 0]
+        lines.append(
+            f"- `--dynamic-sampling --max-num-gen-batches 4`: {len(zero)} updates drew {sum(rounds):.0f} rounds of "
+            f"generation ({max(rounds):.0f} at most in one); the largest share of groups with equal rewards in an update "
+            f"that needed no topping up: {max(unfilled) if unfilled else 0:.2f}; groups topped up over the run: "
+            f"{sum(filled):.0f}. Held-out accuracy {run['greedy']:.2f} greedy, {run['sampled']:.2f} sampled, KL "
+            f"{run['kl']:.2f}, {run['wall_s'] / 60:.1f} minutes."
+        )
+    machine = next(iter(runs.values()))["machine"] if runs else ""
+    return (
+        "\n".join(lines) + f"\n\ngrpo.py's own recipe over 3 seeds, for comparison: {value(grpo['greedy'])} greedy, "
+        f"{value(grpo['sampled'])} sampled, KL {value(grpo['kl'])}. Seed 1 each, {machine}, `python`."
     )
 
 
@@ -1095,6 +1175,8 @@ FIGURES = {
     "speed-cpu": speed_cpu,
     "real-model-full-table": real_model_full_table,
     "real-model-command": real_model_command,
+    "ppo-critic": ppo_critic,
+    "grpo-features": grpo_features,
     "agents-calculator": agents_calculator,
     "test-times": test_times,
     "real-model-table": real_model_table,
@@ -1138,6 +1220,7 @@ def extract_images() -> None:
     for name in (
         "RESULTS-real-model.png",
         "RESULTS-real-model-learned-reward.png",
+        "RESULTS-real-model-critic.png",
         "RESULTS-real-model-H100.png",
         "RESULTS-agents.png",
     ):

@@ -118,6 +118,8 @@ NOT_MEASURED = {
     ("docs/ppo.md", "30%"): "the health line's top-token threshold, a constant of ppo.py",
     ("docs/ppo.md", "20%"): "the health line's top-token threshold, a constant of ppo.py",
     ("docs/ppo.md", "0.7"): "the health line's distinct-2 threshold, a constant of ppo.py",
+    ("docs/ppo.md", "0.11"): "TRL 0.11, the version whose PPOTrainer first kept a separate value model",
+    ("docs/ppo.md", "0.05"): "VAPO's alpha, a reference constant in the separate-critic flags table",
     ("docs/real-model.md", "10%"): "the KL controller's largest step with --target 2 --horizon 32: 0.2 x 16 / 32",
     ("docs/real-model.md", "1%"): "the KL controller's largest step at the defaults, 0.2 x 16 / 320, a constant",
     ("docs/scaling.md", "1 GB"): "arithmetic: a bf16 copy of 0.5B weights, 2 bytes per parameter",
