@@ -707,3 +707,27 @@ def test_separate_critic_learns_the_values_and_the_policy_learns_from_them(tmp_p
     assert abs(explained[0]) < 0.05 and statistics.mean(explained[-10:]) > 0.2, explained
     assert last - first > 0.5 * initial_std and float(summary.split("KL ")[1].split(";")[0]) < 2 * 6.0, out[-1500:]
     assert "warning:" not in out, out[-1500:]
+
+
+def test_verifiable_rewards_turn_the_repetition_warning_into_a_note():
+    """Replies that agree on a checked answer repeat each other by nature: trained on --reward-funcs (a verifier) whose
+    held-out mean rose, the repetition is a note; the same run on a reward model ends with the warning. A critic that
+    explains nothing of the returns gets its own warning line either way."""
+    from ppo import summary
+
+    lines = []
+    accelerator = SimpleNamespace(print=lines.append)
+    first = {"eval/reward_mean": 0.2, "eval/reward_std": 0.4, "eval/distinct_2": 0.8, "eval/top_token_share": 0.1}
+    last = {"eval/reward_mean": 0.7, "eval/distinct_words": 0.9, "eval/distinct_2": 0.3, "eval/top_token_share": 0.15}
+    histories = ([0.2, 0.7], [1.0, 2.0], [0.0, 0.01])
+    for funcs in (["verifier"], []):
+        args = SimpleNamespace(
+            batch_size=32, world_size=1, num_updates=2, output_dir="out", save_best=False, target=6.0,
+            reward_funcs=funcs, value_model_path="auto",
+        )  # fmt: skip
+        lines.clear()
+        summary(args, accelerator, 0, 0.0, histories, first, last, float("-inf"))
+        text = "\n".join(lines)
+        assert ("note: the responses repeat each other" in text) == bool(funcs), text
+        assert ("warning: the responses repeat each other" in text) == (not funcs), text
+        assert "warning: the critic does not learn" in text and "--critic-learning-rate" in text
