@@ -85,7 +85,7 @@ METHODS += ("ppo_critic", *CRITIC_ABLATION)
 # grpo's recipe with a research feature on, one seed each: the adaptive entropy bonus holding the entropy at a target
 # (Skywork-OR1), and DAPO's dynamic sampling (no group of equal rewards in a batch)
 FEATURES = {
-    "grpo_entropy": ("--use-adaptive-entropy", "--entropy-target", "1.5", "--entropy-coef-delta", "0.02"),
+    "grpo_entropy": ("--use-adaptive-entropy", "--entropy-target", "1.5", "--entropy-coef-delta", "0.1"),
     "grpo_dynamic": ("--dynamic-sampling", "--max-num-gen-batches", "4"),
 }
 METHODS += tuple(FEATURES)

@@ -406,17 +406,21 @@ def grpo_features() -> str:
     (benchmarks/RESULTS-real-model.json, `python benchmarks/real_model.py --methods grpo_entropy grpo_dynamic`): what
     each holds, update by update, and where the run ends."""
     r = record("RESULTS-real-model.json")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from real_model import FEATURES
+
     runs = {m: r["seeds"]["1"][m] for m in ("grpo_entropy", "grpo_dynamic") if m in r["seeds"]["1"]}
     grpo = r["aggregate"]["grpo"]
     lines = []
     if "grpo_entropy" in runs:
-        run, target = runs["grpo_entropy"], 1.5
+        flags = FEATURES["grpo_entropy"]
+        run, target = runs["grpo_entropy"], float(flags[flags.index("--entropy-target") + 1])
         entropy = run["feature"]["entropy"]
         half = entropy[len(entropy) // 2 :]
         mean = sum(half) / len(half)
         verdict = "within" if abs(mean - target) <= 0.1 * target else "outside"
         lines.append(
-            f"- `--use-adaptive-entropy --entropy-target 1.5 --entropy-coef-delta 0.02`: the per-token entropy went "
+            f"- `{' '.join(flags)}`: the per-token entropy went "
             f"{entropy[0]:.2f} -> {entropy[-1]:.2f} nats; over the last half of the run its mean was {mean:.2f}, "
             f"{verdict} 10% of the target; the coefficient ended at {run['feature']['entropy_coef'][-1]:.2f} "
             f"(at most {max(run['feature']['entropy_coef']):.2f}). Held-out accuracy {run['greedy']:.2f} greedy, "
@@ -428,16 +432,17 @@ def grpo_features() -> str:
                                                              "dynamic_sampling/rounds"))  # fmt: skip
         unfilled = [z for z, f in zip(zero, filled) if f == 0]
         lines.append(
-            f"- `--dynamic-sampling --max-num-gen-batches 4`: {len(zero)} updates drew {sum(rounds):.0f} rounds of "
+            f"- `{' '.join(FEATURES['grpo_dynamic'])}`: {len(zero)} updates drew {sum(rounds):.0f} rounds of "
             f"generation ({max(rounds):.0f} at most in one); the largest share of groups with equal rewards in an update "
             f"that needed no topping up: {max(unfilled) if unfilled else 0:.2f}; groups topped up over the run: "
             f"{sum(filled):.0f}. Held-out accuracy {run['greedy']:.2f} greedy, {run['sampled']:.2f} sampled, KL "
             f"{run['kl']:.2f}, {run['wall_s'] / 60:.1f} minutes."
         )
-    machine = next(iter(runs.values()))["machine"] if runs else ""
+    first = next(iter(runs.values())) if runs else {}
+    machine = f"{first.get('machine', '')}, `python`, {first.get('threads', '')} threads"
     return (
         "\n".join(lines) + f"\n\ngrpo.py's own recipe over 3 seeds, for comparison: {value(grpo['greedy'])} greedy, "
-        f"{value(grpo['sampled'])} sampled, KL {value(grpo['kl'])}. Seed 1 each, {machine}, `python`."
+        f"{value(grpo['sampled'])} sampled, KL {value(grpo['kl'])}. Seed 1 each, {machine}."
     )
 
 
