@@ -893,7 +893,10 @@ def check(args: Args) -> None:
         fractions="eval_fraction",
     )
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 <= (args.critic_lam or 0) <= 1):
-        raise UsageError(f"--gamma {args.gamma}, --lam {args.lam}, --critic-lam {args.critic_lam}: each lies in [0, 1].")
+        raise UsageError(
+            f"--gamma {args.gamma}, --lam {args.lam}, --critic-lam {args.critic_lam}: gamma and lam lie in [0, 1] (the "
+            "critic's lam too)."
+        )
     if args.batch_size % args.n_samples_per_prompt:
         raise UsageError(
             f"--batch-size {args.batch_size} counts completions, --n-samples-per-prompt {args.n_samples_per_prompt} "

@@ -93,7 +93,7 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
             f"--chat-template-kwargs {args.chat_template_kwargs!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'."
         )
     try:  # the schedule, on a stand-in parameter: a name or option that transformers cannot take is one line
-        learning_rate_schedule(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10)
+        learning_rate_schedule(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10, 1)
     except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
         raise UsageError(
             f"--lr-scheduler-type {args.lr_scheduler_type} (--lr-scheduler-kwargs {args.lr_scheduler_kwargs}): "
@@ -242,7 +242,7 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
     optimizer = torch.optim.AdamW(
         weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, betas=betas, eps=eps, fused=True
     )
-    scheduler = learning_rate_schedule(args, optimizer, optimizer_steps * accelerator.num_processes)
+    scheduler = learning_rate_schedule(args, optimizer, optimizer_steps, accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -250,14 +250,19 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
     return model, ref_model, optimizer, scheduler
 
 
-def learning_rate_schedule(args, optimizer, ticks: int):
-    """--lr-scheduler-type over `ticks` scheduler steps (accelerate steps a prepared scheduler once per process and
-    optimizer step), after --warmup-steps of linear warm-up (a count, or below 1 a fraction, rounded up as
-    transformers does), with --lr-scheduler-kwargs."""
-    warmup = int(args.warmup_steps) if args.warmup_steps >= 1 else math.ceil(args.warmup_steps * ticks)
+def learning_rate_schedule(args, optimizer, optimizer_steps: int, processes: int):
+    """--lr-scheduler-type over the run's optimizer steps, after --warmup-steps of linear warm-up (a count, or below 1
+    a fraction of them, rounded up as transformers does), with --lr-scheduler-kwargs. accelerate steps a prepared
+    scheduler once per process and optimizer step: both lengths are counted in those ticks."""
+    w = args.warmup_steps
+    warmup = (int(w) if w >= 1 else math.ceil(w * optimizer_steps)) * processes
     options = json.loads(args.lr_scheduler_kwargs) if args.lr_scheduler_kwargs else None
     return get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=ticks, scheduler_specific_kwargs=options
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=optimizer_steps * processes,
+        scheduler_specific_kwargs=options,
     )
 
 

@@ -686,7 +686,7 @@ def test_separate_critic_flags_are_checked_before_loading(tmp_path):
         (["--value-model-path", "policy", "--use-peft"], "--value-model-path with --use-peft"),
         (["--batch-size", "8", "--n-samples-per-prompt", "3"], "make the batch size a multiple of it"),
         (["--use-kl-loss", "--kl-penalty", "full"], "--use-kl-loss with --kl-penalty full"),
-        (["--critic-lam", "1.5"], "each lies in [0, 1]"),
+        (["--critic-lam", "1.5"], "gamma and lam lie in [0, 1] (the critic's lam too)"),
     ):
         assert expected in run_failing([PPO, *TINY, *flags], tmp_path), flags
 
