@@ -221,6 +221,10 @@ class Args:
     """if toggled, the learning rate decays linearly to 0 over the run"""
     adam_eps: float = 1e-5
     """Adam epsilon (lm-human-preferences)"""
+    adam_beta1: float = 0.9
+    """Adam's beta1 (TRL's default)"""
+    adam_beta2: float = 0.999
+    """Adam's beta2 (TRL's default)"""
     max_grad_norm: float | None = None
     """gradient clipping norm (None: no clipping)"""
     init_kl_coef: float = 0.2
@@ -741,7 +745,8 @@ def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int
         ids = {id(p) for p in critic}
         critic_lr = args.critic_learning_rate or args.learning_rate
         trainable = [{"params": [p for p in trainable if id(p) not in ids]}, {"params": critic, "lr": critic_lr}]
-    optimizer = torch.optim.Adam(trainable, lr=args.learning_rate, eps=args.adam_eps, fused=True)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.Adam(trainable, lr=args.learning_rate, betas=betas, eps=args.adam_eps, fused=True)
     optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
     # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(
@@ -892,6 +897,8 @@ def check(args: Args) -> None:
         non_negative="init_kl_coef vf_coef top_k eval_freq save_freq target_kl freezing_actor_steps",
         fractions="eval_fraction",
     )
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
+        raise UsageError(f"--adam-beta1 {args.adam_beta1}, --adam-beta2 {args.adam_beta2}: the betas lie in [0, 1).")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and 0 <= (args.critic_lam or 0) <= 1):
         raise UsageError(
             f"--gamma {args.gamma}, --lam {args.lam}, --critic-lam {args.critic_lam}: gamma and lam lie in [0, 1] (the "
