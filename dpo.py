@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, get_schedu
 from common.chat import render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_adam, check_args, masked_mean, pad_right, plain, weight_decay_groups
+from common.core import UsageError, adamw, check_adam, check_args, masked_mean, pad_right, plain
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -862,14 +862,7 @@ def main(args: Args) -> None:
     scorer = Scorer(args, accelerator, model, ref_model, pairs)
     if args.precompute_ref_log_probs and uses_reference(args):
         scorer.precompute_reference(pairs, batches)
-    # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=True,
-    )
+    optimizer = adamw(args, model)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

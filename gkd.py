@@ -37,13 +37,13 @@ from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import (
     UsageError,
+    adamw,
     check_adam,
     check_args,
     epoch_rows,
     logprobs_from_logits,
     masked_mean,
     warn_once,
-    weight_decay_groups,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import place_frozen
@@ -265,13 +265,7 @@ def load_models(args: Args, accelerator: Accelerator):
             module.p = 0.0
     if args.use_peft:
         student = get_peft_model(student, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(student, args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=True,
-    )
+    optimizer = adamw(args, student)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * args.total_steps) * ticks
     scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)

@@ -33,13 +33,13 @@ from common.checkpoints import load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import (
     UsageError,
+    adamw,
     check_adam,
     check_args,
     epoch_rows,
     logprobs_from_logits,
     pad_right,
     plain,
-    weight_decay_groups,
 )
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
@@ -582,13 +582,7 @@ def main(args: Args) -> None:
     batches = Batches(args, accelerator, tokenizer, steps_per_epoch)
     model, ref_model = load_models(args, accelerator, quantization)
     scorer = Scorer(args, accelerator, model, ref_model)
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=True,
-    )
+    optimizer = adamw(args, model)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(
         args.lr_scheduler_type,

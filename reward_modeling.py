@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 from common.chat import use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_adam, check_args, plain, weight_decay_groups
+from common.core import UsageError, adamw, check_adam, check_args, plain
 from common.loading import (
     check_columns,
     context_length,
@@ -312,14 +312,7 @@ def load_model(args: Args, accelerator: Accelerator, tokenizer, quantization: di
             task_type="SEQ_CLS",
         )
         model = get_peft_model(model, lora)
-    # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=True,
-    )
+    optimizer = adamw(args, model)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 from common.chat import as_messages, is_conversation, render, text_of, use_chat
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
-from common.core import UsageError, check_adam, check_args, logprobs_from_logits, pad_right, plain, weight_decay_groups
+from common.core import UsageError, adamw, check_adam, check_args, logprobs_from_logits, pad_right, plain
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
     check_columns,
@@ -403,14 +403,7 @@ def load_model(args: Args, accelerator: Accelerator, quantization: dict, total_s
         model = get_peft_model(model, lora)
     if args.neftune_noise_alpha:
         model.get_input_embeddings().register_forward_hook(neftune_hook(args.neftune_noise_alpha))
-    # fused: one kernel over all parameters, several times faster than the per-tensor update
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, args.weight_decay),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=True,
-    )
+    optimizer = adamw(args, model)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * total_steps) * ticks
     scheduler = get_scheduler(

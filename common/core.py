@@ -284,6 +284,15 @@ def check_scores(scores, n: int, source: str) -> torch.Tensor:
     return scores
 
 
+def adamw(args, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The scripts' AdamW over `model`'s trainable weights (`weight_decay_groups`: biases and norms undecayed), with
+    --learning-rate, --adam-beta1 / --adam-beta2 / --adam-epsilon (TRL's names and defaults); fused: one kernel over all
+    parameters, several times faster than the per-tensor update."""
+    betas = (args.adam_beta1, args.adam_beta2)
+    groups = weight_decay_groups(model, args.weight_decay)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
+
+
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW parameter groups as transformers' Trainer (and so TRL) makes them: biases and the weights of normalisation
     layers are not decayed; frozen parameters are left out."""

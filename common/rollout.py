@@ -28,6 +28,7 @@ from common.chat import bind_template_kwargs, text_of
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.core import (
     UsageError,
+    adamw,
     check_args,
     epoch_rows,
     error_line,
@@ -35,7 +36,6 @@ from common.core import (
     nanstd,
     sizes,
     warn_once,
-    weight_decay_groups,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
@@ -238,10 +238,7 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
         ref_model = place_frozen(accelerator, ref_model)
     if args.gradient_checkpointing:  # activations recomputed in the backward (non-reentrant: LoRA needs no input grads)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_epsilon
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, args.weight_decay), lr=args.learning_rate, betas=betas, eps=eps, fused=True
-    )
+    optimizer = adamw(args, model)
     scheduler = learning_rate_schedule(args, optimizer, optimizer_steps, accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
