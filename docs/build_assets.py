@@ -387,7 +387,8 @@ def ppo_critic() -> str:
     stats = {m: r["aggregate"][m] for m in ("ppo_critic", "grpo", "ppo")}
     below = [s for s in seeds if r["seeds"][s]["ppo_critic"]["sampled"] < base["sampled"]]
     below += [s for s in seeds if r["seeds"][s]["ppo_critic"]["greedy"] < base["greedy"] and s not in below]
-    command = r["seeds"][seeds[0]]["ppo_critic"]["commands"][0].replace(ROOT + "/", "")
+    # the record keeps absolute paths; the page shows them from the repository root, wherever it was cloned
+    command = re.sub(r"/\S*?/(outputs/)", r"\1", r["seeds"][seeds[0]]["ppo_critic"]["commands"][0])
     return (
         "\n".join(rows)
         + f"\n\nBefore training: {base['greedy']:.2f} greedy, {base['sampled']:.2f} sampled. Seeds that end below it: "
