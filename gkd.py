@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of
-from common.checkpoints import load_checkpoint, save_checkpoint
+from common.checkpoints import load_checkpoint, save_checkpoint, save_policy
 from common.cli import cli
 from common.core import (
     UsageError,
@@ -43,15 +43,15 @@ from common.core import (
     epoch_rows,
     logprobs_from_logits,
     masked_mean,
+    pooled,
     warn_once,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import place_frozen
 from common.outputs import check_finite
 from common.rewards import distinct_answers, is_number, load_task, verifier
-from common.rollout import pooled, save_policy
 from common.run import end_run, start_run
-from common.sampling import Sampler, sampler_gap
+from common.sampling import Sampler, cut, sampler_gap
 from common.vllm_engine import check_vllm_args
 
 
@@ -285,22 +285,9 @@ def tokenize_answer(tokenizer, row: dict, chat: bool) -> list[int]:
     return tokenizer(" " + str(row["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def pad_left(tokenizer, ids: list[list[int]], device):
-    batch = tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt")
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
-
-
 def pad_completions(tokenizer, ids: list[list[int]], device) -> torch.Tensor:
     width = max(map(len, ids))
     return torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], device=device)
-
-
-def completion_mask(completions: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 on each completion's tokens up to and including its first EOS (the pad token may be the EOS: the first one ends
-    the completion and counts, the ones after it are padding)."""
-    is_eos = completions == eos_token_id
-    last = torch.where(is_eos.any(1), is_eos.float().argmax(1), completions.shape[1] - 1)
-    return (torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]).float()
 
 
 def token_logits(model, prompts, prompt_mask, completions, mask) -> torch.Tensor:
@@ -324,11 +311,13 @@ def evaluate(args: Args, sampler: Sampler, model, rows, logger, step: int, prefi
     torch.manual_seed(args.seed + accelerator.process_index)
     share = rows[accelerator.process_index :: accelerator.num_processes] or rows[:1]
     weight = 1.0 if rows[accelerator.process_index :: accelerator.num_processes] else 0.0
-    prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in share], accelerator.device)
+    prompts, prompt_mask = sampler.pad_left([r["prompt_ids"] for r in share])
     model.eval()
-    completions = sampler.generate(prompts, prompt_mask, args.max_new_tokens, model=model, own=model is sampler.policy)[0]
-    mask = completion_mask(completions, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(completions.masked_fill(mask == 0, tokenizer.pad_token_id), skip_special_tokens=True)
+    if model is sampler.policy:
+        completions, mask, _, _ = sampler.generate(prompts, prompt_mask, args.max_new_tokens)
+    else:
+        completions, mask, _ = sampler.generate_with(model, prompts, prompt_mask, args.max_new_tokens)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     columns = {k: [r[k] for r in share] for k in share[0] if k not in ("prompt", "prompt_ids")}
     scores = verifier([r["prompt"] for r in share], texts, **columns)
     top = distinct_answers(gather_object(texts if weight else []), all(is_number(r["answer"]) for r in share))[0]
@@ -390,17 +379,18 @@ def main(args: Args) -> None:
         # 1. completions: the student's own (with probability lmbda: on-policy), else the teacher's (--seq-kd) or the
         #    dataset's; the same choice on every process, drawn from the seed and the step (a resume draws the same)
         rows = epoch_rows(train_rows, args.batch_size, step, args.seed, accelerator)  # seeded reshuffle per epoch
-        prompts, prompt_mask = pad_left(tokenizer, [r["prompt_ids"] for r in rows], device)
+        prompts, prompt_mask = sampler.pad_left([r["prompt_ids"] for r in rows])
         on_policy = random.Random(args.seed * 1_000_003 + step).random() < args.lmbda
         source = "student" if on_policy else "teacher" if args.seq_kd else "dataset"
-        sampled = None  # vLLM's log-probs of the student's tokens, for the sampler-trainer gap
-        if source == "dataset":
+        sampled = None  # the sampler's log-probs of the student's tokens where it keeps them (vLLM), for the gap
+        if source == "dataset":  # [B, T] mask: up to and including the first EOS
             completions = pad_completions(tokenizer, [answer_ids[r["answer"]] for r in rows], device)
+            completions, mask, _ = cut(completions, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        elif source == "teacher":
+            completions, mask, _ = sampler.generate_with(teacher.eval(), prompts, prompt_mask, args.max_new_tokens)
         else:
-            model = (teacher if source == "teacher" else unwrapped).eval()
-            own, logprobs = source == "student", source == "student" and sampler.vllm is not None
-            completions, _, _, sampled = sampler.generate(prompts, prompt_mask, args.max_new_tokens, logprobs, model, own)
-        mask = completion_mask(completions, tokenizer.eos_token_id)  # [B, T]: up to and including the first EOS
+            unwrapped.eval()
+            completions, mask, _, sampled = sampler.generate(prompts, prompt_mask, args.max_new_tokens)
 
         # 2. optimise: the student's divergence from the teacher at each completion token, the teacher's logits computed
         #    without gradients in chunks of rows, accumulated over mini-batches

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
-from common.checkpoints import load_checkpoint, save_checkpoint
+from common.checkpoints import load_checkpoint, save_checkpoint, save_policy
 from common.cli import cli
 from common.core import (
     UsageError,
@@ -40,6 +40,7 @@ from common.core import (
     logprobs_from_logits,
     pad_right,
     plain,
+    pooled,
 )
 from common.fast_paths import chunkable_head, lm_token_logprobs
 from common.loading import (
@@ -53,7 +54,6 @@ from common.loading import (
 )
 from common.models import check_lora_targets, create_reference_model, place_frozen, reference_context
 from common.outputs import check_finite
-from common.rollout import save_policy
 from common.run import end_run, rank_batches, start_run
 from common.sampling import held_out_samples
 
@@ -513,21 +513,15 @@ class Scorer:
         return loss, sums
 
 
-def summarise(sums: dict, prefix: str) -> dict[str, float]:
-    """TRL's metrics from sums over batches and processes: the loss and z0 per batch, rewards and log-probs per
-    completion of each kind, and the margin between the kinds' mean rewards."""
+def summarise(accelerator: Accelerator, sums: dict, prefix: str) -> dict[str, float]:
+    """TRL's metrics from this process's sums over batches, pooled over the processes: the loss and z0 per batch,
+    rewards and log-probs per completion of each kind, and the margin between the kinds' mean rewards."""
     per = {"loss": "batches", "kl": "batches", "rewards/chosen": "chosen", "rewards/rejected": "rejected"}
     per |= {"logps/chosen": "chosen", "logps/rejected": "rejected"}
-    metrics = {k: sums[k] / max(sums[n], 1e-9) for k, n in per.items()}
+    pair = lambda k, n: torch.stack([torch.as_tensor(sums[x], device=accelerator.device).float() for x in (k, n)])  # noqa: E731
+    metrics = pooled(accelerator, [{k: pair(k, n) for k, n in per.items()}])
     metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return {f"{prefix}/{k}": v for k, v in metrics.items()}
-
-
-def reduced(accelerator: Accelerator, sums: dict) -> dict[str, float]:
-    """Sums over the processes: one collective and one device sync."""
-    return dict(
-        zip(sums, accelerator.reduce(torch.stack([torch.as_tensor(v).float() for v in sums.values()]), "sum").tolist())
-    )
 
 
 @torch.no_grad()
@@ -540,7 +534,7 @@ def evaluate(args: Args, scorer: Scorer, examples: Examples, batches: Batches, l
     for chunk, weight in rank_batches(examples.eval, args.batch_size, accelerator):  # as many on every rank
         _, batch_sums = scorer.batch_metrics(batches.collate(chunk, scorer.kl))
         sums = {k: sums.get(k, 0) + v * weight for k, v in batch_sums.items()}
-    results = summarise(reduced(accelerator, sums), "eval")
+    results = summarise(accelerator, sums, "eval")
     if args.generate_during_eval and (accelerator.is_main_process or scorer.sharded):  # sharded: every rank decodes
         raw, tokenizer = examples.eval_prompts[:32], examples.tokenizer
         prompts = [generation_prompt(tokenizer, p, examples.chat, args.system_prompt, args.text_format) for p in raw]
@@ -622,7 +616,7 @@ def main(args: Args) -> None:
             sums = {k: sums.get(k, 0) + v for k, v in batch_sums.items()}
 
         # 2. bookkeeping: one collective and one device sync for all the metrics
-        metrics = summarise(reduced(accelerator, sums), "train")
+        metrics = summarise(accelerator, sums, "train")
         metrics["train/grad_norm"] = plain(grad_norm) if grad_norm is not None else 0.0
         check_finite(step + 1, {k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         step_time = time.time() - step_start

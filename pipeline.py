@@ -30,6 +30,7 @@ from common.cli import cli
 from common.core import logprobs_from_logits
 from common.loading import load_data, reward_model_text
 from common.outputs import MARKER
+from common.sampling import cut
 
 
 @dataclass
@@ -124,10 +125,10 @@ def evaluate(
     output = policy.generate(
         **inputs, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
     )
-    responses = output[:, inputs["input_ids"].shape[1] :]
     # tokens after the first EOS are not part of the response
-    ended = (responses == tokenizer.eos_token_id).cumsum(1)
-    response_mask = (ended - (responses == tokenizer.eos_token_id).long()) == 0
+    responses, response_mask, ended = cut(
+        output[:, inputs["input_ids"].shape[1] :], tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     attention_mask = torch.cat([inputs["attention_mask"], response_mask.long()], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions start at the first token
     logprobs = {}
@@ -135,9 +136,9 @@ def evaluate(
         logits = model(output, attention_mask=attention_mask, position_ids=position_ids).logits
         logits = logits[:, inputs["input_ids"].shape[1] - 1 : -1]
         logprobs[name] = (logprobs_from_logits(logits, responses) * response_mask).sum(1)
-    texts = tokenizer.batch_decode(responses.masked_fill(~response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
-    ends = ended[:, -1].bool().tolist()
+    ends = ended.tolist()
     scored = [reward_model_text(reward_tokenizer, q, r, e) for q, r, e in zip(queries, texts, ends)]
     rm_scores = torch.cat(
         [

@@ -50,6 +50,7 @@ from common.core import (
     masked_mean,
     masked_var,
     masked_whiten,
+    pooled,
     sizes,
     warn_once,
 )
@@ -79,7 +80,6 @@ from common.models import (
 )
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.rewards import load_rewards, load_task, score_completions
-from common.rollout import pooled
 from common.run import end_run, start_run
 from common.sampling import Sampler, sampler_gap
 from common.vllm_engine import check_vllm_args
@@ -535,29 +535,6 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
     return (logit_mask.apply(logits, previous) if logit_mask is not None else logits), values
 
 
-def truncate_responses(responses, eos_token_id, pad_token_id, stop_token_ids=()):
-    """Cut each response after its first EOS or stop sequence; return (responses, mask, ended).
-
-    The mask marks tokens up to and including the first EOS (or the end of a stop sequence); later tokens
-    become padding. A pad token sampled mid-response stays a real token: the mask does not look at pad ids.
-    `ended` is True for responses that hit an EOS or a stop sequence.
-    """
-    T = responses.shape[1]
-    positions = torch.arange(T, device=responses.device)
-    is_eos = responses == eos_token_id
-    ended = is_eos.any(1)
-    ends = torch.where(ended, is_eos.float().argmax(1), T - 1)
-    for stop in stop_token_ids:  # a stop sequence ends at index i if responses[i-len+1 : i+1] == stop
-        if len(stop) > T:
-            continue
-        windows = responses.unfold(1, len(stop), 1)  # [B, T - len + 1, len]
-        hit = (windows == torch.tensor(stop, device=responses.device)).all(-1)
-        stop_end = torch.where(hit.any(1), hit.float().argmax(1) + len(stop) - 1, T - 1)
-        ends, ended = torch.minimum(ends, stop_end), ended | hit.any(1)
-    mask = (positions[None] <= ends[:, None]).long()
-    return responses.masked_fill(mask == 0, pad_token_id), mask, ended
-
-
 def main(args: Args) -> None:
     """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
     check(args)
@@ -569,7 +546,7 @@ def main(args: Args) -> None:
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
-    rollout = Rollout(args, tokenizer, model, accelerator, quantization, chat, longest)
+    sampling = Sampling(args, tokenizer, model, accelerator, quantization, chat, longest)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
@@ -580,7 +557,7 @@ def main(args: Args) -> None:
     state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
-    first_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, start_update)
+    first_eval = evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     explained_history = state.get("explained_history", [])  # the critic's explained variance, update by update
@@ -597,15 +574,15 @@ def main(args: Args) -> None:
         n = args.n_samples_per_prompt  # each query answered n times (OpenRLHF's n_samples_per_prompt)
         rows = epoch_rows(train_rows, args.batch_size // n, update, args.seed, accelerator)  # seeded reshuffle per epoch
         rows = [row for row in rows for _ in range(n)]
-        queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in rows])
+        queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in rows])
         max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
         unwrapped.eval()
-        responses, response_mask, ended, sampler_logprobs = rollout.generate(unwrapped, queries, query_mask, max_new_tokens)
+        responses, response_mask, ended, sampler_logprobs = sampling.generate(queries, query_mask, max_new_tokens)
         mask = response_mask.float()
         marks.append(clock(device))
 
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
-        prompts, responses_text, response_ids = rollout.texts(rows, queries, responses, response_mask)
+        prompts, responses_text, response_ids = sampling.texts(rows, queries, responses, response_mask)
         raw_scores = scorer(rows, prompts, responses_text, response_ids, ended.tolist()).to(device)  # [B]
         scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
         marks.append(clock(device))
@@ -616,7 +593,7 @@ def main(args: Args) -> None:
         # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
         #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
         old_logprobs, ref_logprobs, values, kl_inputs = sampling_forwards(
-            args, accelerator, unwrapped, ref_model, rollout, queries, query_mask, responses, response_mask
+            args, accelerator, unwrapped, ref_model, sampling, queries, query_mask, responses, response_mask
         )
         with torch.no_grad():
             # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
@@ -646,7 +623,7 @@ def main(args: Args) -> None:
             for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
                 with accelerator.accumulate(model):
                     logits, vpreds = forward(
-                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **rollout.forward_kwargs
+                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **sampling.forward_kwargs
                     )
                     logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V], once: the log-probs and the entropy
                     logprobs = torch.gather(logp, -1, responses[mb].unsqueeze(-1)).squeeze(-1)
@@ -675,7 +652,7 @@ def main(args: Args) -> None:
                 if policykl > 1.5 * args.target_kl:
                     optimizer.zero_grad()
                     break
-        rollout.sampler.sync(unwrapped)  # vLLM's copy of the weights (a no-op otherwise): the next rollout is on-policy
+        sampling.sampler.sync(unwrapped)  # vLLM's copy of the weights (a no-op otherwise): the next rollout is on-policy
         marks.append(clock(device))
 
         # ================================ bookkeeping: plumbing from here on ================================
@@ -692,9 +669,9 @@ def main(args: Args) -> None:
         progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
         if (update + 1) % args.log_freq == 0:
             sampled = (rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens)
-            log_samples(args, rollout, scorer, logger, unwrapped, ref_model, sampled, update + 1)
+            log_samples(args, sampling, scorer, logger, unwrapped, ref_model, sampled, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
-            evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, update + 1)
+            evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             # the run's first evaluation and histories too: the summary and the health line compare with its start
@@ -704,12 +681,12 @@ def main(args: Args) -> None:
             save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
-    last_eval = evaluate(args, rollout, scorer, unwrapped, eval_rows, logger, args.num_updates)
+    last_eval = evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
     save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
     histories = (reward_history, kl_history, explained_history)
     summary(args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward)
-    rollout.sampler.close()  # vLLM shut down while the process group exists
+    sampling.sampler.close()  # vLLM shut down while the process group exists
     end_run(accelerator, logger)  # every rank leaves together
 
 
@@ -778,7 +755,7 @@ def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_
             "tokens/response_len": mask.sum(1).mean(),
             "ppo/epochs_done": torch.tensor(float(values["epochs_done"])),
         }
-        metrics = reduce_mean(accelerator, metrics)
+        metrics = pooled(accelerator, [metrics])
     norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
     if norms:
         metrics["ppo/grad_norm"] = sum(norms) / len(norms)
@@ -819,7 +796,7 @@ def resume(args: Args, accelerator: Accelerator, kl_ctl, running: RunningMoments
 
 
 @torch.no_grad()
-def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, rollout, queries, query_mask, responses, response_mask):
+def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, sampling, queries, query_mask, responses, response_mask):
     """Phase 3's forward passes without gradients, by mini-batches: the policy's log-probs and values at sampling time
     ("old") and the reference's log-probs, logits / temperature as in sampling (Huang et al. 2023, detail 8); and what
     the KL penalty reads (the full distributions [B, T, V] for --kl-penalty full, else the two log-probs)."""
@@ -828,9 +805,9 @@ def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, rollout, qu
     for i in range(0, args.batch_size, args.mini_batch_size):
         mb = slice(i, i + args.mini_batch_size)
         inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
-        logits, value = forward(unwrapped, *inputs, **rollout.forward_kwargs)
+        logits, value = forward(unwrapped, *inputs, **sampling.forward_kwargs)
         with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-            ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **rollout.forward_kwargs)
+            ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **sampling.forward_kwargs)
         old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
         ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
         values.append(value)
@@ -1005,7 +982,7 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
 
 def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: dict, chat: bool, train_rows, eval_rows):
     """The policy with its value head (LoRA with --use-peft), the frozen reference (None with LoRA: the policy with its
-    adapter disabled), and the `Scorer` of responses."""
+    adapter disabled), and the `Rewards` of responses."""
     is_encoder_decoder = getattr(load_config(args.model_name), "is_encoder_decoder", False)
     wrapper_class = AutoModelForSeq2SeqLMWithValueHead if is_encoder_decoder else AutoModelForCausalLMWithValueHead
     if is_encoder_decoder and args.use_vllm:
@@ -1041,7 +1018,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         )
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
-    scorer = Scorer(args, model, accelerator, chat, train_rows)
+    scorer = Rewards(args, model, accelerator, chat, train_rows)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(
         f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
@@ -1136,18 +1113,17 @@ def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
     return critic
 
 
-class Rollout:
-    """Left-padded queries and sampled responses of a policy through the shared `Sampler` (HF `generate` with the
-    inverse-CDF draw, on CUDA `FastGenerator`, or with --use-vllm a vLLM engine in this process, synced after each
-    update), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings (temperature,
-    decoder start, logit mask) that every forward pass must see too."""
+class Sampling:
+    """The policy's responses to left-padded queries through the shared `Sampler` (common/sampling.py: HF `generate`
+    with the inverse-CDF draw, on CUDA `FastGenerator`, or with --use-vllm a vLLM engine in this process, synced after
+    each update), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
+    (temperature, decoder start, logit mask) that every forward pass must see too."""
 
     def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool, longest: int):
         self.args, self.tokenizer, self.accelerator, self.chat = args, tokenizer, accelerator, chat
         self.batch = args.generation_batch_size or args.batch_size
         # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
         self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
-        self.stop_token_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
         logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
         self.forward_kwargs = dict(
             temperature=args.temperature, decoder_start_token_id=self.decoder_start, logit_mask=logit_mask
@@ -1156,7 +1132,8 @@ class Rollout:
         # serves the policy as prepare moves and wraps its parameters in place, but not a quantized one
         processors = [logit_mask] if logit_mask is not None else []
         length = longest + args.max_new_tokens  # vLLM's context: the longest query and the longest response
-        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast=not quantization)
+        stops = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
+        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, not quantization, stops)
         accelerator.print(f"rollouts: {self.sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
 
     def texts(self, rows: list[dict], queries, responses, response_mask):
@@ -1167,33 +1144,25 @@ class Rollout:
         ids = [row[m.bool()].tolist() for row, m in zip(responses, response_mask)]
         return prompts, decode(responses, skip_special_tokens=True), ids
 
-    def pad_left(self, queries: list[list[int]]):
-        batch = self.tokenizer.pad({"input_ids": queries}, return_tensors="pt")
-        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
-
-    def generate(self, policy, queries, query_mask, max_new_tokens: int, own: bool = True):
-        """Responses in batches of generation_batch_size, cut after the first EOS or stop sequence: (responses [B, T],
-        mask [B, T], ended [B]) as `truncate_responses` returns them, and the sampler's log-probs [B, T] with vLLM
-        (else None). `own`: the policy's own samples, through the sampler's backend; else `policy.generate` (the
-        reference)."""
-        tokenizer, outputs, logprobs = self.tokenizer, [], []
-        vllm = own and self.sampler.vllm is not None  # its log-probs: the sampler-trainer gap is logged
+    def generate(self, queries, query_mask, max_new_tokens: int, model=None):
+        """Responses in batches of generation_batch_size: (responses [B, T], mask [B, T] long, ended [B]), and the
+        sampler's log-probs [B, T] when it keeps them (else None). `model`: another model's responses (the reference)."""
+        outputs = []
         for i in range(0, len(queries), self.batch):
             ids, mask = queries[i : i + self.batch], query_mask[i : i + self.batch]
-            out, _, _, sampled = self.sampler.generate(ids, mask, max_new_tokens, logprobs=vllm, model=policy, own=own)
-            outputs.append(out)
-            logprobs.append(sampled)
-        width = max(o.shape[1] for o in outputs)  # generation stops early when every sequence has ended
+            if model is None:
+                outputs.append(self.sampler.generate(ids, mask, max_new_tokens))
+            else:
+                outputs.append((*self.sampler.generate_with(model, ids, mask, max_new_tokens), None))
+        width = max(o[0].shape[1] for o in outputs)  # generation stops early when every sequence has ended
         pad = lambda x, value: F.pad(x, (0, width - x.shape[1]), value=value)  # noqa: E731
-        responses = torch.cat([pad(o, tokenizer.pad_token_id) for o in outputs])
-        responses, mask, ended = truncate_responses(
-            responses, tokenizer.eos_token_id, tokenizer.pad_token_id, self.stop_token_ids
-        )
-        sampled = torch.cat([pad(lp, 0.0) for lp in logprobs]).masked_fill(mask == 0, 0.0) if vllm else None
+        responses = torch.cat([pad(o[0], self.tokenizer.pad_token_id) for o in outputs])
+        mask, ended = torch.cat([pad(o[1], 0).long() for o in outputs]), torch.cat([o[2] for o in outputs])
+        sampled = torch.cat([pad(o[3], 0.0) for o in outputs]) if outputs[0][3] is not None else None
         return responses, mask, ended, sampled
 
 
-class Scorer:
+class Rewards:
     """One score per (query, response): `reward_fn` (VADER), the verifiable rewards of --reward-funcs (grpo.py's
     semantics, weighted by --reward-weights; an unscorable response gets 0), a reward model's logit on the text
     reward_modeling.py trains on (`reward_model_text`), or a `RewardAdapter` on the policy's base."""
@@ -1322,22 +1291,22 @@ class RewardAdapter:
 
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, logger, update: int) -> dict[str, float]:
+def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows, logger, update: int) -> dict[str, float]:
     """Sample on the held-out prompts and report reward and `metric_fn` metrics over every process's samples."""
-    accelerator = rollout.accelerator
+    accelerator = sampling.accelerator
     torch.manual_seed(args.seed + accelerator.process_index)
-    queries, query_mask = rollout.pad_left([r["prompt_ids"] for r in eval_rows])
+    queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
-    responses, response_mask, ended, _ = rollout.generate(policy, queries, query_mask, args.max_new_tokens)
-    prompts, responses_text, response_ids = rollout.texts(eval_rows, queries, responses, response_mask)
+    responses, response_mask, ended, _ = sampling.generate(queries, query_mask, args.max_new_tokens)
+    prompts, responses_text, response_ids = sampling.texts(eval_rows, queries, responses, response_mask)
     scores = scorer(eval_rows, prompts, responses_text, response_ids, ended.tolist())
     queries_text = [text_of(p) for p in prompts]
     extra = metric_fn(queries_text, responses_text)  # per-sample values; every process scores as many samples
-    metrics = reduce_mean(accelerator, {f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()})
-    pooled = accelerator.gather(scores.to(accelerator.device)).cpu()  # the statistics of every process's samples
+    metrics = pooled(accelerator, [{f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()}])
+    every = accelerator.gather(scores.to(accelerator.device)).cpu()  # the statistics of every process's samples
     metrics |= {
-        "eval/reward_mean": pooled.mean().item(),
-        "eval/reward_std": pooled.std().item(),
+        "eval/reward_mean": every.mean().item(),
+        "eval/reward_std": every.std().item(),
         "eval/top_token_share": top_token_share(gather_object(responses[response_mask.bool()].tolist())),
         "eval/distinct_2": distinct_bigrams(gather_object(responses_text)),
     }
@@ -1348,25 +1317,25 @@ def evaluate(args: Args, rollout: Rollout, scorer: Scorer, policy, eval_rows, lo
     return metrics
 
 
-def log_samples(args: Args, rollout: Rollout, scorer: Scorer, logger, policy, ref_model, sampled: tuple, step: int):
+def log_samples(args: Args, sampling: Sampling, scorer: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
     """The update's sample table (query, response, score), with the reference model's responses to the same queries
     and their scores beside them (and env/ref_reward_mean) with --log-ref-responses."""
     rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
     columns = {"query": [text_of(p) for p in prompts], "response": responses_text, "score": raw_scores.tolist()}
     if args.log_ref_responses:
-        columns |= ref_responses(rollout, scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens)
-        ref_mean = reduce_mean(rollout.accelerator, {"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()})
+        columns |= ref_responses(sampling, scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens)
+        ref_mean = pooled(sampling.accelerator, [{"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}])
         logger.log(ref_mean, step)
     logger.samples("samples", columns, step)
 
 
 @torch.no_grad()
 @torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
-def ref_responses(rollout: Rollout, scorer: Scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens):
+def ref_responses(sampling: Sampling, scorer: Rewards, policy, ref_model, rows, queries, query_mask, max_new_tokens):
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
-        responses, mask, ended, _ = rollout.generate(ref_model or policy, queries, query_mask, max_new_tokens, own=False)
-    prompts, responses_text, ids = rollout.texts(rows, queries, responses, mask)
+        responses, mask, ended, _ = sampling.generate(queries, query_mask, max_new_tokens, model=ref_model or policy)
+    prompts, responses_text, ids = sampling.texts(rows, queries, responses, mask)
     return {"ref response": responses_text, "ref score": scorer(rows, prompts, responses_text, ids, ended.tolist()).tolist()}
 
 
@@ -1400,13 +1369,6 @@ def save_model(args: Args, accelerator, policy, tokenizer, path: str, metrics: d
     if args.push_to_hub and final != args.save_best:
         policy.pretrained_model.push_to_hub(args.hub_model_id or run_name)
         tokenizer.push_to_hub(args.hub_model_id or run_name)
-
-
-def reduce_mean(accelerator: Accelerator, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Average scalar metrics over ranks in one collective and one device sync."""
-    names = list(metrics)
-    values = accelerator.reduce(torch.stack([metrics[k].float().to(accelerator.device) for k in names]), "mean")
-    return dict(zip(names, values.tolist()))
 
 
 def clock(device: torch.device) -> float:

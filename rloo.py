@@ -25,8 +25,9 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from common.chat import text_of
+from common.checkpoints import save_policy
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, check_adam, nanstd
+from common.core import EntropyBonus, UsageError, check_adam, nanstd, pooled
 from common.rollout import (
     Engine,
     Ledger,
@@ -36,11 +37,9 @@ from common.rollout import (
     load_online_task,
     load_policy,
     per_token_logprobs,
-    pooled,
     resume,
     rollout_metrics,
     sampling_logprobs,
-    save_policy,
     score,
     summary,
     update_sizes,
@@ -247,7 +246,7 @@ class Args:
     """seconds a tool call may run; a slower one becomes an error message to the model, counted as a failure"""
     chat_template_path: str | None = None
     """a Jinja chat template that renders tools, calls and results (None: the tokenizer's own if it can, else
-    common.tools.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
+    common.chat.TOOL_TEMPLATE for ChatML models such as SmolLM2)"""
 
     # LoRA
     use_peft: bool = False

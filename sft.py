@@ -25,7 +25,7 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common.chat import as_messages, is_conversation, render, text_of, use_chat
+from common.chat import as_messages, is_conversation, render, text_of, use_chat, use_tool_template
 from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
 from common.cli import cli
 from common.core import UsageError, adamw, check_adam, check_args, logprobs_from_logits, pad_right, plain
@@ -43,7 +43,6 @@ from common.loading import (
 from common.models import check_lora_targets, peft_model_of
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
-from common.tools import use_tool_template
 
 
 @dataclass
@@ -87,7 +86,7 @@ class Args:
     """a system message put before every chat prompt that has none (None: the template's default, if any)"""
     chat_template_path: str | None = None
     """a Jinja chat template file to render the data with (saved with the model); None: the tokenizer's own, or for
-    messages with tool calls that it cannot render, common.tools.TOOL_TEMPLATE on ChatML models such as SmolLM2"""
+    messages with tool calls that it cannot render, common.chat.TOOL_TEMPLATE on ChatML models such as SmolLM2"""
     assistant_only_loss: bool = False
     """messages data: the loss on the assistant turns only, each with its end-of-turn token (TRL 1.x)"""
     response_template: str | None = None

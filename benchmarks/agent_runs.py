@@ -408,7 +408,7 @@ def main(args: Args) -> None:
 def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
     """TRL 1.16's GRPOTrainer with tools=[calculator] from the same warm start and at the same settings (4 problems x 4
     episodes per step, 96 tokens, lr 1e-5, beta 0, temperature 1, float32, the verifier's reward). TRL parses tool calls
-    with a response template it knows by the chat template; ours (common.tools.TOOL_TEMPLATE) is not among them, so the
+    with a response template it knows by the chat template; ours (common.chat.TOOL_TEMPLATE) is not among them, so the
     tokenizer gets TRL's Qwen3 one, which reads the same <tool_call> JSON. Returns the median step time."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", ".trl-current"))  # benchmarks/setup.sh installs it there
     import trl

@@ -1,6 +1,6 @@
 """Resumable checkpoints: written atomically (common/outputs.py) with the model in from_pretrained format beside
 accelerate's state, read back with one-line errors for a folder that is no checkpoint, a truncated file or another
-run's arguments; and the whole weights of a sharded model for a save."""
+run's arguments; the whole weights of a sharded model for a save, and the final save of a policy (`save_policy`)."""
 
 import glob
 import json
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from common.core import UsageError, error_line
 from common.models import VALUE_HEAD_FILE, peft_model_of
-from common.outputs import RUN, atomic_directory, recover_directory
+from common.outputs import RUN, atomic_directory, recover_directory, write_model_card
 
 
 def save_checkpoint(
@@ -189,3 +189,20 @@ def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
     if changed:
         accelerator.print(f"resuming with arguments that differ from the checkpoint's: {', '.join(changed)}")
     return state
+
+
+def save_policy(args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str) -> None:
+    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
+    atomically; first a check that DDP kept every rank's weights the same."""
+    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
+    if weights is None:  # replicated: every rank holds the same weights
+        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
+        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
+            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
+    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_directory(args.output_dir) as tmp:
+            policy.save_pretrained(tmp, state_dict=weights)
+            tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, args, algorithm, metrics)

@@ -331,3 +331,26 @@ def sizes(args, *names: str, processes: int = 1) -> str:
     """The flags behind a size, with their values, for exact_div's error: "--batch-size 8 x --num-generations 8"."""
     terms = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names]
     return " x ".join(terms + ([f"{processes} processes"] if processes > 1 else []))
+
+
+def pooled(accelerator, stats_list: list[dict]) -> dict[str, float]:
+    """The one reduction of statistics over the processes, in one collective (two with a _min or _max): each statistic
+    a [sum, count] pair per mini-batch (a scalar counts as [value, 1]), weighted by their counts over the processes per
+    mini-batch, then the mean over mini-batches (TRL 1.x); a name ending in _min or _max (/min, /max) is a [value, 1]
+    pair whose least or largest value over the mini-batches and processes is kept. A dict of scalars: their means over
+    the processes."""
+    names, device = list(stats_list[0]), accelerator.device
+    pair = lambda v: torch.stack([v, torch.ones_like(v)]) if v.ndim == 0 else v  # noqa: E731
+    values = torch.stack([torch.stack([pair(s[k].float().to(device)) for k in names]) for s in stats_list])
+    totals = accelerator.reduce(values, "sum")  # [mini-batches, stats, 2]
+    extremes = any(name.endswith(("_min", "/min", "_max", "/max")) for name in names)
+    every = accelerator.gather(values[None]) if extremes else None  # [processes, mini-batches, stats, 2]
+    out = {}
+    for i, name in enumerate(names):
+        if name.endswith(("_min", "/min")):
+            out[name] = every[..., i, 0].min().item()
+        elif name.endswith(("_max", "/max")):
+            out[name] = every[..., i, 0].max().item()
+        else:
+            out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()
+    return out

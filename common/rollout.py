@@ -24,8 +24,8 @@ from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common.chat import bind_template_kwargs, text_of
-from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.chat import FORMATS, bind_template_kwargs, text_of
+from common.checkpoints import load_checkpoint, save_checkpoint
 from common.core import (
     UsageError,
     adamw,
@@ -38,8 +38,8 @@ from common.core import (
     warn_once,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import create_reference_model, peft_model_of, place_frozen, reference_context
-from common.outputs import atomic_directory, check_finite, write_model_card
+from common.models import create_reference_model, place_frozen, reference_context
+from common.outputs import check_finite
 from common.rewards import (
     degenerate_batch,
     distinct_answers,
@@ -51,7 +51,7 @@ from common.rewards import (
 )
 from common.run import rank_batches
 from common.sampling import Sampler, per_token_logprobs
-from common.tools import FORMATS, Toolset, run_calls, tool_suffix_ids
+from common.tools import Toolset, run_calls, tool_suffix_ids
 from common.vllm_engine import check_vllm_args
 
 # ================================ the flags every online script shares ================================
@@ -307,23 +307,6 @@ class Ledger:
             save_checkpoint(accelerator, folder, state, policy, tokenizer, total_limit=args.save_total_limit)
 
 
-def save_policy(args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str) -> None:
-    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
-    atomically; first a check that DDP kept every rank's weights the same."""
-    weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
-    if weights is None:  # replicated: every rank holds the same weights
-        checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
-        if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
-            raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
-    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
-            policy.save_pretrained(tmp, state_dict=weights)
-            tokenizer.save_pretrained(tmp)
-            write_model_card(tmp, args, algorithm, metrics)
-
-
 # ================================ episodes ================================
 @dataclass
 class Episodes:
@@ -427,27 +410,24 @@ class Rollout:
 
 
 class Engine:
-    """Left-padded prompts and sampled completions of the policy through the run's `Sampler` (HF `generate`, on CUDA
-    `FastGenerator`, or with --use-vllm a vLLM engine in this process holding a copy of the policy's weights, `sync`ed
-    after updates); with tools, multi-turn episodes (`run_episodes`). `vllm` shares another engine's vLLM (the
-    asynchronous worker's)."""
+    """Sampled completions of the policy's prompts through the run's `Sampler` (common/sampling.py, the one door:
+    whichever backend samples, and its weight sync); with tools, multi-turn episodes (`run_episodes`). `sampler`:
+    another one to sample through (the asynchronous worker's `fork`)."""
 
-    def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False, vllm=None):
+    def __init__(self, args, task: Task, policy, accelerator: Accelerator, quiet: bool = False, sampler=None):
         self.args, self.task, self.tokenizer, self.policy, self.accelerator = args, task, task.tokenizer, policy, accelerator
         length = args.max_prompt_length + args.max_completion_length
-        self.sampler = Sampler(args, task.tokenizer, policy, accelerator, length, vllm=vllm)
-        self.vllm, self.lag = self.sampler.vllm, 0  # how many updates vLLM's weights lag behind the policy's
-        # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler); vLLM's differ from the trainer's
-        # numerics even on-policy, so they are always kept there (TRL's vllm_importance_sampling_correction)
+        self.sampler = sampler or Sampler(args, task.tokenizer, policy, accelerator, length)
+        # the sampler's log-probs, for the off-policy loss (and --old-logprobs sampler), or because its numerics differ
+        # from the trainer's even on-policy (vLLM: TRL's vllm_importance_sampling_correction)
         keep = getattr(args, "max_staleness", 0) > 0 or getattr(args, "old_logprobs", "") == "sampler"
-        self.keep_logprobs = keep or self.vllm is not None
+        self.keep_logprobs = keep or self.sampler.keeps_logprobs
         if quiet:
             return
         how, k = self.sampler.name, getattr(args, "max_staleness", 0)
-        if self.vllm is not None:
+        if self.sampler.keeps_logprobs:
             every = "update" if args.weight_sync_steps == 1 else f"{args.weight_sync_steps} updates"
-            how = f"vLLM, colocated ({self.vllm.dtype}, weights synced every {every}; "
-            how += "sampler log-probs kept for the correction)"
+            how = f"{how[:-1]}, weights synced every {every}; sampler log-probs kept for the correction)"
         updates = f"{k} update{'s' if k > 1 else ''}"
         if k and getattr(args, "async_rollouts", False):
             every = "every update" if args.weight_sync_steps == 1 else f"every {args.weight_sync_steps} updates"
@@ -459,15 +439,11 @@ class Engine:
             tools = ", ".join(s["function"]["name"] for s in task.toolset.schemas)
             accelerator.print(f"episodes: tools {tools}; chat template: {task.toolset.template}")
 
-    def pad_left(self, token_lists: list[list[int]]):
-        batch = self.tokenizer.pad({"input_ids": token_lists}, return_tensors="pt")
-        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
-
     def rollout(self, rows: list[dict]) -> Rollout:
         """One completion of each row's prompt; with tools, one episode each, advanced together turn by turn."""
         toolset = self.task.toolset
         if toolset is None:
-            prompts, prompt_mask = self.pad_left([r["prompt_ids"] for r in rows])
+            prompts, prompt_mask = self.sampler.pad_left([r["prompt_ids"] for r in rows])
             completions, mask, ended, logprobs = self.generate(prompts, prompt_mask, logprobs=self.keep_logprobs)
             return Rollout(prompts, prompt_mask, completions, mask, mask, ended, sampling_logprobs=logprobs)
         environments, contexts, toolboxes = [], [], []
@@ -499,23 +475,20 @@ class Engine:
         model_mask = padded(episodes.model_mask, 0).float()
         ended = torch.tensor(episodes.ended, device=device)
         logprobs = padded(episodes.logprobs, 0.0) if episodes.logprobs is not None else None
-        return Rollout(*self.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, logprobs)
+        return Rollout(*self.sampler.pad_left(episodes.prompt_ids), completions, mask, model_mask, ended, episodes, logprobs)
 
     def generate_turns(self, contexts: list[list[int]], max_new_tokens: int):
         """A turn for each context (token lists): its tokens, cut after the first EOS; with the sampler's log-probs kept
         (vLLM, stale rollouts), those tokens and their log-probs."""
-        completions, mask, _, sampled = self.generate(*self.pad_left(contexts), max_new_tokens, logprobs=self.keep_logprobs)
+        completions, mask, _, sampled = self.generate(
+            *self.sampler.pad_left(contexts), max_new_tokens, logprobs=self.keep_logprobs
+        )
         turns = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
         return turns if sampled is None else (turns, [row[m.bool()].tolist() for row, m in zip(sampled, mask)])
 
     def close(self) -> None:
         """The end of sampling: vLLM shut down (HF generate has nothing to close)."""
         self.sampler.close()
-
-    def sync(self, policy) -> None:
-        """vLLM's copy of the weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered)."""
-        self.sampler.sync(policy)
-        self.lag = 0
 
     def generate(self, prompts, prompt_mask, max_new_tokens: int | None = None, logprobs: bool = False):
         """`Sampler.generate` at --max-completion-length unless told otherwise: completions [N, T] cut after the first
@@ -551,7 +524,7 @@ class RolloutStream:
         rows = batch_rows(self.args, self.task, self.accelerator, update)
         self.engine.policy.eval()
         rollout = self.engine.rollout(rows)
-        rollout.version = version - self.engine.lag  # vLLM synced every --weight-sync-steps: its weights may be older
+        rollout.version = version - self.engine.sampler.lag  # synced every --weight-sync-steps: its weights may be older
         return rows, rollout
 
     def next(self, update: int):
@@ -573,12 +546,11 @@ class RolloutStream:
     def trained(self, update: int, policy) -> None:
         """After update `update`'s optimizer steps, every --weight-sync-steps updates: the sampler's weights refreshed
         (the worker's copy, or vLLM's). This is the one place where weights go to a sampler."""
-        if (update + 1) % self.args.weight_sync_steps != 0:
-            self.engine.lag += self.engine.vllm is not None
-        elif self.worker is not None:
+        sync = (update + 1) % self.args.weight_sync_steps == 0
+        if sync and self.worker is not None:
             self.worker.sync(policy, update + 1)
-        elif self.engine.vllm is not None:
-            self.engine.sync(policy)
+        else:
+            self.engine.sampler.updated(policy, sync)
 
     def metrics(self, staleness: int) -> dict[str, float]:
         """The update's staleness (mean and max over the processes), the rollouts dropped so far, and the seconds the
@@ -606,19 +578,13 @@ class RolloutWorker:
     with one line naming the cause, and a worker that produces nothing within --rollout-timeout seconds does too."""
 
     def __init__(self, args, task: Task, engine: Engine, accelerator: Accelerator, start: int):
-        import copy
         import queue
         import threading
 
         self.args, self.task, self.accelerator = args, task, accelerator
-        if engine.vllm is not None:  # vLLM holds its own copy of the weights: the worker samples through it
-            self.policy, self.engine = (
-                engine.policy,
-                Engine(args, task, engine.policy, accelerator, quiet=True, vllm=engine.vllm),
-            )
-        else:
-            self.policy = copy.deepcopy(engine.policy).eval().requires_grad_(False)
-            self.engine = Engine(args, task, self.policy, accelerator, quiet=True)
+        # its own sampler: through vLLM's copy of the weights where the engine has one, else over a copy of the policy
+        sampler = engine.sampler.fork()
+        self.engine = Engine(args, task, sampler.policy, accelerator, quiet=True, sampler=sampler)
         self.version, self.lock, self.error, self.idle = start, threading.Lock(), None, 0.0
         self.queue, self.stopping = queue.Queue(maxsize=args.max_staleness + 1), threading.Event()
         self.thread = threading.Thread(target=self._run, args=(start,), daemon=True, name="rollout-worker")
@@ -662,12 +628,8 @@ class RolloutWorker:
 
     def sync(self, policy, version: int) -> None:
         """The trainer's weights into the worker's copy, between two of its rollouts."""
-        with self.lock, torch.no_grad():
-            if self.engine.vllm is not None:
-                self.engine.sync(policy)
-            else:
-                for mine, theirs in zip(self.policy.parameters(), policy.parameters()):
-                    mine.copy_(theirs)
+        with self.lock:
+            self.engine.sampler.sync(policy)
             self.version = version
 
     def stop(self) -> None:
@@ -813,25 +775,6 @@ def zero_std_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     """[groups]: whether a group's rewards are all equal (std 0), or fewer than two are scorable (TRL 1.x: isclose)."""
     std = nanstd(rewards.view(-1, num_generations), dim=1)
     return torch.isclose(std, torch.zeros_like(std)) | std.isnan()
-
-
-def pooled(accelerator: Accelerator, stats_list: list[dict]) -> dict[str, float]:
-    """The loss's statistics of an update, each a [sum, count] per mini-batch: weighted by their counts over the
-    processes per mini-batch, then the mean over mini-batches (TRL 1.x); a name ending in _min or _max (/min, /max) is a
-    [value, 1] pair whose least or largest value over the mini-batches and processes is kept."""
-    names = list(stats_list[0])
-    values = torch.stack([torch.stack([s[k] for k in names]) for s in stats_list])  # [mini-batches, stats, 2]
-    totals = accelerator.reduce(values, "sum")
-    every = accelerator.gather(values[None])  # [processes, mini-batches, stats, 2]
-    out = {}
-    for i, name in enumerate(names):
-        if name.endswith(("_min", "/min")):
-            out[name] = every[..., i, 0].min().item()
-        elif name.endswith(("_max", "/max")):
-            out[name] = every[..., i, 0].max().item()
-        else:
-            out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()
-    return out
 
 
 def summary(algorithm: str, args, accelerator: Accelerator, done: int, seconds: float, history, first_eval, last_eval, kl):

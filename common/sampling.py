@@ -1,14 +1,16 @@
-"""The one sampling call of every online script: a policy's completions of left-padded prompts, cut after the first EOS,
+"""The one door to sampling: a policy's completions of left-padded prompts, cut after the first EOS or stop sequence,
 with their mask, whether each ended and, when asked, each token's log-prob under the weights that sampled it. Three
 backends behind it, chosen once at start:
 
 - HF `generate` with the inverse-CDF draw (`sampling_kwargs`), on any device;
 - `FastGenerator` on CUDA (a static KV cache, one compiled graph per decoding step), the same distribution;
-- vLLM in this process (`--use-vllm`, common/vllm_engine.py), which holds a copy of the weights: `sync` after each
-  update puts the trained ones in. The other two sample the policy itself, and `sync` does nothing.
+- vLLM in this process (`--use-vllm`, common/vllm_engine.py), which holds a copy of the weights: `updated` after each
+  update puts the trained ones in (or counts how far they lag). The other two sample the policy itself.
 
 The rollout engine (common/rollout.py: grpo.py, rloo.py), ppo.py's rollouts and gkd.py's student samples all go
-through `Sampler.generate`; a script's loop never asks which backend runs.
+through `Sampler.generate`; another model's samples (a teacher, the reference) through `Sampler.generate_with`. A
+script's loop never asks which backend runs: it reads `keeps_logprobs` (whether the sampler's log-probs come with every
+sample, for the sampler-trainer correction) and `lag` (how many updates the sampling weights lag behind).
 """
 
 from types import SimpleNamespace
@@ -21,29 +23,61 @@ from common.models import peft_model_of, reference_context
 from common.vllm_engine import VLLMSampler
 
 
+def cut(completions, eos_token_id: int, pad_token_id: int, stop_token_ids=()):
+    """Each completion [N, T] cut after its first EOS or stop sequence (token lists): (completions with pad after the
+    cut, mask [N, T] float, ended [N]). A pad token sampled mid-completion stays a real token (the mask does not look at
+    pad ids), and an EOS that is also the pad token ends the completion and counts."""
+    T = completions.shape[1]
+    is_eos = completions == eos_token_id
+    ended = is_eos.any(1)
+    last = torch.where(ended, is_eos.float().argmax(1), T - 1)
+    for stop in stop_token_ids:  # a stop sequence ends at index i if completions[i-len+1 : i+1] == stop
+        if len(stop) > T:
+            continue
+        hit = (completions.unfold(1, len(stop), 1) == torch.tensor(stop, device=completions.device)).all(-1)
+        last = torch.minimum(last, torch.where(hit.any(1), hit.float().argmax(1) + len(stop) - 1, T - 1))
+        ended = ended | hit.any(1)
+    mask = torch.arange(T, device=completions.device)[None] <= last[:, None]
+    return completions.masked_fill(~mask, pad_token_id), mask.float(), ended
+
+
 class Sampler:
     """Samples of `policy` (an LM, or a value-head wrapper around one) at the run's temperature / top-k / top-p.
 
     `max_model_len`: the longest prompt plus the longest completion (vLLM sizes its cache by it). `processors`: logits
     processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none. `fast`: whether
-    the fast path may serve (not for a quantized policy). `vllm`: another sampler's vLLM engine to share (the
-    asynchronous worker's), already loaded."""
+    the fast path may serve (not for a quantized policy). `stop_token_ids`: token lists that end a completion as EOS
+    does. `share`: another sampler whose vLLM engine this one samples through (`fork`)."""
 
     def __init__(
-        self, args, tokenizer, policy, accelerator: Accelerator, max_model_len: int, processors=(), fast=True, vllm=None
+        self,
+        args,
+        tokenizer,
+        policy,
+        accelerator: Accelerator,
+        max_model_len: int,
+        processors=(),
+        fast=True,
+        stop_token_ids=(),
+        share=None,
     ):
         self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
         top_k, top_p = getattr(args, "top_k", 0), getattr(args, "top_p", 1.0)
         inverse_cdf = getattr(args, "inverse_cdf_sampling", True)
-        self.temperature = args.temperature
+        self.temperature, self.stop_token_ids = args.temperature, [list(s) for s in stop_token_ids]
         self.sampling = sampling_kwargs(args.temperature, top_k, top_p, inverse_cdf, list(processors))
         self.encoder_decoder = policy.config.is_encoder_decoder
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         language_model = getattr(policy, "pretrained_model", policy)  # a value-head wrapper samples from its LM
-        # vLLM: whether it holds the policy's weights yet (a shared one does)
-        self.vllm, self.loaded = vllm, vllm is not None
-        if getattr(args, "use_vllm", False) and vllm is None:
+        # the weight-sync state, all of it: vLLM's copy, whether it holds the policy's weights yet (a shared one does),
+        # how many updates it lags behind them; `copied`: this sampler's policy is a copy of the trainer's (`fork`)
+        self.vllm = share.vllm if share is not None else None
+        self.loaded, self.lag, self.copied = self.vllm is not None, 0, False
+        if getattr(args, "use_vllm", False) and self.vllm is None:
             self.vllm = VLLMSampler(args, tokenizer, language_model, accelerator, max_model_len)
+        # vLLM's numerics differ from the trainer's even on-policy: its log-probs come with every sample, for the
+        # correction (TRL's vllm_importance_sampling_correction); the others return them when asked
+        self.keeps_logprobs = self.vllm is not None
         self.fast = None
         if (
             fast
@@ -60,29 +94,57 @@ class Sampler:
         if self.vllm is not None:
             self.name += f" ({self.vllm.dtype})"
 
+    def fork(self):
+        """A sampler for a background thread (the asynchronous rollout worker): one that samples through this one's vLLM
+        copy of the weights, or one over a frozen copy of the policy; `sync` refreshes either from the trainer."""
+        if self.vllm is not None:
+            return Sampler(self.args, self.tokenizer, self.policy, self.accelerator, 0, share=self)
+        import copy
+
+        policy = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        forked = Sampler(self.args, self.tokenizer, policy, self.accelerator, 0)
+        forked.copied = True
+        return forked
+
     def sync(self, policy) -> None:
-        """vLLM's copy of the weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered); the
-        other backends sample the policy itself."""
+        """The sampling weights replaced by `policy`'s (every rank calls it: a sharded weight is gathered): vLLM's copy, or
+        a forked sampler's copy of the policy; a sampler of the policy itself has nothing to do."""
         if self.vllm is not None:
             self.vllm.load(getattr(policy, "pretrained_model", policy))
             self.loaded = True
+        elif self.copied:
+            with torch.no_grad():
+                for mine, theirs in zip(self.policy.parameters(), policy.parameters()):
+                    mine.copy_(theirs)
+        self.lag = 0
+
+    def updated(self, policy, sync: bool = True) -> None:
+        """After an optimizer update of `policy`: its weights synced into the sampler's copy, or (`sync` False: a run that
+        syncs every few updates) one more update of lag counted. Nothing for a sampler of the policy itself."""
+        if sync:
+            self.sync(policy)
+        elif self.vllm is not None or self.copied:
+            self.lag += 1
 
     def close(self) -> None:
         """The end of sampling: vLLM shut down while the process group exists (the others have nothing to close)."""
         if self.vllm is not None:
             self.vllm.close()
 
-    @torch.no_grad()
-    def generate(self, prompts, prompt_mask, max_new_tokens: int, logprobs: bool = False, model=None, own: bool = True):
-        """Completions [N, T] of left-padded prompts [N, P], cut after the first EOS (pad after it), their mask [N, T],
-        whether each ended with EOS [N] and, with `logprobs`, each token's log-prob under the sampling weights [N, T]
-        (log_softmax(logits / temperature), read off the decoding steps: no extra forward), else None.
+    def pad_left(self, token_lists: list[list[int]]):
+        """Prompts (token lists) left-padded into a batch [N, P] and its mask, on the run's device."""
+        batch = self.tokenizer.pad({"input_ids": token_lists}, padding_side="left", return_tensors="pt")
+        return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
-        `model`: the model HF `generate` runs (default: the policy). `own`: the policy's own samples, which vLLM or the
-        fast path draw where there is one; False: `model`'s, with HF `generate` (the reference, a teacher)."""
+    @torch.no_grad()
+    def generate(self, prompts, prompt_mask, max_new_tokens: int, logprobs: bool = False):
+        """The policy's completions [N, T] of left-padded prompts [N, P], cut after the first EOS or stop sequence (pad
+        after it), their mask [N, T], whether each ended [N] and, with `logprobs` (or `keeps_logprobs`), each token's
+        log-prob under the sampling weights [N, T] (log_softmax(logits / temperature), read off the decoding steps: no
+        extra forward), else None. vLLM or the fast path draw where there is one."""
         tokenizer, sampled = self.tokenizer, None
         with self.accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
-            if own and self.vllm is not None:
+            if self.vllm is not None:
                 if not self.loaded:  # the first rollout or evaluation: the policy as loaded (or resumed)
                     self.sync(self.policy)
                 token_lists = [row[m.bool()].tolist() for row, m in zip(prompts, prompt_mask)]
@@ -91,32 +153,47 @@ class Sampler:
                 width, device = max(1, *map(len, new)), prompts.device
                 completions = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in new], device=device)
                 sampled = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in new_logprobs], device=device)
-            elif own and self.fast is not None:
+            elif self.fast is not None:
                 ends = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
                 completions, sampled = self.fast(prompts, prompt_mask, max_new_tokens, **ends, return_logprobs=logprobs)
             else:
-                out = (model or self.policy).generate(
-                    input_ids=prompts,
-                    attention_mask=prompt_mask,
-                    **self.sampling,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
-                    **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
-                )
-                sequences = out.sequences if logprobs else out
-                # a decoder-only model returns the prompt too; an encoder-decoder its decoder start token
-                completions = sequences[:, 1:] if self.encoder_decoder else sequences[:, prompts.shape[1] :]
-                if logprobs:  # the raw logits of each step, at the sampling temperature
-                    steps = [torch.log_softmax(step.float() / self.temperature, -1) for step in out.logits]
-                    sampled = torch.stack([s.gather(-1, t[:, None])[:, 0] for s, t in zip(steps, completions.T)], 1)
-        is_eos = completions == tokenizer.eos_token_id
-        ended = is_eos.any(1)
-        last = torch.where(ended, is_eos.float().argmax(1), completions.shape[1] - 1)
-        mask = torch.arange(completions.shape[1], device=completions.device)[None] <= last[:, None]
-        sampled = sampled.masked_fill(~mask, 0.0) if sampled is not None else None
-        return completions.masked_fill(~mask, tokenizer.pad_token_id), mask.float(), ended, sampled
+                completions, sampled = self._hf_generate(self.policy, prompts, prompt_mask, max_new_tokens, logprobs)
+        return self._cut(completions, sampled)
+
+    @torch.no_grad()
+    def generate_with(self, model, prompts, prompt_mask, max_new_tokens: int):
+        """Another model's completions (a teacher, the reference) at the same settings, with HF `generate`: completions,
+        mask and ended as `generate` returns them."""
+        with self.accelerator.autocast():
+            completions, _ = self._hf_generate(model, prompts, prompt_mask, max_new_tokens, False)
+        return self._cut(completions, None)[:3]
+
+    def _hf_generate(self, model, prompts, prompt_mask, max_new_tokens: int, logprobs: bool):
+        tokenizer = self.tokenizer
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=prompt_mask,
+            **self.sampling,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            synced_gpus=self.sharded,  # every rank decodes until all are done: each step is a collective
+            **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
+        )
+        sequences = out.sequences if logprobs else out
+        # a decoder-only model returns the prompt too; an encoder-decoder its decoder start token
+        completions = sequences[:, 1:] if self.encoder_decoder else sequences[:, prompts.shape[1] :]
+        if not logprobs:
+            return completions, None
+        steps = [torch.log_softmax(step.float() / self.temperature, -1) for step in out.logits]  # the raw logits
+        return completions, torch.stack([s.gather(-1, t[:, None])[:, 0] for s, t in zip(steps, completions.T)], 1)
+
+    def _cut(self, completions, sampled):
+        completions, mask, ended = cut(
+            completions, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.stop_token_ids
+        )
+        sampled = sampled.masked_fill(mask == 0, 0.0) if sampled is not None else None
+        return completions, mask, ended, sampled
 
 
 def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
@@ -198,8 +275,8 @@ def held_out_samples(
     if has_reference:
         with reference_context(policy, ref_model):
             rows = slice(0, table)
-            ref_completions = sampler.generate(
-                prompt_ids[rows], prompt_mask[rows], max_new_tokens, model=ref_model or policy, own=False
-            )[0]
+            ref_completions = sampler.generate_with(ref_model or policy, prompt_ids[rows], prompt_mask[rows], max_new_tokens)[
+                0
+            ]
         replies["reference"] = tokenizer.batch_decode(ref_completions, skip_special_tokens=True)
     return stats, replies

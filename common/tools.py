@@ -1,6 +1,7 @@
 """Tools and environments for multi-turn episodes (grpo.py, rloo.py --tools / --environment; sft.py on tool traces),
-TRL 1.x semantics (`tools=`, `environment_factory`): loading and checking them, the tool-call format of a chat template,
-and running calls where they can be stopped. The file to read before writing a tool or an environment of your own.
+TRL 1.x semantics (`tools=`, `environment_factory`): loading and checking them, and running calls where they can be
+stopped (a chat template's tool-call format: common/chat.py). The file to read before writing a tool or an
+environment of your own.
 
 A tool is a plain Python function with type hints and a docstring whose "Args:" section describes each argument:
 transformers' `get_json_schema` turns it into the JSON schema that the chat template shows the model (`tools=`). It
@@ -23,7 +24,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import re
 import signal
 import sys
 import threading
@@ -31,41 +31,9 @@ import time
 
 from transformers.utils import get_json_schema
 
+from common.chat import tool_call_format, use_tool_template
 from common.core import UsageError, die_with_parent, error_line
 from common.loading import load_function, plugin_error
-
-# ChatML with Hermes-style tool calls (Qwen2.5's form): the tool schemas in the system message, calls as JSON in
-# <tool_call> tags, consecutive tool results as <tool_response> blocks of one user turn. For templates without tools.
-TOOL_TEMPLATE = """\
-{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
-{%- else %}{%- set system = 'You are a helpful AI assistant.' %}{%- set rest = messages %}{%- endif %}
-{{- '<|im_start|>system\\n' + system }}
-{%- if tools %}
-{{- '\\n\\nYou can call functions. Their JSON schemas are within <tools></tools>:\\n<tools>' }}
-{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\n\\nTo call a function, write its name and arguments as JSON within <tool_call></tool_call> tags:' }}
-{{- '\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' }}
-{%- endif %}
-{{- '<|im_end|>\\n' }}
-{%- for message in rest %}
-{%- if message.role == 'tool' %}
-{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\\n' + (message.content or '') }}
-{%- for call in message.tool_calls or [] %}
-{%- set call = call.function if call.function is defined else call %}
-{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}
-{%- set arguments = call.arguments if call.arguments is string else call.arguments | tojson %}
-{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + arguments + '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 
 # ================================ loading: tools, environments, the chat template ================================
@@ -121,139 +89,6 @@ def load_environment(spec: str):
             "attributes (tool calls run in a separate process, and the state comes back by pickle)"
         ) from None
     return factory
-
-
-def supports_tools(tokenizer) -> bool:
-    """Whether the chat template renders tool schemas, tool calls and tool results (TRL's `supports_tool_calling`)."""
-    schema = {"type": "function", "function": {"name": "probe_tool", "description": "d", "parameters": {}}}
-    call = {"type": "function", "function": {"name": "probe_call", "arguments": {"x": 1}}}
-    messages = [
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "probe_call", "content": "probe_result"},
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
-        return False
-    return all(s in text for s in ("probe_tool", "probe_call", "probe_result"))
-
-
-def use_tool_template(tokenizer, path: str | None) -> str:
-    """Set the template that renders the episodes: --chat-template-path's Jinja file, the tokenizer's own when it supports
-    tools, else TOOL_TEMPLATE for a ChatML tokenizer (EOS <|im_end|>). Returns which, with its call format, for the run's
-    log; a template whose calls cannot be read back is a one-line error (`tool_call_format`)."""
-    if path:
-        try:
-            with open(path, encoding="utf-8") as file:
-                tokenizer.chat_template = file.read()
-        except OSError as error:
-            raise UsageError(f"--chat-template-path {path}: {error.strerror}.") from None
-        which = path
-    elif supports_tools(tokenizer):
-        which = "the tokenizer's own"
-    elif tokenizer.eos_token == "<|im_end|>":
-        tokenizer.chat_template, which = TOOL_TEMPLATE, "ChatML with <tool_call> tags (common.tools.TOOL_TEMPLATE)"
-    else:
-        raise UsageError(
-            f"the chat template of {tokenizer.name_or_path!r} cannot render tool calls: give --chat-template-path a "
-            "Jinja template that does (common.tools.TOOL_TEMPLATE is one for ChatML models)"
-        )
-    if not supports_tools(tokenizer):
-        raise UsageError(f"--chat-template-path {path}: the template does not render tools, tool calls and tool results.")
-    return f"{which}, {tool_call_format(tokenizer).name} tool calls"
-
-
-# ================================ the tool-call format of a template family ================================
-class ToolCallFormat:
-    """How one chat-template family writes tool calls into the model's turn. `parse(text)` returns the turn's text
-    without its calls, and its calls: {"name", "arguments"} each, or {"error": why} for one that cannot be run."""
-
-    name = "?"
-
-    def parse(self, text: str) -> tuple[str, list[dict]]:
-        raise NotImplementedError
-
-    @staticmethod
-    def call(name, arguments, closed: bool = True) -> dict:
-        """A parsed call, or {"error": why} when it is not {"name": <function-name>, "arguments": <object>}."""
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            with contextlib.suppress(json.JSONDecodeError):
-                arguments = json.loads(arguments)
-        if not closed:
-            return {"error": "the tool call has no closing </tool_call> tag"}
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            return {"error": 'a tool call is {"name": <function-name>, "arguments": <args-json-object>}'}
-        return {"name": name, "arguments": arguments}
-
-
-class HermesFormat(ToolCallFormat):
-    """Hermes / Qwen2.5 / TOOL_TEMPLATE: any number of <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks
-    anywhere in the turn."""
-
-    name = "hermes"
-    TAG = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str, list[dict]]:
-        calls = []
-        for match in self.TAG.finditer(text):
-            body = match.group(1).strip()
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError as error:
-                calls.append({"error": f"the tool call is not JSON ({error.msg}): {body[:80]!r}"})
-                continue
-            call = call if isinstance(call, dict) else {}
-            calls.append(self.call(call.get("name"), call.get("arguments", {}), match.group(0).endswith("</tool_call>")))
-        return self.TAG.sub("", text).strip(), calls
-
-
-class JsonFormat(ToolCallFormat):
-    """Llama 3.1 / 3.2: a turn that is a call is one JSON object {"name": ..., "parameters": {...}} ("arguments" read
-    too), after an optional <|python_tag|>; any other turn is text."""
-
-    name = "llama3_json"
-
-    def parse(self, text: str) -> tuple[str, list[dict]]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text.strip(), []
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as error:
-            if '"name"' not in body:  # text that happens to open with a brace
-                return text.strip(), []
-            return "", [{"error": f"the tool call is not JSON ({error.msg}): {body[:80]!r}"}]
-        if not isinstance(call, dict) or "name" not in call:
-            return text.strip(), []
-        return "", [self.call(call["name"], call.get("parameters", call.get("arguments", {})))]
-
-
-FORMATS = (HermesFormat(), JsonFormat())
-
-
-def tool_call_format(tokenizer) -> ToolCallFormat:
-    """The format in which the tokenizer's chat template writes a tool call: a probe call is rendered into an assistant
-    turn and each known format parses it back; the first that reads exactly the probe call is the template's. A
-    template none can read is a one-line error (the episodes would silently find no call)."""
-    probe = {"name": "probe_call", "arguments": {"x": 1}}
-    messages = [{"role": "user", "content": "u"}]
-    assistant = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": probe}]}
-    schema = [{"type": "function", "function": {"name": "probe_call", "description": "d", "parameters": {}}}]
-    try:
-        prompt = tokenizer.apply_chat_template(messages, tools=schema, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages + [assistant], tools=schema, tokenize=False)
-    except Exception as error:  # noqa: BLE001 - whatever the template raises
-        raise UsageError(f"the chat template cannot render a tool call ({error_line(error)})") from None
-    turn = full[len(prompt) :] if full.startswith(prompt) else full
-    turn = turn.split(tokenizer.eos_token)[0] if tokenizer.eos_token else turn
-    for form in FORMATS:
-        if form.parse(turn)[1] == [probe]:
-            return form
-    raise UsageError(
-        f"the chat template writes tool calls in a form this codebase cannot read ({turn.strip()[:80]!r}); known forms: "
-        f"{', '.join(f.name for f in FORMATS)} (common/tools.py: add a ToolCallFormat, or pass --chat-template-path)"
-    )
 
 
 # ================================ running calls ================================

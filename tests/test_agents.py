@@ -17,17 +17,11 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from conftest import ARITH, ROOT, read_scalars, run_failing, run_script
 
+from common.chat import TOOL_TEMPLATE, HermesFormat, supports_tools, use_tool_template
 from common.core import UsageError
 from common.loading import load_tokenizer
 from common.rollout import Engine, run_episodes
-from common.tools import (
-    TOOL_TEMPLATE,
-    HermesFormat,
-    run_calls,
-    supports_tools,
-    tool_suffix_ids,
-    use_tool_template,
-)
+from common.tools import run_calls, tool_suffix_ids
 from presets.agents import GuessInRange, GuessTheNumber, calculator, guess_progress
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n</tool_call>'
@@ -504,7 +498,7 @@ JSON_CALL = '{"name": "calculator", "parameters": {"expression": "2 * 3"}}'
 def test_each_template_family_has_its_call_format_and_an_unreadable_one_is_refused(chat_llama):
     """The format is read off the template by a probe call rendered and parsed back: Hermes tags for TOOL_TEMPLATE,
     Llama 3.1's JSON for the JSON template; a template whose calls no format reads is a one-line error."""
-    from common.tools import JsonFormat, tool_call_format
+    from common.chat import JsonFormat, tool_call_format
 
     tokenizer = load_tokenizer(chat_llama)
     tokenizer.chat_template = JSON_TOOL_TEMPLATE

@@ -150,9 +150,8 @@ def test_rl_scripts_on_chat_prompts(chat_llama, chat_data):
 
 def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama):
     """pad == EOS: a completion's first <|im_end|> ends it and is part of its mask (trained and scored); what follows is
-    padding. The same holds for ppo.py's truncation."""
-    from common.sampling import Sampler
-    from ppo import truncate_responses
+    padding. The same holds for `cut` alone (gkd.py's dataset answers)."""
+    from common.sampling import Sampler, cut
 
     tokenizer = AutoTokenizer.from_pretrained(chat_llama, padding_side="left")
     eos = tokenizer.eos_token_id
@@ -173,7 +172,7 @@ def test_the_completion_mask_keeps_the_eos_that_is_also_the_pad_token(chat_llama
     sampler = Sampler(args, tokenizer, Policy(), accelerator, max_model_len=6)
     completions, mask, ended, _ = sampler.generate(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.long), 4)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and ended.tolist() == [True, False]
-    responses, mask, ended = truncate_responses(torch.tensor([[5, eos, eos, eos]]), eos, eos)
+    responses, mask, ended = cut(torch.tensor([[5, eos, eos, eos]]), eos, eos)
     assert mask.tolist() == [[1, 1, 0, 0]] and ended.tolist() == [True]
 
 

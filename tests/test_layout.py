@@ -1,8 +1,10 @@
-"""The shape of the code: no import cycle among the project's modules, and short `Args` docstrings."""
+"""The shape of the code: no import cycle among the project's modules, one door to sampling, and short `Args`
+docstrings."""
 
 import ast
 import glob
 import os
+import re
 
 from conftest import ROOT
 
@@ -150,3 +152,31 @@ def test_every_script_has_one_skeleton():
             assert functions[-1].name == "main", f"{script}.py: {functions[-1].name} comes after main()"
         loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and ast.unparse(n.iter) == "progress")
         assert loop.lineno - main.lineno <= 70, f"{script}.py: main's loop starts {loop.lineno - main.lineno} lines in"
+
+
+OFFLINE = ("dpo", "kto", "sft", "reward_modeling", "ilql", "ddpo")
+
+
+def test_one_door_to_sampling():
+    """No code outside common/sampling.py and common/vllm_engine.py reads the vLLM backend or pads and cuts completions
+    again after the sampler; and no offline script reaches the online engine (common/rollout.py, common/tools.py), directly
+    or through another module."""
+    sources = [os.path.join(ROOT, f"{s}.py") for s in SCRIPTS] + glob.glob(os.path.join(ROOT, "common", "*.py"))
+    sources += [os.path.join(ROOT, "pipeline.py")]
+    door = {os.path.join(ROOT, "common", name) for name in ("sampling.py", "vllm_engine.py")}
+    side_doors = []
+    for path in sorted(set(sources) - door):
+        for number, line in enumerate(open(path), 1):
+            if re.search(r"\.vllm\b|VLLMSampler|def pad_left|def truncate|def completion_mask", line):
+                side_doors.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not side_doors, "\n".join(side_doors)
+    modules = project_modules()
+    graph = {name: imported(path, modules, name) for name, path in modules.items()}
+    for script in OFFLINE:
+        reached, frontier = set(), {script}
+        while frontier:
+            reached |= frontier
+            frontier = set().union(*(graph[n] for n in frontier)) - reached
+        assert not reached & {"common.rollout", "common.tools"}, (
+            f"{script}.py reaches {reached & {'common.rollout', 'common.tools'}}"
+        )

@@ -23,7 +23,7 @@ from common.core import LogitMask, RunningMoments, UsageError, logprobs_from_log
 from common.models import AutoModelForCausalLMWithValueHead
 from ppo import (
     RewardAdapter,
-    Scorer,
+    Rewards,
     aggregate,
     compute_advantages,
     compute_rewards,
@@ -32,7 +32,6 @@ from ppo import (
     length_adaptive_lam,
     ppo_loss,
     shape_scores,
-    truncate_responses,
 )
 
 PPO = os.path.join(ROOT, "ppo.py")
@@ -207,10 +206,12 @@ def test_logit_mask_on_a_tiny_vocabulary_in_sampling_and_logprobs():
     assert torch.isfinite(logprobs_from_logits(logits, responses)).all()
 
 
-def test_truncate_responses_after_eos_and_stop_sequences():
+def test_responses_are_cut_after_eos_and_stop_sequences():
+    from common.sampling import cut
+
     eos, pad = 9, 0
     responses = torch.tensor([[1, 2, 9, 3, 4], [1, 5, 6, 7, 8], [1, 2, 3, 4, 5]])
-    out, mask, ended = truncate_responses(responses, eos, pad, stop_token_ids=[[5, 6]])
+    out, mask, ended = cut(responses, eos, pad, stop_token_ids=[[5, 6]])
     assert out.tolist() == [[1, 2, 9, 0, 0], [1, 5, 6, 0, 0], [1, 2, 3, 4, 5]]
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert ended.tolist() == [True, True, False]
@@ -421,12 +422,12 @@ def test_gold_rewards_are_watched_beside_the_trained_reward():
     scorer = SimpleNamespace(gold=[("file.py:gold", gold)], accelerator=accelerator)
     rows = [{"prompt": "q"}] * 5
     scores = torch.tensor([2.0, 1.0, 9.0, 0.5, 1.5])
-    metrics = Scorer.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval")
+    metrics = Rewards.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval")
     x, y = [2.0, 1.0, 0.5, 1.5], [1.0, 0.0, 1.0, 0.0]
     assert metrics["eval/gold/gold"] == pytest.approx(0.5)
     assert metrics["eval/gold/correlation"] == pytest.approx(statistics.correlation(x, y), abs=1e-6)
     scorer.gold = []
-    assert Scorer.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
+    assert Rewards.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
 
 
 def test_a_bad_gold_reward_is_a_one_line_error_before_any_model_loads(tmp_path):
