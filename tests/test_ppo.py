@@ -692,6 +692,7 @@ def test_separate_critic_flags_are_checked_before_loading(tmp_path):
         assert expected in run_failing([PPO, *TINY, *flags], tmp_path), flags
 
 
+@pytest.mark.slow
 def test_separate_critic_learns_the_values_and_the_policy_learns_from_them(tmp_path):
     """`python ppo.py --value-model-path policy --critic-learning-rate 5e-4`: the default task (builtin:tiny-chat against
     builtin:tiny-chat-rm, 60 updates) with a critic of its own, a copy of the policy with a zero value head, so that it
