@@ -187,6 +187,10 @@ class Args:
     """nucleus sampling (1.0: off)"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    min_p: float | None = None
+    """drop tokens below min_p x the most likely token's probability (TRL's min_p; None: off)"""
+    repetition_penalty: float = 1.0
+    """divide the logits of tokens already in the prompt or completion by it (HF's; 1.0: off)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
     (common/fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""

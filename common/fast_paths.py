@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     StaticCache,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -126,28 +128,44 @@ class InverseCDFSampler(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, inverse_cdf_draw(scores), 0.0)
 
 
-def warpers(temperature: float, top_k: int, top_p: float) -> list:
-    """HF's temperature / top-k / top-p logits warpers, in HF's order, leaving out those that change nothing."""
+def warpers(temperature: float, top_k: int, top_p: float, min_p: float | None = None) -> list:
+    """HF's temperature / top-k / top-p / min-p logits warpers, in HF's order, leaving out those that change nothing."""
     return (
         ([TemperatureLogitsWarper(temperature)] if temperature != 1 else [])
         + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
         + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        + ([MinPLogitsWarper(min_p)] if min_p else [])
     )
 
 
-def sampling_kwargs(temperature: float, top_k: int, top_p: float, inverse_cdf: bool = True, processors=()) -> dict:
-    """`generate` arguments that sample at this temperature / top-k / top-p, after `processors` (e.g. a `LogitMask`). With
-    `inverse_cdf`: a greedy `generate` over `processors`, HF's warpers (in HF's order) and `InverseCDFSampler`, the
-    distribution of `do_sample=True`, whose torch.multinomial draws an exponential variate per vocabulary entry (on CPU,
-    3/4 of a rollout at a 50k vocabulary)."""
+def sampling_kwargs(
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    inverse_cdf: bool = True,
+    processors=(),
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+) -> dict:
+    """`generate` arguments that sample at this temperature / top-k / top-p / min-p with this repetition penalty, after
+    `processors` (e.g. a `LogitMask`). With `inverse_cdf`: a greedy `generate` over the repetition penalty, `processors`,
+    HF's warpers (in HF's order) and `InverseCDFSampler`, the distribution of `do_sample=True`, whose torch.multinomial
+    draws an exponential variate per vocabulary entry (on CPU, 3/4 of a rollout at a 50k vocabulary)."""
     if not inverse_cdf:
-        return dict(
-            do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=LogitsProcessorList(processors)
-        )  # HF runs them before its warpers
-    return dict(
-        do_sample=False,
-        logits_processor=LogitsProcessorList([*processors, *warpers(temperature, top_k, top_p), InverseCDFSampler()]),
-    )
+        options = dict(min_p=min_p, repetition_penalty=repetition_penalty) if min_p or repetition_penalty != 1 else {}
+        return (
+            dict(
+                do_sample=True,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                logits_processor=LogitsProcessorList(processors),
+            )
+            | options
+        )  # HF runs the processors before its warpers
+    penalty = [RepetitionPenaltyLogitsProcessor(repetition_penalty)] if repetition_penalty != 1 else []
+    chain = [*penalty, *processors, *warpers(temperature, top_k, top_p, min_p), InverseCDFSampler()]
+    return dict(do_sample=False, logits_processor=LogitsProcessorList(chain))
 
 
 def _cast_update(update, dtype, key_states, value_states, *args, **kwargs):

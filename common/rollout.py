@@ -76,6 +76,10 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
         raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p {args.min_p}: it lies in [0, 1].")
+    if not args.repetition_penalty > 0:
+        raise UsageError(f"--repetition-penalty {args.repetition_penalty}: it must be > 0 (1.0: no penalty).")
     if (args.tools or args.environment) and args.max_tool_calling_iterations == 0:
         raise UsageError(
             "--max-tool-calling-iterations 0 with --tools / --environment: no tool call would ever run; allow at least 1 "

@@ -45,7 +45,8 @@ class Sampler:
     """Samples of `policy` (an LM, or a value-head wrapper around one) at the run's temperature / top-k / top-p.
 
     `max_model_len`: the longest prompt plus the longest completion (vLLM sizes its cache by it). `processors`: logits
-    processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none. `fast`: whether
+    processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none, and the fast path
+    no min-p or repetition penalty either (HF `generate` serves those). `fast`: whether
     the fast path may serve (not for a quantized policy). `stop_token_ids`: token lists that end a completion as EOS
     does. `share`: another sampler whose vLLM engine this one samples through (`fork`)."""
 
@@ -64,8 +65,9 @@ class Sampler:
         self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
         top_k, top_p = getattr(args, "top_k", 0), getattr(args, "top_p", 1.0)
         inverse_cdf = getattr(args, "inverse_cdf_sampling", True)
+        min_p, penalty = getattr(args, "min_p", None), getattr(args, "repetition_penalty", 1.0)
         self.temperature, self.stop_token_ids = args.temperature, [list(s) for s in stop_token_ids]
-        self.sampling = sampling_kwargs(args.temperature, top_k, top_p, inverse_cdf, list(processors))
+        self.sampling = sampling_kwargs(args.temperature, top_k, top_p, inverse_cdf, list(processors), min_p, penalty)
         self.encoder_decoder = policy.config.is_encoder_decoder
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         language_model = getattr(policy, "pretrained_model", policy)  # a value-head wrapper samples from its LM
@@ -86,6 +88,8 @@ class Sampler:
             and accelerator.device.type == "cuda"
             and inverse_cdf
             and not processors
+            and not min_p
+            and penalty == 1
             and not self.encoder_decoder
             and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
         ):

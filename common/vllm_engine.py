@@ -136,6 +136,8 @@ class VLLMSampler:
                 temperature=args.temperature,
                 top_k=getattr(args, "top_k", 0) or -1,
                 top_p=getattr(args, "top_p", 1.0),
+                min_p=getattr(args, "min_p", None) or 0.0,
+                repetition_penalty=getattr(args, "repetition_penalty", 1.0),
                 max_tokens=max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=[self.eos],

@@ -818,3 +818,50 @@ def test_adam_settings_out_of_range_are_one_line(tmp_path, script):
     assert "the betas lie in [0, 1)" in run_failing([path, *flags, "--adam-beta2", "1.0"], tmp_path)
     if script != "ppo":  # ppo.py keeps lm-human-preferences' --adam-eps (a positive flag)
         assert "epsilon above 0" in run_failing([path, *flags, "--adam-epsilon", "0"], tmp_path)
+
+
+def test_min_p_and_repetition_penalty_reach_the_sampler():
+    """grpo.py's --min-p and --repetition-penalty are the sampler's, on both of its draws (inverse CDF and HF's own):
+    --min-p 1 keeps only the most likely token, so every seed draws the greedy completion; with --top-k 1 and a
+    penalty, the inverse-CDF draw is HF's greedy decoding under that penalty (which differs from plain greedy here),
+    and HF's own draw is `generate(do_sample=True, repetition_penalty=...)` on the same seed; out of range: one line."""
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from common.core import UsageError
+    from common.loading import load_tokenizer
+    from common.sampling import Sampler
+    from grpo import Args, check
+
+    tokenizer = load_tokenizer("builtin:tiny-arith", padding_side="left")
+    torch.manual_seed(0)  # a random model: near-flat logits, whose greedy completions repeat tokens
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tokenizer))).eval()
+    batch = tokenizer(["3 + 4 =", "12 + 5 ="], padding=True, return_tensors="pt")
+    inputs, accelerator = (batch["input_ids"], batch["attention_mask"], 8), Accelerator(cpu=True)
+
+    def hf(**options):
+        out = model.generate(**batch, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id, **options)
+        return out[:, batch["input_ids"].shape[1] :]
+
+    def ours(seed: int, **flags):
+        torch.manual_seed(seed)
+        completions, mask, _, _ = Sampler(Args(**flags), tokenizer, model, accelerator, 64).generate(*inputs)
+        return completions, mask.bool()
+
+    def same(a, b) -> bool:
+        (completions, mask), width = a, a[0].shape[1]
+        return torch.equal(completions[mask], b[:, :width][mask])
+
+    greedy, penalised = hf(do_sample=False), hf(do_sample=False, repetition_penalty=5.0)
+    assert not torch.equal(greedy, penalised)
+    for inverse_cdf in (True, False):
+        for seed in (0, 1):
+            assert same(ours(seed, min_p=1.0, inverse_cdf_sampling=inverse_cdf), greedy)
+    assert same(ours(0, top_k=1, repetition_penalty=5.0), penalised)
+    torch.manual_seed(3)
+    sampled = hf(do_sample=True, top_k=0, repetition_penalty=5.0)
+    assert same(ours(3, repetition_penalty=5.0, inverse_cdf_sampling=False), sampled)
+    with pytest.raises(UsageError, match="--min-p 1.5: it lies in"):
+        check(Args(min_p=1.5))
+    with pytest.raises(UsageError, match="--repetition-penalty 0.0: it must be > 0"):
+        check(Args(repetition_penalty=0.0))
