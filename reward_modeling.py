@@ -92,6 +92,8 @@ class Args:
     et al. 2023; TRL's center_rewards_coefficient, e.g. 0.01); None: off"""
     max_length: int = 128
     """prompt + response tokens; longer pairs are truncated from the left (the response end is kept)"""
+    truncate_long_pairs: bool = True
+    """cut a pair past --max-length from the left; --no-truncate-long-pairs drops it, as TRL 1.16's RewardTrainer does"""
     eval_fraction: float = 0.1
     """fraction of the pairs held out for evaluation"""
 
@@ -220,7 +222,8 @@ def check(args: Args) -> None:
 
 def load_pairs(args: Args, accelerator: Accelerator, tokenizer) -> tuple[list[dict], list[dict]]:
     """The preference pairs, checked, split and tokenised as ppo.py and grpo.py score them (`reward_model_text`: the
-    rendered chat, or "prompt response<eos>"), left-truncated: (chosen ids, rejected ids, margin) each."""
+    rendered chat, or "prompt response<eos>"), left-truncated (or, past --max-length, dropped as TRL 1.16 does):
+    (chosen ids, rejected ids, margin) each."""
     dataset = load_data(args.dataset_name, args.dataset_split)
     columns = [c for c in (args.prompt_column, args.chosen_column, args.rejected_column, args.margin_column) if c]
     flags = "--prompt-column / --chosen-column / --rejected-column / --margin-column"
@@ -229,7 +232,7 @@ def load_pairs(args: Args, accelerator: Accelerator, tokenizer) -> tuple[list[di
     if context and args.max_length > context:
         raise UsageError(f"max_length={args.max_length} exceeds the model's context of {context} tokens.")
     chat = use_chat(tokenizer, args.chat_template, [dataset[0][c] for c in columns if c != args.margin_column])
-    splits = []
+    splits, dropped = [], 0
     for split in train_eval_split(dataset, args.eval_fraction, args.seed):
         pairs = []
         for row in split:
@@ -237,11 +240,21 @@ def load_pairs(args: Args, accelerator: Accelerator, tokenizer) -> tuple[list[di
             texts = [
                 reward_model_text(tokenizer, prompt, row[c], True, chat) for c in (args.chosen_column, args.rejected_column)
             ]
-            ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"][-args.max_length :] for t in texts]
+            ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts]
+            if not args.truncate_long_pairs and max(map(len, ids)) > args.max_length:
+                dropped += 1  # TRL 1.16: a pair with either side past max_length is filtered out
+                continue
             margin = float(row[args.margin_column]) if args.margin_column else 0.0
-            pairs.append(dict(chosen=ids[0], rejected=ids[1], margin=margin))
+            pairs.append(dict(chosen=ids[0][-args.max_length :], rejected=ids[1][-args.max_length :], margin=margin))
         splits.append(pairs)
     train_pairs, eval_pairs = splits
+    if dropped:
+        accelerator.print(f"dropped {dropped} pairs longer than --max-length {args.max_length} (--no-truncate-long-pairs)")
+    if dropped and (not train_pairs or (args.eval_fraction and not eval_pairs)):
+        raise UsageError(
+            f"no {'training' if not train_pairs else 'held-out'} pair is within --max-length {args.max_length} tokens: "
+            "raise --max-length, or truncate them (--truncate-long-pairs)."
+        )
     identical = sum(p["chosen"] == p["rejected"] for p in train_pairs)
     if identical == len(train_pairs):
         raise UsageError("Every chosen response equals its rejected one: there is no preference to learn.")

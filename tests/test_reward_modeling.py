@@ -239,3 +239,40 @@ def test_resume_continues_where_it_stopped(tmp_path, pairs_file):
     assert "reward model: 1 steps" in out
     assert AutoModelForSequenceClassification.from_pretrained(checkpoint).num_labels == 1
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "3", "--resume-from", checkpoint], tmp_path)
+
+
+def test_long_pairs_are_cut_or_dropped_as_trl_drops_them(tmp_path):
+    """By default a pair past --max-length keeps its last tokens; --no-truncate-long-pairs drops every pair with either
+    side past it (TRL 1.16's RewardTrainer filter: len(chosen_ids) <= max_length and len(rejected_ids) <= max_length),
+    and dropping them all is one line."""
+    import json
+
+    from accelerate import Accelerator
+
+    from common.core import UsageError
+    from reward_modeling import Args, load_pairs
+
+    rows = [dict(prompt="q", chosen="good " * (i % 7 + 1), rejected="bad " * (i % 5 + 1)) for i in range(40)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="right")
+    flags = dict(model_name="builtin:tiny-gpt2", dataset_name=str(tmp_path / "pairs.jsonl"))
+    flags |= dict(max_length=6)
+    lengths = {}
+    for row in rows:
+        for side in ("chosen", "rejected"):
+            text = reward_model_text(tokenizer, row["prompt"], row[side], True, False)
+            lengths[row[side]] = len(tokenizer(text)["input_ids"])
+    kept = [r for r in rows if lengths[r["chosen"]] <= 6 and lengths[r["rejected"]] <= 6]
+    assert 0 < len(kept) < len(rows)
+    cut = sum(load_pairs(Args(**flags, chat_template=False), Accelerator(cpu=True), tokenizer), [])  # train + held out
+    dropped = sum(
+        load_pairs(Args(**flags, chat_template=False, truncate_long_pairs=False), Accelerator(cpu=True), tokenizer), []
+    )
+    assert len(cut) == len(rows) and max(len(p["chosen"]) for p in cut) == 6
+    assert sorted(len(p["chosen"]) for p in dropped) == sorted(lengths[r["chosen"]] for r in kept)
+    with pytest.raises(UsageError, match="no training pair is within --max-length 2"):
+        load_pairs(
+            Args(**{**flags, "max_length": 2}, chat_template=False, truncate_long_pairs=False),
+            Accelerator(cpu=True),
+            tokenizer,
+        )
