@@ -16,6 +16,7 @@ Usage:
     accelerate launch gkd.py --teacher-name Qwen/Qwen2.5-1.5B-Instruct --model-name Qwen/Qwen2.5-0.5B-Instruct
 """
 
+import json
 import math
 import os
 import random
@@ -80,6 +81,8 @@ class Args:
     """the student: a hub id, a local folder, or builtin:smollm2-student (SmolLM2-135M-Instruct with 10 of its 30 layers)"""
     teacher_name: str = "builtin:smollm2-135m-instruct"
     """the teacher, a causal LM with the student's tokenizer (vocabulary)"""
+    teacher_model_init_kwargs: str | None = None
+    """from_pretrained options of the teacher as JSON, e.g. '{"dtype": "bfloat16"}' (TRL's teacher_model_init_kwargs)"""
     dtype: str = "float32"
     """the student's dtype (float32 as TRL: weights that train need it); the teacher keeps its checkpoint's own"""
     dataset_name: str = "reasoning-gym:chain_sum"
@@ -166,6 +169,9 @@ class Args:
     vllm_kv_cache_gib: int = 2
     """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
 
+    gradient_checkpointing: bool = False
+    """recompute the student's activations in the backward pass: less memory, more time (TRL's default is on)"""
+
     # LoRA
     use_peft: bool = False
     """train LoRA adapters on the student (merged at the end)"""
@@ -245,15 +251,30 @@ def check(args: Args) -> None:
         raise UsageError("--objective reverse_kl_pg is a policy gradient on the student's own samples: it needs --lmbda 1.")
     if args.use_vllm:
         check_vllm_args(args)
+    teacher_options(args)
     if args.seq_kd and args.lmbda == 1:
         warn_once("--seq-kd has no effect with --lmbda 1: every batch is the student's own (lower --lmbda to use it)")
+
+
+def teacher_options(args: Args) -> dict:
+    """--teacher-model-init-kwargs as from_pretrained's keywords (the checkpoint's own dtype unless it names one)."""
+    try:
+        options = json.loads(args.teacher_model_init_kwargs) if args.teacher_model_init_kwargs else {}
+    except json.JSONDecodeError as error:
+        options = error.msg
+    if not isinstance(options, dict):
+        raise UsageError(
+            f"--teacher-model-init-kwargs {args.teacher_model_init_kwargs!r}: give a JSON object, e.g. "
+            '\'{"dtype": "bfloat16"}\'.'
+        )
+    return {"dtype": "auto"} | options
 
 
 def load_models(args: Args, accelerator: Accelerator):
     """The student (LoRA with --use-peft) prepared with its AdamW optimizer and schedule, and the frozen teacher on the
     device, in eval mode, in its checkpoint's dtype."""
     student = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype)
-    teacher = load_pretrained(args.teacher_name, AutoModelForCausalLM, dtype="auto").eval().requires_grad_(False)
+    teacher = load_pretrained(args.teacher_name, AutoModelForCausalLM, **teacher_options(args)).eval().requires_grad_(False)
     context = min(c for c in (context_length(student.config), context_length(teacher.config), 10**9) if c)
     if args.max_prompt_length + args.max_new_tokens > context:
         raise UsageError(
@@ -265,6 +286,8 @@ def load_models(args: Args, accelerator: Accelerator):
             module.p = 0.0
     if args.use_peft:
         student = get_peft_model(student, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
+    if args.gradient_checkpointing:  # activations recomputed in the backward (non-reentrant: LoRA needs no input grads)
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = adamw(args, student)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     warmup = int(args.warmup_ratio * args.total_steps) * ticks

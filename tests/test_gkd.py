@@ -7,6 +7,7 @@ from conftest import ROOT, check_model_card, read_scalars, run_failing, run_scri
 from transformers import AutoModelForCausalLM
 
 from common.core import UsageError
+from common.loading import load_pretrained
 from gkd import generalized_jsd_loss, reverse_kl_pg_loss
 
 GKD = os.path.join(ROOT, "gkd.py")
@@ -87,6 +88,30 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     assert "needs --lmbda 1" in run_failing(
         [GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5", "--overwrite"], tmp_path
     )
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_the_same_and_the_teacher_takes_its_options(tmp_path):
+    """--gradient-checkpointing recomputes the student's activations: the same weights as without (to float rounding);
+    --teacher-model-init-kwargs reaches the teacher's from_pretrained (TRL's teacher_model_init_kwargs), and anything
+    but a JSON object is one line before anything loads."""
+    from safetensors.torch import load_file
+
+    from gkd import Args, check, teacher_options
+
+    flags = [GKD, *TINY, "--total-steps", "3", "--lmbda", "0.5"]
+    run_script([*flags, "--output-dir", "plain", "--log-dir", "plain_runs"], tmp_path)
+    run_script([*flags, "--gradient-checkpointing", "--output-dir", "ckpt", "--log-dir", "ckpt_runs"], tmp_path)
+    plain, ckpt = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "ckpt"))
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
+    start = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).state_dict()  # the student as loaded
+    assert any(not torch.allclose(plain[k], start[k], atol=1e-4) for k in plain if k in start)  # it trained
+    options = teacher_options(Args(teacher_model_init_kwargs='{"dtype": "bfloat16"}'))
+    teacher = load_pretrained("builtin:tiny-arith", AutoModelForCausalLM, **options)
+    assert options == {"dtype": "bfloat16"} and next(teacher.parameters()).dtype == torch.bfloat16
+    assert teacher_options(Args()) == {"dtype": "auto"}
+    with pytest.raises(UsageError, match="--teacher-model-init-kwargs '\\[1\\]': give a JSON object"):
+        check(Args(teacher_model_init_kwargs="[1]"))
 
 
 def test_top_k_and_top_p_reach_the_sampler():
