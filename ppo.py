@@ -79,7 +79,7 @@ from common.models import (
     reference_context,
 )
 from common.outputs import atomic_directory, check_finite, write_model_card
-from common.rewards import load_rewards, load_task, score_completions
+from common.rewards import RewardModel, load_rewards, load_task, score_completions
 from common.run import end_run, start_run
 from common.sampling import Sampler, sampler_gap
 from common.vllm_engine import check_vllm_args
@@ -1036,19 +1036,9 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
             f"({sum(p.numel() for p in critic.parameters()):,} parameters, learning rate "
             f"{args.critic_learning_rate or args.learning_rate:g})"
         )
-    reward_context = context_length(scorer.reward_model.config if scorer.reward_model is not None else None)
-    if reward_context:  # "query response<eos>" must fit the reward model too (a BERT-style one reads 512 tokens)
-        rows = train_rows + eval_rows
-        queries = [tokenizer.decode(r["prompt_ids"], skip_special_tokens=True) for r in rows]
-        if chat:  # the rendered chat prompts, as the reward model reads them
-            queries = [reward_model_text(scorer.tokenizer, r["prompt"], "", False, chat) for r in rows]
-        longest = max(len(ids) for ids in scorer.tokenizer(queries, add_special_tokens=not chat)["input_ids"])
-        if longest + args.max_new_tokens + 1 > reward_context:  # responses counted in policy tokens: an estimate
-            raise UsageError(
-                f"Queries of up to {longest} reward-model tokens plus {args.max_new_tokens} response tokens "
-                f"exceed the reward model's context of {reward_context}: lower --max-query-length (with "
-                "--truncate-queries) or --max-new-tokens."
-            )
+    if scorer.reward_model is not None:  # "query response<eos>" must fit the reward model too
+        fix = "lower --max-query-length (with --truncate-queries) or --max-new-tokens"
+        scorer.reward_model.check_context(train_rows + eval_rows, tokenizer, args.max_new_tokens, fix)
     return model, ref_model, scorer
 
 
@@ -1088,8 +1078,8 @@ def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
     source = args.value_model_path
     if source == "auto":
         reward_model = scorer.reward_model
-        same_tokens = reward_model is not None and scorer.tokenizer.get_vocab() == tokenizer.get_vocab()
-        source = reward_model if same_tokens else policy.pretrained_model
+        same_tokens = reward_model is not None and reward_model.tokenizer.get_vocab() == tokenizer.get_vocab()
+        source = reward_model.model if same_tokens else policy.pretrained_model
     elif source == "policy":
         source = policy.pretrained_model
     elif os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):  # a critic saved by ppo.py: its trunk and head
@@ -1103,7 +1093,7 @@ def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
     if head is not None:
         critic.v_head.load_state_dict(head)
     elif getattr(source, "score", None) is not None:  # a reward model: its reward logit starts the values
-        index = scorer.index if source is scorer.reward_model else 0
+        index = scorer.reward_model.index if scorer.reward_model and source is scorer.reward_model.model else 0
         critic.v_head.summary.weight.data.copy_(source.score.weight[index : index + 1])
     if trunk.config.vocab_size != policy.config.vocab_size:
         raise UsageError(
@@ -1164,18 +1154,18 @@ class Sampling:
 
 class Rewards:
     """One score per (query, response): `reward_fn` (VADER), the verifiable rewards of --reward-funcs (grpo.py's
-    semantics, weighted by --reward-weights; an unscorable response gets 0), a reward model's logit on the text
-    reward_modeling.py trains on (`reward_model_text`), or a `RewardAdapter` on the policy's base."""
+    semantics, weighted by --reward-weights; an unscorable response gets 0), a `RewardModel` (common/rewards.py, as
+    grpo.py's --reward-model), or a `RewardAdapter` on the policy's base."""
 
     def __init__(self, args: Args, model, accelerator: Accelerator, chat: bool, rows: list[dict]):
         self.args, self.accelerator, self.policy, self.chat = args, accelerator, model, chat
-        self.reward_model, self.tokenizer, self.index, self.adapter, self.funcs = None, None, 0, None, []
+        self.reward_model, self.tokenizer, self.adapter, self.funcs = None, None, None, []
         if args.reward_funcs:
             self.funcs = load_rewards(args.reward_funcs, rows, accelerator.device, chat)
             weights = args.reward_weights or [1.0] * len(self.funcs)
             self.weights = torch.tensor(weights, device=accelerator.device)
         elif args.reward_model is not None and args.reward_adapter is None:
-            self.reward_model, self.tokenizer, self.index = load_reward_model(args.reward_model, args.reward_label, args.dtype)
+            self.reward_model = RewardModel(args.reward_model, args.reward_label, args.dtype, chat, args.reward_batch_size)
         elif args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
             self.adapter = RewardAdapter(model, args.reward_adapter, base_model_name=args.model_name)
             self.tokenizer = load_tokenizer(args.model_name, padding_side="right")
@@ -1183,10 +1173,10 @@ class Rewards:
 
     def ready(self, policy) -> None:
         """On the accelerator's device, with the prepared policy: a bad reward (wrong length, NaN) fails here."""
-        device = self.accelerator.device
-        self.reward_model = place_frozen(self.accelerator, self.reward_model) if self.reward_model is not None else None
+        if self.reward_model is not None:
+            self.reward_model.place(self.accelerator)
         if self.adapter is not None:
-            self.adapter.score = self.adapter.score.to(device)
+            self.adapter.score = self.adapter.score.to(self.accelerator.device)
         self.policy = policy
         if not self.funcs:  # (load_rewards tried the reward functions already)
             self([{"prompt": "Hello"}, {"prompt": "Hi"}], ["Hello", "Hi"], [" there", " you"], [[15], [16]], [True, False])
@@ -1199,23 +1189,19 @@ class Rewards:
             if rewards.isnan().all():  # grpo.py counts such a batch as degenerate; here it would train on zeros
                 warn_once("no reward function scored a batch of responses (all returned None): they score 0 there")
             return (rewards * self.weights).nansum(1).cpu()
-        if self.tokenizer is None:
+        if self.reward_model is not None:
+            scores = self.reward_model.scores(prompts, responses_text, ended)
+            return check_scores(scores, len(scores), f"reward model {self.args.reward_model}")
+        if self.adapter is None:
             return check_scores(reward_fn([text_of(p) for p in prompts], responses_text), len(responses_text), "reward_fn")
         size = self.args.reward_batch_size
         texts = [reward_model_text(self.tokenizer, p, r, e, self.chat) for p, r, e in zip(prompts, responses_text, ended)]
         scores = []
         for i in range(0, len(texts), size):
-            chunk = texts[i : i + size]
-            batch = self.tokenizer(chunk, padding=True, add_special_tokens=not self.chat, return_tensors="pt")
+            batch = self.tokenizer(texts[i : i + size], padding=True, add_special_tokens=not self.chat, return_tensors="pt")
             with self.accelerator.autocast():
-                batch = batch.to(self.accelerator.device)
-                logits = (
-                    self.reward_model(**batch).logits if self.reward_model is not None else self.adapter(self.policy, **batch)
-                )
-            scores.append(logits[:, self.index].float().cpu())
-        return check_scores(
-            torch.cat(scores), len(texts), f"reward model {self.args.reward_model or self.args.reward_adapter}"
-        )
+                scores.append(self.adapter(self.policy, **batch.to(self.accelerator.device))[:, 0].float().cpu())
+        return check_scores(torch.cat(scores), len(texts), f"reward adapter {self.args.reward_adapter}")
 
     @torch.no_grad()
     def watch(self, rows: list[dict], responses_text: list[str], response_ids, ended: list[bool], scores, prefix: str):

@@ -7,9 +7,10 @@ reaches every reward function by name. A reward function follows TRL 1.x's contr
 be scored). For conversational prompts, prompts are message lists and each completion is
 [{"role": "assistant", "content": text}], as TRL's GRPOTrainer passes them; otherwise both are text. `ended` (the
 completion ended with EOS) comes too. A reward function is a built-in (`verifier`, `format`, `r1_format`), a function
-in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`reward_model_function`).
+in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`RewardModel`).
 """
 
+import contextlib
 import json
 import math
 import numbers
@@ -23,13 +24,14 @@ from common.core import UsageError
 from common.loading import (
     answers_as_text,
     check_columns,
+    context_length,
     load_data,
     load_function,
     plugin_error,
     reward_model_text,
     train_eval_split,
 )
-from common.models import load_reward_model
+from common.models import load_reward_model, place_frozen
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -89,22 +91,56 @@ def resolve_reward(spec: str):
     return load_function(spec, REWARD_FUNCS, "--reward-funcs")
 
 
-def reward_model_function(name: str, label: str | None, device: torch.device, dtype: str = "float32", chat: bool = True):
-    """A trained sequence classifier as a reward function (`common.load_reward_model`): its `label` logit on the text
-    reward_modeling.py trains on (`reward_model_text`: the rendered chat, or "prompt completion<eos>")."""
-    model, tokenizer, index = load_reward_model(name, label, dtype)
-    model = model.to(device)
+class RewardModel:
+    """A trained sequence classifier as a reward (`common.models.load_reward_model`): its `label` logit on the text
+    reward_modeling.py trains on (`reward_model_text`: the rendered chat, or "prompt response<eos>", EOS only after a
+    response that ended), in batches of `batch_size`. `device`: where it runs now; `place` puts it where the run's
+    accelerator wants it (sharded like the policy under FSDP2 / ZeRO-3) and scores under the run's autocast. Called as
+    a reward function (TRL 1.x's keywords), or by `scores` on texts."""
+
+    def __init__(self, name: str, label=None, dtype="float32", chat: bool = True, batch_size: int = 64, device=None):
+        self.name, self.chat, self.batch_size, self.accelerator = name, chat, batch_size, None
+        self.model, self.tokenizer, self.index = load_reward_model(name, label, dtype)
+        self.model = self.model.to(device) if device is not None else self.model
+
+    def place(self, accelerator) -> None:
+        self.model, self.accelerator = place_frozen(accelerator, self.model), accelerator
+
+    def check_context(self, rows: list[dict], policy_tokenizer, new_tokens: int, fix: str) -> None:
+        """A one-line error when the longest prompt plus `new_tokens` would pass the reward model's context (a BERT-style
+        one reads 512 tokens); responses are counted in policy tokens, an estimate. `fix`: the flags that shorten them."""
+        context = context_length(self.model.config)
+        if not context:
+            return
+        if self.chat:  # the rendered chat prompts, as the reward model reads them
+            prompts = [reward_model_text(self.tokenizer, r["prompt"], "", False, True) for r in rows]
+        else:
+            prompts = [policy_tokenizer.decode(r["prompt_ids"], skip_special_tokens=True) for r in rows]
+        longest = max(len(ids) for ids in self.tokenizer(prompts, add_special_tokens=not self.chat)["input_ids"])
+        if longest + new_tokens + 1 > context:
+            raise UsageError(
+                f"Queries of up to {longest} reward-model tokens plus {new_tokens} response tokens exceed the reward "
+                f"model's context of {context}: {fix}."
+            )
 
     @torch.no_grad()
-    def reward_model(prompts, completions, ended, **columns) -> list[float]:
-        texts = [reward_model_text(tokenizer, p, text_of(c), e, chat) for p, c, e in zip(prompts, completions, ended)]
-        batches = (
-            tokenizer(texts[i : i + 64], padding=True, add_special_tokens=False, return_tensors="pt").to(device)
-            for i in range(0, len(texts), 64)
-        )
-        return [x for batch in batches for x in model(**batch).logits[:, index].float().tolist()]
+    def scores(self, prompts: list, responses: list[str], ended: list[bool]) -> torch.Tensor:
+        """Rewards [N] (float32, on the CPU) of `responses` to `prompts` (text, or chat messages)."""
+        texts = [reward_model_text(self.tokenizer, p, r, e, self.chat) for p, r, e in zip(prompts, responses, ended)]
+        placed = self.accelerator is not None
+        device = self.accelerator.device if placed else next(self.model.parameters()).device
+        autocast = self.accelerator.autocast() if placed else contextlib.nullcontext()
+        scores = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                texts[i : i + self.batch_size], padding=True, add_special_tokens=not self.chat, return_tensors="pt"
+            )
+            with autocast:
+                scores.append(self.model(**batch.to(device)).logits[:, self.index].float().cpu())
+        return torch.cat(scores)
 
-    return reward_model
+    def __call__(self, prompts, completions, ended, **columns) -> list[float]:
+        return self.scores(prompts, [text_of(c) for c in completions], ended).tolist()
 
 
 def check_rewards(values, n: int, name: str) -> list[float]:
@@ -232,7 +268,7 @@ def load_rewards(specs: list[str], rows: list[dict], device, chat: bool, reward_
     first, so that a wrong length or a non-number fails before any generation."""
     reward_funcs = [(spec, resolve_reward(spec)) for spec in specs]
     if reward_model is not None:
-        reward_funcs.append(("reward_model", reward_model_function(reward_model, label, device, dtype, chat)))
+        reward_funcs.append(("reward_model", RewardModel(reward_model, label, dtype, chat, device=device)))
     score_completions(reward_funcs, rows[:2], [" 0", " 1"], [[15], [16]], [True, False], device)
     return reward_funcs
 

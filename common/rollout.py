@@ -41,6 +41,7 @@ from common.loading import context_length, load_pretrained, load_tokenizer
 from common.models import create_reference_model, place_frozen, reference_context
 from common.outputs import check_finite
 from common.rewards import (
+    RewardModel,
     degenerate_batch,
     distinct_answers,
     is_number,
@@ -183,6 +184,10 @@ def load_online_task(args, accelerator: Accelerator, num_updates: int) -> Task:
         raise UsageError(f"{len(train_rows)} training prompts are fewer than one batch of {args.batch_size * world}.")
     device = accelerator.device
     reward_funcs = load_rewards(args.reward_funcs, train_rows, device, chat, args.reward_model, args.reward_label, args.dtype)
+    for _, function in reward_funcs:  # "prompt completion<eos>" must fit a reward model's context
+        if isinstance(function, RewardModel):
+            fix = "lower --max-prompt-length or --max-completion-length"
+            function.check_context(train_rows + eval_rows, tokenizer, args.max_completion_length, fix)
     weights = args.reward_weights or [1.0] * len(reward_funcs)  # one each: checked with the flags
     if toolset and toolset.reward_function():  # the environment's get_reward(), weight 1 (TRL)
         reward_funcs, weights = reward_funcs + [toolset.reward_function()], weights + [1.0]

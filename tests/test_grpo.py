@@ -9,7 +9,7 @@ from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, requ
 from transformers import AutoModelForCausalLM
 
 from common.core import nanstd
-from common.rewards import reward_model_function
+from common.rewards import RewardModel
 from grpo import group_advantages, grpo_loss
 
 GRPO = os.path.join(ROOT, "grpo.py")
@@ -216,7 +216,7 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
     classifier.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    score = reward_model_function(str(tmp_path / "rm"), None, torch.device("cpu"))
+    score = RewardModel(str(tmp_path / "rm"), device=torch.device("cpu"))
     scores = score(["What is 2 + 3?", "Hi"], [" 5", " there you"], ended=[True, False])
     with torch.no_grad():
         expected = [
@@ -227,7 +227,7 @@ def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):
     load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "lm")
     tokenizer.save_pretrained(tmp_path / "lm")
     with pytest.raises(UsageError, match="no trained classification head"):
-        reward_model_function(str(tmp_path / "lm"), None, torch.device("cpu"))
+        RewardModel(str(tmp_path / "lm"), device=torch.device("cpu"))
     run_script([GRPO, *ARITH, *TINY, "--reward-model", str(tmp_path / "rm"), "--reward-weights", "1", "0.5"], tmp_path)
     assert len(read_scalars(str(tmp_path / "runs"), "rewards/reward_model/mean")) == 2
 
