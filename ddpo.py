@@ -67,6 +67,8 @@ class Args:
     # Pipeline, prompts, reward
     pretrained_model: str = "builtin:tiny-sd"
     """a Stable Diffusion pipeline: hub id, local folder, or builtin:tiny-sd (random, 32x32, runs on CPU)"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     resolution: int | None = None
     """image height and width (None: the UNet's sample_size x the VAE's scale factor)"""
     prompt_fn: str = "animals"

@@ -79,6 +79,8 @@ class Args:
     # Student, teacher, task
     model_name: str = "builtin:smollm2-student"
     """the student: a hub id, a local folder, or builtin:smollm2-student (SmolLM2-135M-Instruct with 10 of its 30 layers)"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     teacher_name: str = "builtin:smollm2-135m-instruct"
     """the teacher, a causal LM with the student's tokenizer (vocabulary)"""
     teacher_model_init_kwargs: str | None = None

@@ -73,6 +73,8 @@ class Args:
     model_name: str = "builtin:smollm2-135m-instruct"
     """the policy: a hub id, a local folder, or a built-in (builtin:smollm2-135m-instruct: the real instruct model;
     builtin:tiny-arith: a small GPT-2 warm-started on the default task's answers)"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""

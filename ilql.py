@@ -68,6 +68,8 @@ class Args:
     model_name: str = "builtin:tiny-chat"
     """a causal LM (hub id, local folder, or a built-in preset: builtin:tiny-chat, pretrained on the built-in dialogue
     and built on first use; builtin:tiny-gpt2, random) or a folder saved by this script (heads load back)"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     dataset_name: str = "builtin:chatterbot-mixed-replies"
     """a hub id, a local json/jsonl/csv/parquet file, or a built-in: chatterbot-mixed-replies (each utterance with its
     reply and with a random other one, so every state has actions of different return: offline RL data of mixed

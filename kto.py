@@ -79,6 +79,8 @@ class Args:
     model_name: str = "builtin:tiny-chat"
     """the policy (and reference): a hub id, a local folder (e.g. outputs/sft) or a built-in (builtin:tiny-chat, built
     on first use); decoder-only, as TRL 1.16's KTOTrainer"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (mixed precision comes from `accelerate launch
     --mixed_precision bf16`), auto for each checkpoint's own"""

@@ -109,6 +109,8 @@ class Args:
     model_name: str = "builtin:tiny-chat"
     """the policy: a hub id, a local folder, or a built-in (builtin:tiny-chat: a small GPT-2 pretrained on the built-in
     dialogue, built on first use); encoder-decoder models (T5) are detected from their config"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""

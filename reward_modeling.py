@@ -69,6 +69,8 @@ class Args:
     """backbone: a hub id, a local folder (e.g. an encoder such as all-MiniLM-L6-v2), or a built-in preset
     (builtin:tiny-chat: a small GPT-2 pretrained on the built-in dialogue, built on first use; builtin:tiny-gpt2:
     random)"""
+    trust_remote_code: bool = False
+    """run the code a hub model or folder ships with it (transformers' trust_remote_code): only for code you trust"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""

@@ -23,7 +23,7 @@ from transformers.utils import logging as transformers_logging
 
 from common.checkpoints import read_checkpoint
 from common.core import Terminated, UsageError, die_with_parent, warn_once
-from common.loading import FLAGS
+from common.loading import FLAGS, REMOTE_CODE
 from common.outputs import check_outputs, hold_outputs, interrupted_line, release_outputs
 
 _TERMINATED = []  # the signal, once SIGTERM or SIGHUP arrived: whatever exception the run then ends with, it ends so
@@ -141,6 +141,7 @@ def cli(args_class):
             contextlib.redirect_stderr(devnull if quiet else sys.stderr),
         ):
             args = tyro.cli(args_class)
+    REMOTE_CODE["trusted"] = bool(getattr(args, "trust_remote_code", False))
     FLAGS.clear()  # each name on the command line by its flag, for the loaders' error lines
     for field in reversed(dataclasses.fields(args)):  # the first field that holds a name wins
         if isinstance(getattr(args, field.name), str):

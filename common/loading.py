@@ -59,6 +59,13 @@ def resolve(name: str) -> str:
 
 # The flag each name on the command line came from (filled by common.cli.cli), so that an error names the flag
 FLAGS: dict[str, str] = {}
+# --trust-remote-code of the run (set by common.cli.cli): a model, config or tokenizer that ships its own code runs it
+REMOTE_CODE = {"trusted": False}
+
+
+def remote_code() -> dict:
+    """from_pretrained's trust_remote_code, always given: left unset, transformers would stop to ask at the terminal."""
+    return {"trust_remote_code": REMOTE_CODE["trusted"]}
 
 
 @functools.cache
@@ -91,6 +98,10 @@ def located(load, name: str, what: str):
     try:
         return load(name)
     except (OSError, ConnectionError, ValueError, SafetensorError) as error:  # a missing repo or file, a corrupt one
+        if "trust_remote_code" in str(error):
+            raise UsageError(
+                f"{flag} {name} ships its own code, which runs only when asked: pass --trust-remote-code (for code you trust)."
+            ) from None
         if os.path.exists(name):
             if isinstance(error, UsageError):
                 raise
@@ -110,7 +121,7 @@ def load_config(name: str):
     """The config of a built-in preset, hub id or local folder."""
     if is_random_builtin(name):
         return from_cache(presets.config, name)
-    return located(AutoConfig.from_pretrained, resolve(name), "model")
+    return located(lambda n: AutoConfig.from_pretrained(n, **remote_code()), resolve(name), "model")
 
 
 def context_length(config) -> int | None:
@@ -126,7 +137,8 @@ def load_pretrained(name: str, auto_class, seed: int = 0, dtype: str | torch.dty
     if is_random_builtin(name):
         dtype = torch.float32 if dtype == "auto" else dtype
         return from_cache(presets.random_model, name, auto_class, seed, dtype=dtype, **kwargs)
-    loaded = located(lambda n: auto_class.from_pretrained(n, dtype=dtype, **kwargs), resolve(name), "model")
+    load = lambda n: auto_class.from_pretrained(n, dtype=dtype, **(remote_code() | kwargs))  # noqa: E731
+    loaded = located(load, resolve(name), "model")
     if presets.is_builtin(name):  # peft records it as the adapter's base (loaded: maybe (model, info))
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         model.config.name_or_path = model.name_or_path = name
@@ -175,7 +187,7 @@ def load_tokenizer(name: str, padding_side: str = "right") -> PreTrainedTokenize
     if presets.is_builtin(name):
         tokenizer = from_cache(presets.tokenizer, builtin(name))
     else:
-        tokenizer = located(AutoTokenizer.from_pretrained, name, "tokenizer")
+        tokenizer = located(lambda n: AutoTokenizer.from_pretrained(n, **remote_code()), name, "tokenizer")
     if tokenizer.pad_token is None:
         raise UsageError(
             f"The tokenizer of {name!r} has no pad token. Add a distinct one (tokenizer.add_special_tokens("
@@ -328,7 +340,10 @@ def load_pipeline(name: str, seed: int = 0, **kwargs):
     from diffusers import StableDiffusionPipeline
 
     load = functools.partial(
-        StableDiffusionPipeline.from_pretrained, safety_checker=None, requires_safety_checker=False, **kwargs
+        StableDiffusionPipeline.from_pretrained,
+        safety_checker=None,
+        requires_safety_checker=False,
+        **({"trust_remote_code": True} if REMOTE_CODE["trusted"] else {}) | kwargs,
     )
     return located(load, name, "pipeline")
 

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from common.core import UsageError, check_args
+from common.loading import REMOTE_CODE
 from common.models import peft_model_of
 
 INSTALL = {
@@ -111,6 +112,7 @@ class VLLMSampler:
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_len=max_model_len,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
+            trust_remote_code=REMOTE_CODE["trusted"],
             enforce_eager=accelerator.device.type != "cuda",
             seed=args.seed + accelerator.process_index,
             logprobs_mode="processed_logprobs",  # after the temperature, as the trainer's log_softmax(logits / T) (TRL)

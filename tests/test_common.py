@@ -1000,3 +1000,57 @@ def test_held_out_samples_measure_the_kl_to_the_reference_on_the_policys_own_rep
     lora = get_peft_model(copy.deepcopy(reference), LoraConfig(r=2, target_modules=["c_attn"], init_lora_weights=False))
     stats, table = held_out_samples(accelerator, lora, None, tokenizer, prompts, True, 16)
     assert stats["kl"] != 0 and "reference" in table  # the adapter on, then off
+
+
+def test_a_model_that_ships_its_code_loads_only_with_trust_remote_code(tmp_path, monkeypatch):
+    """A folder whose config maps the auto classes to its own modules (transformers' register_for_auto_class): without
+    --trust-remote-code every loader refuses it in one line naming the flag; with it (set by common.cli from any
+    script's Args) config, model and tokenizer load, the model as the folder's own class; every script has the flag."""
+    import ast
+    import sys
+
+    import transformers.dynamic_module_utils as dynamic
+    from conftest import ROOT
+
+    from common import loading
+    from common.cli import cli
+    from common.core import UsageError
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # transformers' copy of the code
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "shipped_config.py").write_text(
+        "from transformers import GPT2Config\n\n\nclass ShippedConfig(GPT2Config):\n    model_type = 'shipped-gpt2'\n"
+    )
+    (source / "shipped_model.py").write_text(
+        "from transformers import GPT2LMHeadModel\n\nfrom .shipped_config import ShippedConfig\n\n\n"
+        "class ShippedModel(GPT2LMHeadModel):\n    config_class = ShippedConfig\n"
+    )
+    (source / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from source.shipped_config import ShippedConfig
+    from source.shipped_model import ShippedModel
+
+    ShippedConfig.register_for_auto_class()
+    ShippedModel.register_for_auto_class("AutoModelForCausalLM")
+    folder = str(tmp_path / "shipped")
+    ShippedModel(ShippedConfig(n_layer=1, n_embd=16, n_head=2, n_positions=64)).save_pretrained(folder)
+    loading.load_tokenizer("builtin:tiny-gpt2").save_pretrained(folder)
+    sys.modules.pop("source.shipped_model"), sys.modules.pop("source.shipped_config")
+    monkeypatch.setitem(loading.REMOTE_CODE, "trusted", False)
+    for load in (loading.load_config, lambda name: loading.load_pretrained(name, AutoModelForCausalLM)):
+        with pytest.raises(UsageError, match="ships its own code, which runs only when asked: pass --trust-remote-code"):
+            load(folder)
+    from sft import Args
+
+    monkeypatch.setattr(
+        sys, "argv", ["sft.py", "--model-name", folder, "--trust-remote-code", "--output-dir", str(tmp_path / "o")]
+    )
+    assert cli(Args).trust_remote_code and loading.REMOTE_CODE["trusted"]
+    model = loading.load_pretrained(folder, AutoModelForCausalLM)
+    assert type(model).__name__ == "ShippedModel" and loading.load_config(folder).model_type == "shipped-gpt2"
+    assert loading.load_tokenizer(folder).pad_token is not None
+    for script in ("ppo", "dpo", "kto", "reward_modeling", "sft", "ddpo", "ilql", "grpo", "rloo", "gkd"):
+        tree = ast.parse(open(os.path.join(ROOT, f"{script}.py")).read())
+        args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+        assert any(getattr(f, "target", None) and f.target.id == "trust_remote_code" for f in args.body), script
