@@ -126,6 +126,10 @@ class Args:
     """top-k sampling of on-policy and teacher completions (0: off)"""
     top_p: float = 1.0
     """nucleus sampling of on-policy and teacher completions (1.0: off)"""
+    min_p: float | None = None
+    """drop tokens below min_p x the most likely token's probability (TRL's min_p; None: off)"""
+    repetition_penalty: float = 1.0
+    """divide the logits of tokens already in the prompt or completion by it (HF's; 1.0: off)"""
     loss_temperature: float = 1.0
     """the temperature both distributions are taken at in the loss (TRL's generalized_jsd_loss default)"""
     seq_kd: bool = False
@@ -247,6 +251,10 @@ def check(args: Args) -> None:
     )
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p {args.min_p}: it lies in [0, 1].")
+    if not args.repetition_penalty > 0:
+        raise UsageError(f"--repetition-penalty {args.repetition_penalty}: it must be > 0 (1.0: no penalty).")
     if not (0 <= args.lmbda <= 1 and 0 <= args.beta <= 1 and 0 <= args.warmup_ratio < 1):
         raise UsageError(f"--lmbda {args.lmbda}, --beta {args.beta}: both lie in [0, 1], --warmup-ratio in [0, 1).")
     if args.objective == "reverse_kl_pg" and args.lmbda < 1:

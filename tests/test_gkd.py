@@ -115,8 +115,8 @@ def test_gradient_checkpointing_trains_the_same_and_the_teacher_takes_its_option
 
 
 def test_top_k_and_top_p_reach_the_sampler():
-    """gkd.py's --top-k and --top-p are the sampler's: with --top-k 1 every seed draws the greedy completion, and a
-    --top-p outside (0, 1] is one line."""
+    """gkd.py's --top-k, --top-p and --min-p are the sampler's: with --top-k 1 (or --min-p 1) every seed draws the
+    greedy completion, and a --top-p outside (0, 1] (a --min-p outside [0, 1]) is one line."""
     from accelerate import Accelerator
 
     from common.loading import load_pretrained, load_tokenizer
@@ -126,17 +126,22 @@ def test_top_k_and_top_p_reach_the_sampler():
     tokenizer = load_tokenizer("builtin:tiny-arith", padding_side="left")
     model = load_pretrained("builtin:tiny-arith", AutoModelForCausalLM).eval()
     batch = tokenizer(["3 + 4 =", "12 + 5 ="], padding=True, return_tensors="pt")
-    sampler = Sampler(Args(top_k=1), tokenizer, model, Accelerator(cpu=True), 64)
+    sampler, inputs = Sampler(Args(top_k=1), tokenizer, model, Accelerator(cpu=True), 64), (*batch.values(), 6)
     draws = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        draws.append(sampler.generate(batch["input_ids"], batch["attention_mask"], 6)[:2])
+        draws.append(sampler.generate(*inputs)[:2])
     (completions, mask), (again, _) = draws
     greedy = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     greedy = greedy[:, batch["input_ids"].shape[1] :][:, : completions.shape[1]]
     assert torch.equal(completions, again) and torch.equal(completions[mask.bool()], greedy[mask.bool()])
+    torch.manual_seed(2)  # --min-p 1 keeps only the most likely token too
+    completions, mask = Sampler(Args(min_p=1.0), tokenizer, model, Accelerator(cpu=True), 64).generate(*inputs)[:2]
+    assert torch.equal(completions[mask.bool()], greedy[:, : completions.shape[1]][mask.bool()])
     with pytest.raises(UsageError, match="--top-p 0.0: it lies in"):
         check(Args(top_p=0.0))
+    with pytest.raises(UsageError, match="--min-p 2.0: it lies in"):
+        check(Args(min_p=2.0))
 
 
 @pytest.mark.slow
