@@ -22,6 +22,7 @@ import re
 import shutil
 import statistics
 import sys
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("ppo", "dpo", "kto", "sft", "reward_modeling", "ddpo", "ilql", "grpo", "rloo", "gkd")
@@ -1142,6 +1143,52 @@ def default_line(script: str) -> str:
 
 
 DEFAULT_LINES = ("sft", "reward_modeling", "dpo", "ddpo", "ilql")  # the scripts benchmarks/default_lines.py runs
+TRL_CONFIGS = {  # our script: TRL 1.16's config (module, class)
+    "grpo": ("trl", "GRPOConfig"),
+    "rloo": ("trl", "RLOOConfig"),
+    "dpo": ("trl", "DPOConfig"),
+    "kto": ("trl", "KTOConfig"),
+    "sft": ("trl", "SFTConfig"),
+    "reward_modeling": ("trl", "RewardConfig"),
+    "gkd": ("trl.experimental.distillation", "DistillationConfig"),
+}
+
+
+def trl_fields() -> str:
+    """docs/trl-fields.md: one row per field that each TRL 1.16 config defines itself (not inherited from transformers'
+    TrainingArguments or TRL's shared base), against the script's `Args`: the flag of the same name, or the note of
+    docs/trl-fields.json (another name, partial, or left out, and why). A field with neither fails the render."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    sys.path.insert(0, ROOT)
+    notes = json.load(open(os.path.join(ROOT, "docs", "trl-fields.json")))
+    counts, tables = ["| TRL 1.16 config | our script | fields | ours | partial | left out |", "|---|---|---|---|---|---|"], []
+    for script, (module, name) in TRL_CONFIGS.items():
+        with warnings.catch_warnings():  # TRL's notes on the installed vLLM's version
+            warnings.simplefilter("ignore")
+            config = getattr(importlib.import_module(module), name)
+        ours = dataclasses.fields(importlib.import_module(script).Args)
+        ours, own = {f.name for f in ours}, []
+        for cls in config.__mro__:  # the config and its same-named wrappers, up to the shared base
+            if cls.__name__ != name:
+                break
+            own += [f for f in cls.__dict__.get("__annotations__", {}) if f not in own]
+        rows, tally = ["| field | here | how |", "|---|---|---|"], {"ours": 0, "partial": 0, "out": 0}
+        for field in own:
+            status, note = notes[script].get(field) or [None, None]  # this script's note, its flag, then the shared note
+            if field in ours and status is None:
+                status, note = "ours", f"`--{field.replace('_', '-')}`"
+            status, note = (status, note) if status else notes["common"].get(field, [None, None])
+            if status is None:
+                raise SystemExit(f"{name}.{field}: no flag of that name in {script}.py and no note in docs/trl-fields.json")
+            tally[status] += 1
+            rows.append(f"| `{field}` | {dict(ours='ours', partial='partial', out='left out')[status]} | {note} |")
+        counts.append(
+            f"| `{name}` | [{script}.py]({script}.md) | {len(own)} | {tally['ours']} | {tally['partial']} | {tally['out']} |"
+        )
+        tables.append(f"### {name} -> {script}.py\n\n" + "\n".join(rows))
+    return "\n".join(counts) + "\n\n" + "\n\n".join(tables)
+
+
 FIGURES = {
     **{f"default-line-{script}": (lambda script=script: default_line(script)) for script in DEFAULT_LINES},
     "gkd-variants": gkd_variants,
@@ -1189,6 +1236,7 @@ FIGURES = {
     "every-default-run": every_default_run,
     "grpo-default-runs": lambda: default_runs("grpo"),
     "rloo-default-runs": lambda: default_runs("rloo"),
+    "trl-fields": trl_fields,
 }
 
 
