@@ -53,7 +53,7 @@ from common.outputs import check_finite
 from common.rewards import distinct_answers, is_number, load_task, verifier
 from common.run import end_run, start_run
 from common.sampling import Sampler, cut, sampler_gap
-from common.vllm_engine import check_vllm_args
+from common.vllm_engine import check_generation_options, check_vllm_args
 
 
 @dataclass
@@ -130,6 +130,8 @@ class Args:
     """drop tokens below min_p x the most likely token's probability (TRL's min_p; None: off)"""
     repetition_penalty: float = 1.0
     """divide the logits of tokens already in the prompt or completion by it (HF's; 1.0: off)"""
+    generation_kwargs: str | None = None
+    """more sampling options as JSON: HF GenerationConfig's, or vLLM SamplingParams' with --use-vllm (TRL's)"""
     loss_temperature: float = 1.0
     """the temperature both distributions are taken at in the loss (TRL's generalized_jsd_loss default)"""
     seq_kd: bool = False
@@ -261,6 +263,7 @@ def check(args: Args) -> None:
         raise UsageError("--objective reverse_kl_pg is a policy gradient on the student's own samples: it needs --lmbda 1.")
     if args.use_vllm:
         check_vllm_args(args)
+    check_generation_options(args)
     teacher_options(args)
     if args.seq_kd and args.lmbda == 1:
         warn_once("--seq-kd has no effect with --lmbda 1: every batch is the student's own (lower --lmbda to use it)")

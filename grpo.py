@@ -256,6 +256,8 @@ class Args:
     """drop tokens below min_p x the most likely token's probability (TRL's min_p; None: off)"""
     repetition_penalty: float = 1.0
     """divide the logits of tokens already in the prompt or completion by it (HF's; 1.0: off)"""
+    generation_kwargs: str | None = None
+    """more sampling options as JSON: HF GenerationConfig's, or vLLM SamplingParams' with --use-vllm (TRL's)"""
     inverse_cdf_sampling: bool = True
     """draw each token by inverse CDF, HF's `do_sample=True` distribution at a fraction of its CPU time
     (common/fast_paths.py); --no-inverse-cdf-sampling: HF's own sampling"""

@@ -53,7 +53,7 @@ from common.rewards import (
 from common.run import rank_batches
 from common.sampling import Sampler, per_token_logprobs
 from common.tools import Toolset, run_calls, tool_suffix_ids
-from common.vllm_engine import check_vllm_args
+from common.vllm_engine import check_generation_options, check_vllm_args
 
 # ================================ the flags every online script shares ================================
 SHARED_POSITIVE = (
@@ -106,6 +106,7 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
         ) from None
     if getattr(args, "use_vllm", False):
         check_vllm_args(args)
+    check_generation_options(args)
     sources = len(args.reward_funcs) + (args.reward_model is not None)
     if args.reward_weights and len(args.reward_weights) != sources:
         raise UsageError(

@@ -20,7 +20,7 @@ from accelerate import Accelerator, DistributedType
 
 from common.fast_paths import FastGenerator, sampling_kwargs
 from common.models import peft_model_of, reference_context
-from common.vllm_engine import VLLMSampler
+from common.vllm_engine import VLLMSampler, generation_options
 
 
 def cut(completions, eos_token_id: int, pad_token_id: int, stop_token_ids=()):
@@ -46,7 +46,7 @@ class Sampler:
 
     `max_model_len`: the longest prompt plus the longest completion (vLLM sizes its cache by it). `processors`: logits
     processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none, and the fast path
-    no min-p or repetition penalty either (HF `generate` serves those). `fast`: whether
+    no min-p, repetition penalty or --generation-kwargs either (HF `generate` serves those). `fast`: whether
     the fast path may serve (not for a quantized policy). `stop_token_ids`: token lists that end a completion as EOS
     does. `share`: another sampler whose vLLM engine this one samples through (`fork`)."""
 
@@ -68,6 +68,8 @@ class Sampler:
         min_p, penalty = getattr(args, "min_p", None), getattr(args, "repetition_penalty", 1.0)
         self.temperature, self.stop_token_ids = args.temperature, [list(s) for s in stop_token_ids]
         self.sampling = sampling_kwargs(args.temperature, top_k, top_p, inverse_cdf, list(processors), min_p, penalty)
+        options = generation_options(args)  # --generation-kwargs: more of generate's options (vLLM takes its own)
+        self.sampling |= options
         self.encoder_decoder = policy.config.is_encoder_decoder
         self.sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         language_model = getattr(policy, "pretrained_model", policy)  # a value-head wrapper samples from its LM
@@ -90,6 +92,7 @@ class Sampler:
             and not processors
             and not min_p
             and penalty == 1
+            and not options
             and not self.encoder_decoder
             and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
         ):

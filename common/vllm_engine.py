@@ -13,6 +13,8 @@ backend prepacks every linear weight for oneDNN and drops the parameter that `mo
 
 import contextlib
 import copy
+import inspect
+import json
 import logging
 import os
 import tempfile
@@ -59,6 +61,47 @@ def check_vllm() -> None:
             f"--use-vllm: vLLM does not import ({type(error).__name__}: {str(error)[:120]}): "
             "pip uninstall -y torchvision torchaudio torchcodec (their wheels do not load against the CPU torch)"
         ) from None
+
+
+# The sampling settings that have flags of their own (or belong to the sampler): --generation-kwargs may not set them
+OWN_SETTINGS = (
+    "temperature top_k top_p min_p repetition_penalty do_sample max_new_tokens max_tokens min_new_tokens logprobs seed n "
+    "stop_token_ids eos_token_id pad_token_id num_return_sequences output_logits return_dict_in_generate"
+).split()
+
+
+def generation_options(args) -> dict:
+    """--generation-kwargs (TRL's generation_kwargs) as a dict: more options for HF `generate` (a GenerationConfig
+    field) or, with --use-vllm, for vLLM's SamplingParams."""
+    options = getattr(args, "generation_kwargs", None)
+    return json.loads(options) if options else {}
+
+
+def check_generation_options(args) -> None:
+    """--generation-kwargs: a JSON object whose keys the run's backend takes and that no flag of its own sets."""
+    flag = f"--generation-kwargs {getattr(args, 'generation_kwargs', None)!r}"
+    try:
+        options = generation_options(args)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{flag}: not JSON ({error.msg}); give an object, e.g. '{{\"no_repeat_ngram_size\": 3}}'.") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"{flag}: give a JSON object, e.g. '{{\"no_repeat_ngram_size\": 3}}'.")
+    own = [k for k in options if k in OWN_SETTINGS]
+    if own:
+        raise UsageError(
+            f"{flag}: {own[0]} is set by its own flag or by the sampler; pass it there (--{own[0].replace('_', '-')})."
+        )
+    if getattr(args, "use_vllm", False):
+        from vllm import SamplingParams
+
+        known, backend = set(inspect.signature(SamplingParams).parameters), "vLLM's SamplingParams"
+    else:
+        from transformers import GenerationConfig
+
+        known, backend = set(GenerationConfig().to_dict()), "transformers' GenerationConfig"
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise UsageError(f"{flag}: {unknown[0]} is not an option of {backend}.")
 
 
 def check_vllm_args(args) -> None:
@@ -144,6 +187,7 @@ class VLLMSampler:
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=[self.eos],
                 seed=seed + i,
+                **generation_options(args),
             )
             for i in range(len(token_lists))
         ]

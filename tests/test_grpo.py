@@ -1,3 +1,4 @@
+import json
 import math
 import os
 import re
@@ -865,3 +866,40 @@ def test_min_p_and_repetition_penalty_reach_the_sampler():
         check(Args(min_p=1.5))
     with pytest.raises(UsageError, match="--repetition-penalty 0.0: it must be > 0"):
         check(Args(repetition_penalty=0.0))
+
+
+def test_generation_kwargs_reach_generate_and_bad_ones_are_one_line():
+    """--generation-kwargs (TRL's generation_kwargs) reach HF generate on both draws: suppress_tokens keeps the tokens
+    of the greedy completions out of a --top-k 1 draw; a key with a flag of its own, one generate does not know, or
+    anything but a JSON object is one line."""
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from common.core import UsageError
+    from common.loading import load_tokenizer
+    from common.sampling import Sampler
+    from grpo import Args, check
+
+    tokenizer = load_tokenizer("builtin:tiny-arith", padding_side="left")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tokenizer))).eval()
+    batch = tokenizer(["3 + 4 =", "12 + 5 ="], padding=True, return_tensors="pt")
+    inputs, accelerator = (batch["input_ids"], batch["attention_mask"], 8), Accelerator(cpu=True)
+    greedy, mask, _, _ = Sampler(Args(top_k=1), tokenizer, model, accelerator, 64).generate(*inputs)
+    banned = sorted(set(greedy[mask.bool()].tolist()) - {tokenizer.eos_token_id})
+    options = json.dumps({"suppress_tokens": banned})
+    for inverse_cdf in (True, False):
+        sampler = Sampler(
+            Args(top_k=1, generation_kwargs=options, inverse_cdf_sampling=inverse_cdf), tokenizer, model, accelerator, 64
+        )
+        completions, mask, _, _ = sampler.generate(*inputs)
+        assert not set(completions[mask.bool()].tolist()) & set(banned)
+    check(Args(generation_kwargs=options))
+    for bad, words in [
+        ('{"top_p": 0.5}', "top_p is set by its own flag or by the sampler; pass it there (--top-p)"),
+        ('{"no_such_option": 1}', "no_such_option is not an option of transformers' GenerationConfig"),
+        ("[1]", "give a JSON object"),
+        ("{oops", "not JSON"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(words)):
+            check(Args(generation_kwargs=bad))
