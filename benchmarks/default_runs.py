@@ -10,6 +10,7 @@ docs/rloo.md render their tables and docs/getting-started.md the table of every 
     python benchmarks/default_runs.py --scripts sft reward_modeling dpo kto ppo ddpo gkd ilql
     python benchmarks/default_runs.py --scripts grpo --seeds 1
     python benchmarks/default_runs.py --final-only     # only evaluate the saved models of the runs in the JSON
+    python benchmarks/default_runs.py --check --scripts grpo --seeds 1   # rerun, compare the line, write nothing
 """
 
 import importlib
@@ -31,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS-default-runs.json")
 sys.path.insert(0, ROOT)
 
-from records import machine, scalars  # noqa: E402
+from records import machine, run_script, scalars, untimed  # noqa: E402
 
 from common.core import logprobs_from_logits  # noqa: E402
 from common.fast_paths import sampling_kwargs  # noqa: E402
@@ -68,6 +69,28 @@ class Args:
     """only evaluate the saved models of the runs already in the JSON (those without an evaluation)"""
     samples: int = 4
     """sampled replies per held-out problem in the evaluation of the saved models"""
+    check: bool = False
+    """rerun each run and compare its summary line with the record (but for the time), writing nothing: exit status 1
+    when one differs (on the CPU kind, thread count and torch the record names)"""
+
+
+def check(args: Args, results: dict) -> None:
+    """--check: each run again in a fresh folder, its summary line against the recorded one."""
+    import tempfile
+
+    here, differ = [machine(), torch.get_num_threads(), torch.__version__], []
+    for key in (f"{script}-{seed}" for script in args.scripts for seed in args.seeds):
+        run = results["runs"].get(key)
+        if run is None or [results.get(k) for k in ("machine", "threads", "torch")] != here:
+            print(f"{key}: not checked (no record, or recorded on another CPU kind, thread count or torch)")
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"rlhf-{key}-") as folder:
+            stdout, _ = run_script([*run["command"].split()[1:], "--output-dir", run["folder"]], folder)
+        line = next(line for line in reversed(stdout.splitlines()) if re.search(METRICS[key.rsplit("-", 1)[0]][1], line))
+        same = untimed(line) == untimed(run["summary"])
+        differ += [] if same else [key]
+        print(f"{key}: {'the recorded line' if same else 'differs'}\n  now:      {line}", flush=True)
+    sys.exit(f"differs from the record: {' '.join(differ)}" if differ else 0)
 
 
 def values(run_dir: str, tag: str) -> list[float]:
@@ -178,6 +201,8 @@ if __name__ == "__main__":
     if unknown:
         sys.exit(f"error: --scripts {' '.join(unknown)}: not one of {', '.join(METRICS)}")
     results = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {"runs": {}}
+    if args.check:
+        check(args, results)
     results["metrics"] = {script: [name, higher] for script, (name, _, higher) in METRICS.items()}
     for script in args.scripts:
         for seed in args.seeds:

@@ -13,7 +13,7 @@ from common.run import machine  # noqa: E402  (every record names its machine as
 
 def untimed(line: str) -> str:
     """A summary line without its wall time and rate ("in 40s", "(2.65 steps/s)"): what a rerun of a default run must
-    repeat (`benchmarks/default_lines.py --check`, and tests/conftest.py's `default_run`)."""
+    repeat (`benchmarks/runs.py --check`, and tests/conftest.py's `default_run`)."""
     return re.sub(r" in \d+s|\s?\([\d.]+ steps/s\)", "", line)
 
 

@@ -278,11 +278,20 @@ def seed_line(script: str, runs: dict) -> str:
     return f"Seed 1 ended on\n\n```\n{run['summary']}\n```\n\n{rerun_by_check(script)}"
 
 
+CHECKS = {  # the command that reruns each recorded default line against its record
+    "kto": "python benchmarks/runs.py kto-default --check --only 1",
+    "gkd": "python benchmarks/runs.py gkd-variants --check --only on-policy",
+    "grpo": "python benchmarks/default_runs.py --check --scripts grpo --seeds 1",
+    "rloo": "python benchmarks/default_runs.py --check --scripts rloo --seeds 1",
+}
+
+
 def rerun_by_check(script: str) -> str:
     """Which command reruns a recorded default line that no test has room to rerun."""
+    command = CHECKS.get(script, f"python benchmarks/runs.py default-lines --check --only {script}")
     return (
-        "No test runs it again (the suite has no room for its length): `python benchmarks/default_lines.py --check "
-        f"--scripts {script}` does, and exits 1 when it ends on another line (on the CPU kind and torch named here)."
+        f"No test runs it again (the suite has no room for its length): `{command}` does, and exits 1 when it ends on "
+        "another line (on the CPU kind and torch named here)."
     )
 
 
@@ -595,7 +604,7 @@ def first_run() -> str:
 
 
 def ppo_default_runs() -> str:
-    """ppo.py's default run over seeds (benchmarks/RESULTS-ppo-default.json, `python benchmarks/ppo_default.py`)."""
+    """ppo.py's default run over seeds (benchmarks/RESULTS-ppo-default.json, `python benchmarks/runs.py ppo-default`)."""
     r = record("RESULTS-ppo-default.json")
     rows = [
         "| seed | eval reward | initial std | KL, last tenth (target 6) | VADER sentiment | distinct words | distinct-2 "
@@ -626,7 +635,7 @@ def ppo_default_runs() -> str:
 
 
 def kto_default_runs() -> str:
-    """kto.py's default run over seeds (benchmarks/RESULTS-kto-default.json, `python benchmarks/kto_default.py`)."""
+    """kto.py's default run over seeds (benchmarks/RESULTS-kto-default.json, `python benchmarks/runs.py kto-default`)."""
     r = record("RESULTS-kto-default.json")
     rows = [
         "| seed | held-out margin | desirable reward | undesirable reward | replies' KL | reply tokens | distinct replies |",
@@ -651,7 +660,7 @@ def kto_default_runs() -> str:
 
 
 def pipeline_runs() -> str:
-    """The whole pipeline over seeds (benchmarks/RESULTS-pipeline.json, `python benchmarks/pipeline_runs.py`): every
+    """The whole pipeline over seeds (benchmarks/RESULTS-pipeline.json, `python benchmarks/runs.py pipeline`): every
     policy on the held-out prompts, each stage's time, and which methods beat the SFT policy on which score."""
     r = record("RESULTS-pipeline.json")
     policies = list(next(iter(r["runs"].values()))["policies"])
@@ -709,7 +718,7 @@ def notebook_line(name: str) -> str:
 
 def ppo_learned_reward() -> str:
     """PPO against a reward model trained here (benchmarks/RESULTS-ppo-learned-reward.json, `python
-    benchmarks/ppo_learned_reward.py`), with and without a lower KL target."""
+    benchmarks/runs.py ppo-learned-reward`), with and without a lower KL target."""
     r = record("RESULTS-ppo-learned-reward.json")
     rows = [
         "| run | held-out score (initial std) | VADER | distinct-2 | top token | health warning |",
@@ -1088,7 +1097,7 @@ def real_model_h100_kl() -> str:
 
 def gkd_variants() -> str:
     """gkd.py's on-policy, mixed and sequence-level KD at equal student steps (benchmarks/RESULTS-gkd-variants.json,
-    `python benchmarks/gkd_variants.py`), and what the record says about them."""
+    `python benchmarks/runs.py gkd-variants`), and what the record says about them."""
     import math
 
     r = record("RESULTS-gkd-variants.json")
@@ -1128,11 +1137,11 @@ def gkd_variants() -> str:
 
 def default_line(script: str) -> str:
     """The line `python SCRIPT.py` ends on, as it comes (benchmarks/RESULTS-default-lines.json, `python
-    benchmarks/default_lines.py`), with its machine, threads and wall time."""
+    benchmarks/runs.py default-lines`), with its machine, threads and wall time."""
     run = record("RESULTS-default-lines.json")["runs"][script]
     return (
         f"```\n{run['line']}\n```\n\n{run['machine']}, `{run['launcher']}`, {run['threads']} threads, "
-        f"{minutes(run['seconds'])} with loading and evaluation (`python benchmarks/default_lines.py --scripts {script}`). "
+        f"{minutes(run['seconds'])} with loading and evaluation (`python benchmarks/runs.py default-lines --only {script}`). "
         + (
             f"`tests/test_{script}.py` runs it again and fails when it ends on another line (on the CPU kind and torch "
             "named here)."
@@ -1142,7 +1151,7 @@ def default_line(script: str) -> str:
     )
 
 
-DEFAULT_LINES = ("sft", "reward_modeling", "dpo", "ddpo", "ilql")  # the scripts benchmarks/default_lines.py runs
+DEFAULT_LINES = ("sft", "reward_modeling", "dpo", "ddpo", "ilql")  # the runs of benchmarks/runs.py default-lines
 TRL_CONFIGS = {  # our script: TRL 1.16's config (module, class)
     "grpo": ("trl", "GRPOConfig"),
     "rloo": ("trl", "RLOOConfig"),

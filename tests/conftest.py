@@ -247,7 +247,7 @@ def default_run(script: str, prefix: str, cwd, run: dict | None = None) -> str:
     line = [line for line in out.splitlines() if line.startswith(prefix) and "it/s]" not in line][-1]  # not a bar
     if BENCHMARKS not in sys.path:
         sys.path.append(BENCHMARKS)
-    from records import machine, untimed  # the record's own helpers (benchmarks/default_lines.py --check uses them)
+    from records import machine, untimed  # the record's own helpers (benchmarks/runs.py --check uses them)
 
     here = (machine(), torch.__version__)
     if here == (run["machine"], run["torch"]):  # the same CPU kind and torch: the same numbers, bit for bit

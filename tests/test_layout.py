@@ -180,3 +180,24 @@ def test_one_door_to_sampling():
         assert not reached & {"common.rollout", "common.tools"}, (
             f"{script}.py reaches {reached & {'common.rollout', 'common.tools'}}"
         )
+
+
+def test_each_recorded_run_is_an_entry_of_the_runner():
+    """benchmarks/runs.py's RUNS: each entry's results file exists and its command names the entry; each recorded run
+    is one of the entry's, with the entry's command line; and no single-figure driver is left beside the runner."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from runs import KEEP, RUNS
+
+    for name, entry in RUNS.items():
+        record = json.load(open(os.path.join(ROOT, "benchmarks", f"RESULTS-{entry.record}.json")))
+        assert record["command"] == f"python benchmarks/runs.py {name}", (name, record["command"])
+        assert set(record["runs"]) <= set(entry.runs), (name, set(record["runs"]) - set(entry.runs))
+        for run, kept in record["runs"].items():
+            assert kept.get("command", f"python {entry.runs[run]}") == f"python {entry.runs[run]}", (name, run)
+        assert set(entry.keep) | set().union(*entry.keep_for.values()) <= set(KEEP), name
+        assert os.path.exists(os.path.join(ROOT, entry.page.split(",")[0])), entry.page
+    drivers = {"kto_default", "ppo_default", "pipeline_runs", "ppo_learned_reward", "gkd_variants", "default_lines"}
+    assert not {d for d in drivers if os.path.exists(os.path.join(ROOT, "benchmarks", f"{d}.py"))}
