@@ -126,6 +126,13 @@ class Args:
     default; after unpairing, blocks of up to 1000 desirable, then as many undesirable)"""
     disable_dropout: bool = True
     """set every dropout probability of policy and reference to 0 (TRL default)"""
+    sync_ref_model: bool = False
+    """TR-DPO's moving reference (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps,
+    ref <- alpha * policy + (1 - alpha) * ref (TRL's sync_ref_model)"""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha: the policy's share in each update of the reference (1: a hard copy)"""
+    ref_model_sync_steps: int = 512
+    """TR-DPO: optimizer steps between two updates of the reference"""
 
     # Optimisation
     learning_rate: float = 3e-5
@@ -268,6 +275,14 @@ def generation_prompt(tokenizer, prompt, chat: bool, system_prompt: str | None, 
     return bos + tokenizer(prompt, add_special_tokens=not spaced)["input_ids"]
 
 
+@torch.no_grad()
+def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
+    becomes alpha * policy + (1 - alpha) * reference, in place."""
+    for ref, param in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
+
+
 def check(args: Args) -> None:
     """A one-line error for every flag out of its range, before anything is loaded."""
     check_adam(args)
@@ -275,13 +290,17 @@ def check(args: Args) -> None:
         args,
         positive=(
             "save_total_limit beta learning_rate batch_size gradient_accumulation_steps num_epochs max_length "
-            "eval_steps max_grad_norm desirable_weight undesirable_weight"
+            "eval_steps max_grad_norm desirable_weight undesirable_weight ref_model_sync_steps"
         ),
         non_negative="weight_decay save_steps",
         fractions="eval_fraction",
     )
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
+    if args.sync_ref_model and args.use_peft:  # TRL refuses it too
+        raise UsageError("--sync-ref-model moves a reference copy during training, and --use-peft has none: drop one.")
+    if args.sync_ref_model and not 0 <= args.ref_model_mixup_alpha <= 1:
+        raise UsageError(f"--ref-model-mixup-alpha {args.ref_model_mixup_alpha}: it lies in [0, 1].")
     if args.loss_type == "kto" and args.batch_size < 2:
         raise UsageError(
             "--batch-size 1 with --loss-type kto: the KL estimate pairs each prompt with another example's completion "
@@ -555,6 +574,8 @@ def main(args: Args) -> None:
     """Setup, then the loop, then the final evaluation, save and summary."""
     check(args)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    if args.sync_ref_model and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UsageError("--sync-ref-model runs in one process or under DDP, not with sharded weights (FSDP, DeepSpeed).")
     quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
     run_name, logger = start_run(args, accelerator)
     examples = load_examples(args, accelerator)  # checked before any model is built or loaded
@@ -588,6 +609,8 @@ def main(args: Args) -> None:
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     scorer.model = model
+    if args.sync_ref_model:  # the moving reference: checkpointed with the optimizer, so a resume continues exactly
+        accelerator.register_for_checkpointing(ref_model)
     start_step, resumed = 0, {}
     if args.resume_from:
         resumed = load_checkpoint(accelerator, args.resume_from)
@@ -616,6 +639,8 @@ def main(args: Args) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             sums = {k: sums.get(k, 0) + v for k, v in batch_sums.items()}
+        if args.sync_ref_model and (step + 1) % args.ref_model_sync_steps == 0:  # TR-DPO, after the optimizer step
+            sync_reference(accelerator.unwrap_model(model), ref_model, args.ref_model_mixup_alpha)
 
         # 2. bookkeeping: one collective and one device sync for all the metrics
         metrics = summarise(accelerator, sums, "train")

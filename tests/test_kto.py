@@ -220,11 +220,30 @@ def test_kto_runs_on_unpaired_data_and_saves_a_plain_model(tmp_path, feedback_fi
     AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "kto")  # plain transformers
 
 
-def test_resume_continues_where_it_stopped(tmp_path, feedback_file):
-    common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "4"]
+@pytest.mark.parametrize("sync", [[], ["--sync-ref-model", "--ref-model-sync-steps", "1"]], ids=["frozen", "tr-dpo"])
+def test_resume_continues_where_it_stopped(tmp_path, feedback_file, sync):
+    """A resumed run ends where the uninterrupted one does; with TR-DPO's moving reference too (it is checkpointed)."""
+    common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "4", *sync]
     out, checkpoint = check_resume(common, ["--save-steps", "2"], "step_2", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "kto: 2 steps" in out
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "2", "--resume-from", checkpoint], tmp_path)
+
+
+def test_tr_dpo_reference_with_alpha_1_becomes_the_policy(tmp_path, feedback_file):
+    """kto.py --sync-ref-model (TRL's KTOConfig field): with --ref-model-mixup-alpha 1 every step the reference is the
+    policy after the last step, so the final evaluation's implicit rewards, beta * (log pi - log pi_ref), are 0 (a
+    frozen reference leaves them moved); with LoRA there is no copy to move: one line."""
+    import re
+
+    common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "2"]
+    common += ["--learning-rate", "1e-3"]
+    synced = run_script([*common, "--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"], tmp_path)
+    frozen = run_script([*common, "--output-dir", "frozen", "--log-dir", "frozen_runs"], tmp_path)
+    margin = r"eval reward margin ([-\d.]+) -> ([-\d.]+) \(desirable ([-\d.]+), undesirable ([-\d.]+)\)"
+    assert set(re.search(margin, synced).groups()[1:]) <= {"0.000", "-0.000"}, synced[-500:]
+    assert re.search(margin, frozen).group(3) not in ("0.000", "-0.000"), frozen[-500:]
+    error = run_failing([*common, "--sync-ref-model", "--use-peft"], tmp_path)
+    assert "--sync-ref-model moves a reference copy during training, and --use-peft has none" in error, error
 
 
 def test_kto_bad_input(tmp_path, feedback_file):
