@@ -44,7 +44,14 @@ from common.loading import (
     quantization_kwargs,
     train_eval_split,
 )
-from common.models import check_lora_targets, create_reference_model, peft_model_of, place_frozen, reference_context
+from common.models import (
+    check_lora_targets,
+    create_reference_model,
+    peft_model_of,
+    place_frozen,
+    reference_context,
+    sync_reference,
+)
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
 from common.sampling import held_out_samples
@@ -502,14 +509,6 @@ def reference_free_loss(
     else:
         raise ValueError(f"Unknown reference-free loss_type {loss_type!r}: choose cpo, simpo or orpo.")
     return losses, beta * chosen.detach(), beta * rejected.detach()
-
-
-@torch.no_grad()
-def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
-    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
-    becomes alpha * policy + (1 - alpha) * reference, in place."""
-    for ref, param in zip(reference.parameters(), policy.parameters(), strict=True):
-        ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
 
 
 def check(args: Args) -> None:

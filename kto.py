@@ -52,7 +52,7 @@ from common.loading import (
     load_tokenizer,
     quantization_kwargs,
 )
-from common.models import check_lora_targets, create_reference_model, place_frozen, reference_context
+from common.models import check_lora_targets, create_reference_model, place_frozen, reference_context, sync_reference
 from common.outputs import check_finite
 from common.run import end_run, rank_batches, start_run
 from common.sampling import held_out_samples
@@ -273,14 +273,6 @@ def generation_prompt(tokenizer, prompt, chat: bool, system_prompt: str | None, 
     spaced = text_format == "spaced"
     bos = [tokenizer.bos_token_id] if spaced and tokenizer.bos_token_id is not None else []
     return bos + tokenizer(prompt, add_special_tokens=not spaced)["input_ids"]
-
-
-@torch.no_grad()
-def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
-    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
-    becomes alpha * policy + (1 - alpha) * reference, in place."""
-    for ref, param in zip(reference.parameters(), policy.parameters(), strict=True):
-        ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
 
 
 def check(args: Args) -> None:

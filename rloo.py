@@ -28,6 +28,7 @@ from common.chat import text_of
 from common.checkpoints import save_policy
 from common.cli import cli
 from common.core import EntropyBonus, UsageError, check_adam, nanstd, pooled
+from common.models import sync_reference
 from common.rollout import (
     Engine,
     Ledger,
@@ -155,6 +156,13 @@ class Args:
     beta: float = 0.0
     """KL coefficient: each reward loses beta * sum over the completion of (log pi_old - log pi_ref), the first-order
     estimate of the Ahmadian et al. paper (TRL: 0.05; 0: no reference model)"""
+    sync_ref_model: bool = False
+    """TR-DPO's moving reference (Gorbatovski et al. 2024): every --ref-model-sync-steps optimizer steps,
+    ref <- alpha * policy + (1 - alpha) * ref (TRL's sync_ref_model; needs --beta > 0)"""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha: the policy's share in each update of the reference (1: a hard copy)"""
+    ref_model_sync_steps: int = 512
+    """TR-DPO: optimizer steps between two updates of the reference"""
     epsilon: float = 0.2
     """clip range of the sequence ratio below 1 (and above 1 unless --epsilon-high)"""
     epsilon_high: float | None = None
@@ -432,6 +440,7 @@ def main(args: Args) -> None:
 
         # 5. optimise: num_iterations passes of the clipped sequence-level objective over shuffled mini-batches
         model.train()
+        done = update * optimizer_steps // num_updates  # optimizer steps before this update's
         stats_list, grad_norms = [], []
         for _ in range(args.num_iterations):
             permutation = torch.randperm(len(rows), device=device)
@@ -460,6 +469,9 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                done += 1  # the run's optimizer steps (TR-DPO counts them): each update takes as many
+                if args.sync_ref_model and done % args.ref_model_sync_steps == 0:  # after the optimizer step
+                    sync_reference(policy, ref_model, args.ref_model_mixup_alpha)
                 bonus.step(accelerator)  # --use-adaptive-entropy: the coefficient for the next step
 
         # 6. bookkeeping: the metrics (TRL 1.x names), samples, evaluation, checkpoints

@@ -175,6 +175,14 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     return ref_model.eval()
 
 
+@torch.no_grad()
+def sync_reference(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update (Gorbatovski et al. 2024, eq. 5; TRL's SyncRefModelCallback): every reference parameter
+    becomes alpha * policy + (1 - alpha) * reference, in place."""
+    for ref, param in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
+
+
 def place_frozen(accelerator, model: nn.Module) -> nn.Module:
     """A frozen model (reference, reward model, teacher) on the run's device: under FSDP2 sharded as the policy is, under
     ZeRO-3 partitioned by a DeepSpeed engine of its own (TRL prepares both likewise), so no rank holds a whole copy. Not

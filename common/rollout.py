@@ -59,7 +59,7 @@ from common.vllm_engine import check_generation_options, check_vllm_args
 SHARED_POSITIVE = (
     "save_total_limit total_prompts batch_size mini_batch_size gradient_accumulation_steps num_iterations learning_rate "
     "max_grad_norm epsilon epsilon_high max_completion_length temperature max_prompt_length eval_samples log_freq "
-    "num_generations_eval "
+    "num_generations_eval ref_model_sync_steps "
     "train_size eval_size tool_timeout"
 )
 
@@ -107,6 +107,11 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     if getattr(args, "use_vllm", False):
         check_vllm_args(args)
     check_generation_options(args)
+    if args.sync_ref_model and (args.beta == 0 or args.use_peft):  # TRL refuses both too
+        what = "--beta 0 leaves no reference" if args.beta == 0 else "--use-peft has no reference copy"
+        raise UsageError(f"--sync-ref-model moves a reference copy during training, and {what} to move: drop one.")
+    if args.sync_ref_model and not 0 <= args.ref_model_mixup_alpha <= 1:
+        raise UsageError(f"--ref-model-mixup-alpha {args.ref_model_mixup_alpha}: it lies in [0, 1].")
     sources = len(args.reward_funcs) + (args.reward_model is not None)
     if args.reward_weights and len(args.reward_weights) != sources:
         raise UsageError(
@@ -251,7 +256,13 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
     optimizer = adamw(args, model)
     scheduler = learning_rate_schedule(args, optimizer, optimizer_steps, accelerator.num_processes)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if getattr(args, "sync_ref_model", False):  # TR-DPO's moving reference: checkpointed, so a resume continues exactly
+        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise UsageError("--sync-ref-model runs in one process or under DDP, not with sharded weights (FSDP, DeepSpeed).")
+        accelerator.register_for_checkpointing(ref_model)
     reference = "none (beta 0)" if args.beta == 0 else "frozen copy" if ref_model is not None else "adapter disabled"
+    if getattr(args, "sync_ref_model", False):
+        reference += f", moving (TR-DPO: alpha {args.ref_model_mixup_alpha:g} every {args.ref_model_sync_steps} steps)"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(f"policy {args.model_name}: {trainable:,} trainable parameters; reference: {reference}")
     return model, ref_model, optimizer, scheduler

@@ -450,15 +450,12 @@ def test_a_reference_free_loss_trains_without_a_reference_model(tmp_path, pairs_
     assert len(made) == 1  # a reference-based loss builds its reference
 
 
-@pytest.mark.parametrize("script", ["dpo", "kto"])
-def test_sync_reference_equals_trls_callback(script):
-    """TR-DPO's soft update (dpo.py's and kto.py's) against TRL 1.16's SyncRefModelCallback._sync_target_model, on two
-    random tiny GPT-2s, and by hand on one weight."""
-    import importlib
-
+def test_sync_reference_equals_trls_callback():
+    """TR-DPO's soft update (common.models.sync_reference: dpo.py's, kto.py's, grpo.py's and rloo.py's) against TRL
+    1.16's SyncRefModelCallback._sync_target_model, on two random tiny GPT-2s, and by hand on one weight."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    sync_reference = importlib.import_module(script).sync_reference
+    from common.models import sync_reference
 
     trl = require("trl")
     config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)

@@ -195,14 +195,32 @@ def test_options_run(tmp_path, flags):
     assert read_scalars(str(tmp_path / "runs"), "charts/learning_rate") == pytest.approx(rates)
 
 
-def test_resume_continues_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("sync", [[], ["--sync-ref-model", "--ref-model-sync-steps", "3"]], ids=["frozen", "tr-dpo"])
+def test_resume_continues_where_it_stopped(tmp_path, sync):
     """4 updates straight == 3 updates, checkpoint, resume for 1 more (same weights, bit for bit: the prompt order,
-    the sampling and the mini-batch shuffles all continue); the checkpoint also loads with plain from_pretrained."""
-    common = [GRPO, *ARITH, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2"]
+    the sampling and the mini-batch shuffles all continue; TR-DPO's moving reference and its step count too); the
+    checkpoint also loads with plain from_pretrained."""
+    common = [GRPO, *ARITH, *TINY, "--total-prompts", "16", "--beta", "0.1", "--num-iterations", "2", *sync]
     # the summary reads from the run's start (its first evaluation and reward history)
     out, checkpoint = check_resume(common, ["--save-freq", "3"], "update_3", r"train reward .*? of them\)", tmp_path)
     assert "grpo: 1 updates" in out and AutoModelForCausalLM.from_pretrained(checkpoint).config.n_layer > 0
     assert "raise --total-prompts" in run_failing([*common, "--total-prompts", "12", "--resume-from", checkpoint], tmp_path)
+
+
+def test_tr_dpo_reference_with_alpha_1_keeps_the_kl_at_zero(tmp_path):
+    """grpo.py --sync-ref-model (TRL's GRPOConfig field): with --ref-model-mixup-alpha 1 after every optimizer step the
+    reference is the policy that samples the next update, whose one optimizer step computes every mini-batch before
+    it moves: the logged KL is exactly 0 at every update (a frozen reference's grows); --beta 0 has no reference: one
+    line."""
+    common = [GRPO, *ARITH, *TINY, "--total-prompts", "24", "--beta", "0.1", "--learning-rate", "1e-3"]
+    sync = ["--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"]
+    run_script([*common, *sync, "--log-dir", "synced"], tmp_path)
+    run_script([*common, "--output-dir", "frozen", "--log-dir", "frozen_runs"], tmp_path)
+    synced, frozen = (read_scalars(str(tmp_path / d), "kl") for d in ("synced", "frozen_runs"))
+    assert len(synced) == 6 and synced == [0.0] * 6, synced
+    assert frozen[0] == 0.0 and frozen[-1] > 0, frozen
+    error = run_failing([GRPO, *ARITH, *TINY, *sync, "--overwrite"], tmp_path)
+    assert "--sync-ref-model moves a reference copy during training, and --beta 0 leaves no reference" in error
 
 
 def test_reward_model_scores_prompt_completion_eos_and_is_logged(tmp_path):

@@ -253,3 +253,16 @@ def test_entropy_bonus_runs_and_logs_its_coefficient(tmp_path):
     assert read_scalars(str(tmp_path / "runs"), "entropy_coef") == pytest.approx([0.5, 0.5])
     plain, bonus = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "bonus"))
     assert any(not torch.equal(plain[k], bonus[k]) for k in plain)
+
+
+def test_tr_dpo_reference_with_alpha_1_keeps_the_kl_at_zero(tmp_path):
+    """rloo.py --sync-ref-model (grpo.py's, tested against TRL's callback there): with --ref-model-mixup-alpha 1 after
+    every optimizer step the reference is the policy that samples the next update, so the KL in the rewards is 0 (to
+    float rounding) at every update, while a frozen reference's grows."""
+    common = [RLOO, *ARITH, *TINY, "--total-prompts", "24", "--beta", "0.1", "--learning-rate", "1e-3"]
+    sync = ["--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"]
+    run_script([*common, *sync, "--log-dir", "synced"], tmp_path)
+    run_script([*common, "--output-dir", "frozen", "--log-dir", "frozen_runs"], tmp_path)
+    synced, frozen = (read_scalars(str(tmp_path / d), "kl") for d in ("synced", "frozen_runs"))
+    assert len(synced) > 2 and synced == pytest.approx([0.0] * len(synced), abs=1e-6), synced
+    assert frozen[-1] > 1e-3, frozen
