@@ -70,7 +70,11 @@ def check_outputs(args, given: bool = True) -> None:
         raise UsageError(conflicts[0])
     log_dir = getattr(args, "log_dir", None)
     if log_dir is not None:
-        _writable_folder(log_dir, "--log-dir")
+        logs = os.path.realpath(_writable_folder(log_dir, "--log-dir"))
+        for flag, path in output_folders(args).items():  # a save replaces its folder: logs inside it would go with it
+            full = os.path.realpath(path)
+            if logs == full or logs.startswith(full + os.sep):
+                raise UsageError(f"--log-dir {log_dir} lies in {flag} {path}, which a save replaces: keep them apart.")
 
 
 def _conflict(args, flag: str, path: str) -> str | None:

@@ -531,3 +531,13 @@ def test_one_message_per_failed_check(tmp_path, script):
     path = os.path.join(ROOT, f"{script}.py")
     error = run_failing([path, *RANDOM_MODEL, "--top-p", "0"], tmp_path)
     assert error == "UsageError: --top-p 0.0: it lies in (0, 1].", error
+
+
+@pytest.mark.parametrize("script", ["sft", "grpo"])
+def test_logs_inside_the_output_folder_are_refused_before_anything_loads(tmp_path, script):
+    """The final save replaces its output folder, so --log-dir inside it (or equal to it) would lose the logs at the
+    run's end: one line before anything loads, and nothing written."""
+    for logs in ("out", "out/runs"):
+        error = run_failing([os.path.join(ROOT, f"{script}.py"), "--output-dir", "out", "--log-dir", logs], tmp_path)
+        assert f"--log-dir {logs} lies in --output-dir out, which a save replaces: keep them apart." in error, error
+    assert os.listdir(tmp_path) == []
