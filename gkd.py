@@ -16,7 +16,6 @@ Usage:
     accelerate launch gkd.py --teacher-name Qwen/Qwen2.5-1.5B-Instruct --model-name Qwen/Qwen2.5-0.5B-Instruct
 """
 
-import json
 import math
 import os
 import random
@@ -42,6 +41,7 @@ from common.core import (
     check_adam,
     check_args,
     epoch_rows,
+    json_object,
     logprobs_from_logits,
     masked_mean,
     pooled,
@@ -271,15 +271,7 @@ def check(args: Args) -> None:
 
 def teacher_options(args: Args) -> dict:
     """--teacher-model-init-kwargs as from_pretrained's keywords (the checkpoint's own dtype unless it names one)."""
-    try:
-        options = json.loads(args.teacher_model_init_kwargs) if args.teacher_model_init_kwargs else {}
-    except json.JSONDecodeError as error:
-        options = error.msg
-    if not isinstance(options, dict):
-        raise UsageError(
-            f"--teacher-model-init-kwargs {args.teacher_model_init_kwargs!r}: give a JSON object, e.g. "
-            '\'{"dtype": "bfloat16"}\'.'
-        )
+    options = json_object(args.teacher_model_init_kwargs, "--teacher-model-init-kwargs", '{"dtype": "bfloat16"}')
     return {"dtype": "auto"} | options
 
 

@@ -354,3 +354,16 @@ def pooled(accelerator, stats_list: list[dict]) -> dict[str, float]:
         else:
             out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()
     return out
+
+
+def json_object(value: str | None, flag: str, example: str) -> dict:
+    """A flag's JSON object (unset: {}); anything else is one line naming the flag and an example of what it takes."""
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{flag} {value!r}: not JSON ({error.msg}); give a JSON object, e.g. '{example}'.") from None
+    if not isinstance(parsed, dict):
+        raise UsageError(f"{flag} {value!r}: give a JSON object, e.g. '{example}'.")
+    return parsed

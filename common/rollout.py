@@ -33,6 +33,7 @@ from common.core import (
     epoch_rows,
     error_line,
     exact_div,
+    json_object,
     nanstd,
     sizes,
     warn_once,
@@ -89,14 +90,7 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
         warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     check_off_policy_args(args)
-    try:
-        options = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
-    except json.JSONDecodeError as error:
-        options = error.msg
-    if not isinstance(options, dict):
-        raise UsageError(
-            f"--chat-template-kwargs {args.chat_template_kwargs!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'."
-        )
+    json_object(args.chat_template_kwargs, "--chat-template-kwargs", '{"enable_thinking": false}')
     try:  # the schedule, on a stand-in parameter: a name or option that transformers cannot take is one line
         learning_rate_schedule(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10, 1)
     except (ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
@@ -174,7 +168,7 @@ def load_online_task(args, accelerator: Accelerator, num_updates: int) -> Task:
     """The task of --dataset-name with its rewards and tools, every mistake a one-line error before any model loads; a
     line saying what the run of `num_updates` updates will train on."""
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    bind_template_kwargs(tokenizer, json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None)
+    bind_template_kwargs(tokenizer, json_object(args.chat_template_kwargs, "--chat-template-kwargs", "") or None)
     toolset = Toolset(args, tokenizer) if args.tools or args.environment else None
     schemas = toolset.schemas if toolset else None
     train_rows, eval_rows, chat = load_task(args, tokenizer, args.prompt_column, args.max_prompt_length, schemas)

@@ -14,7 +14,6 @@ backend prepacks every linear weight for oneDNN and drops the parameter that `mo
 import contextlib
 import copy
 import inspect
-import json
 import logging
 import os
 import tempfile
@@ -23,7 +22,7 @@ import warnings
 
 import torch
 
-from common.core import UsageError, check_args
+from common.core import UsageError, check_args, json_object
 from common.loading import REMOTE_CODE
 from common.models import peft_model_of
 
@@ -73,19 +72,12 @@ OWN_SETTINGS = (
 def generation_options(args) -> dict:
     """--generation-kwargs (TRL's generation_kwargs) as a dict: more options for HF `generate` (a GenerationConfig
     field) or, with --use-vllm, for vLLM's SamplingParams."""
-    options = getattr(args, "generation_kwargs", None)
-    return json.loads(options) if options else {}
+    return json_object(getattr(args, "generation_kwargs", None), "--generation-kwargs", '{"no_repeat_ngram_size": 3}')
 
 
 def check_generation_options(args) -> None:
     """--generation-kwargs: a JSON object whose keys the run's backend takes and that no flag of its own sets."""
-    flag = f"--generation-kwargs {getattr(args, 'generation_kwargs', None)!r}"
-    try:
-        options = generation_options(args)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{flag}: not JSON ({error.msg}); give an object, e.g. '{{\"no_repeat_ngram_size\": 3}}'.") from None
-    if not isinstance(options, dict):
-        raise UsageError(f"{flag}: give a JSON object, e.g. '{{\"no_repeat_ngram_size\": 3}}'.")
+    flag, options = f"--generation-kwargs {getattr(args, 'generation_kwargs', None)!r}", generation_options(args)
     own = [k for k in options if k in OWN_SETTINGS]
     if own:
         raise UsageError(

@@ -1007,6 +1007,7 @@ def test_a_model_that_ships_its_code_loads_only_with_trust_remote_code(tmp_path,
     --trust-remote-code every loader refuses it in one line naming the flag; with it (set by common.cli from any
     script's Args) config, model and tokenizer load, the model as the folder's own class; every script has the flag."""
     import ast
+    import importlib
     import sys
 
     import transformers.dynamic_module_utils as dynamic
@@ -1027,9 +1028,9 @@ def test_a_model_that_ships_its_code_loads_only_with_trust_remote_code(tmp_path,
         "class ShippedModel(GPT2LMHeadModel):\n    config_class = ShippedConfig\n"
     )
     (source / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from source.shipped_config import ShippedConfig
-    from source.shipped_model import ShippedModel
+    monkeypatch.syspath_prepend(str(tmp_path))  # the folder "source" of the test's own two modules
+    ShippedConfig = importlib.import_module("source.shipped_config").ShippedConfig
+    ShippedModel = importlib.import_module("source.shipped_model").ShippedModel
 
     ShippedConfig.register_for_auto_class()
     ShippedModel.register_for_auto_class("AutoModelForCausalLM")
