@@ -86,7 +86,8 @@ class Args:
     teacher_model_init_kwargs: str | None = None
     """from_pretrained options of the teacher as JSON, e.g. '{"dtype": "bfloat16"}' (TRL's teacher_model_init_kwargs)"""
     dtype: str = "float32"
-    """the student's dtype (float32 as TRL: weights that train need it); the teacher keeps its checkpoint's own"""
+    """the student's dtype (float32 as TRL: weights that train need it); the teacher keeps its checkpoint's own unless
+    --teacher-model-init-kwargs names one"""
     dataset_name: str = "reasoning-gym:chain_sum"
     """reasoning-gym:<task> (held-out problems distinct from training), or a dataset with a prompt and a completion column"""
     task_config: str = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from records import header, machine, run_script, scalars, untimed  # noqa: E402
 
-# what a run keeps, by name: each a function of (the keep's arguments, the run's stdout lines, its log folder)
 PPO_EVAL = ("reward_mean", "reward_std", "vader_sentiment", "distinct_2", "top_token_share")
 KTO_EVAL = ("rewards/margins", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen", "logps/rejected", "loss")
 KTO_EVAL += ("samples/kl", "samples/length", "samples/distinct")
@@ -37,6 +36,10 @@ PIPELINE_STAGES = {"sft": "sft: ", "reward_model": "reward model: ", "ppo": "ppo
 
 def series(logs: str, tag: str) -> list[float]:
     return [v for _, v in scalars(logs, tag)]
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def line_of(lines: list[str], prefix: str) -> str | None:
@@ -50,6 +53,8 @@ def health(lines: list[str]) -> dict:
     return {"health": found, "warning": after[0] if after and after[0].startswith("warning:") else None}
 
 
+# what a run keeps, by name: each a function of (the entry's argument, the run's stdout lines, its log folder, its
+# working folder), returning the fields it adds to the run's record
 KEEP = {
     "line": lambda prefix, lines, logs, folder: {"line": line_of(lines, prefix)},
     "ends": lambda tags, lines, logs, folder: {  # each eval/ tag at the first and the last evaluation
@@ -58,7 +63,7 @@ KEEP = {
     },
     "evaluations": lambda tag, lines, logs, folder: {"evaluations": len(series(logs, tag))},
     "last_kl": lambda tag, lines, logs, folder: {"last_kl": series(logs, tag)[-1]},  # the last update's
-    "step_s": lambda tag, lines, logs, folder: {"step_s": sorted(series(logs, tag))[len(series(logs, tag)) // 2]},
+    "step_s": lambda tag, lines, logs, folder: {"step_s": median(series(logs, tag))},
     "eval": lambda tags, lines, logs, folder: {"eval": {t: series(logs, f"eval/{t}") for t in tags}},
     "teacher_accuracy": lambda tag, lines, logs, folder: {"teacher_accuracy": series(logs, tag)[0]},
     "health": lambda _, lines, logs, folder: health(lines),
@@ -103,14 +108,14 @@ RUNS = {
         "kto-default",
         "docs/kto.md",
         seeds("kto.py --seed {seed}", 1, 2, 3),
-        {"line": "kto: "} | {"evaluations": "eval/loss", "ends": KTO_EVAL},
-    ),  # fmt: skip
+        {"line": "kto: ", "evaluations": "eval/loss", "ends": KTO_EVAL},
+    ),
     "ppo-default": Entry(
         "ppo-default",
         "docs/ppo.md",
         seeds("ppo.py --seed {seed}", 1, 2, 3),
-        {"line": "ppo: "} | {"ends": (*PPO_EVAL[:4], "distinct_words", "top_token_share"), "last_kl": "objective/kl"},
-    ),  # fmt: skip
+        {"line": "ppo: ", "ends": (*PPO_EVAL[:4], "distinct_words", "top_token_share"), "last_kl": "objective/kl"},
+    ),
     "ppo-learned-reward": Entry(
         "ppo-learned-reward",
         "docs/ppo.md",
@@ -134,7 +139,7 @@ RUNS = {
         "docs/pipeline.md",
         seeds("pipeline.py --seed {seed}", 1, 2, 3),
         {"line": "pipeline: ", "pipeline": "outputs/pipeline/results.json"},
-    ),  # fmt: skip
+    ),
 }
 PREFIX = {"reward_modeling": "reward model: "}  # a script whose summary line does not start with its own name
 
