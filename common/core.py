@@ -345,15 +345,12 @@ def pooled(accelerator, stats_list: list[dict]) -> dict[str, float]:
     totals = accelerator.reduce(values, "sum")  # [mini-batches, stats, 2]
     extremes = any(name.endswith(("_min", "/min", "_max", "/max")) for name in names)
     every = accelerator.gather(values[None]) if extremes else None  # [processes, mini-batches, stats, 2]
-    out = {}
-    for i, name in enumerate(names):
-        if name.endswith(("_min", "/min")):
-            out[name] = every[..., i, 0].min().item()
-        elif name.endswith(("_max", "/max")):
-            out[name] = every[..., i, 0].max().item()
-        else:
-            out[name] = (totals[:, i, 0] / totals[:, i, 1].clamp(min=1.0)).mean().item()
-    return out
+    rows = [(totals[..., 0] / totals[..., 1].clamp(min=1.0)).mean(0)]  # [stats]: the weighted means
+    if every is not None:
+        rows += [every[..., 0].flatten(0, 1).amin(0), every[..., 0].flatten(0, 1).amax(0)]
+    values = torch.stack(rows).tolist()  # one device sync for them all
+    kind = lambda name: 1 if name.endswith(("_min", "/min")) else 2 if name.endswith(("_max", "/max")) else 0  # noqa: E731
+    return {name: values[kind(name)][i] for i, name in enumerate(names)}
 
 
 def json_object(value: str | None, flag: str, example: str) -> dict:
