@@ -28,13 +28,15 @@ from tqdm.auto import tqdm
 from common.chat import text_of
 from common.checkpoints import save_policy
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, check_adam, epoch_rows, masked_mean, nanstd, pooled
+from common.core import EntropyBonus, UsageError, check_adam, masked_mean, nanstd, pooled
 from common.models import sync_reference
 from common.rollout import (
     Engine,
     Ledger,
     RolloutStream,
     check_online_args,
+    dynamic_metrics,
+    dynamic_sampling,
     evaluate,
     load_online_task,
     load_policy,
@@ -373,8 +375,9 @@ def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
 
 
 def score_rollout(args: Args, task, rows: list[dict], rollout):
-    """Phase 2 for one rollout: every reward function's rewards [N, F] and the completions' texts, their weighted sum
-    [N] (NaN where no function could score) with DAPO's overlong punishment [N] (zeros without --overlong-buffer)."""
+    """Phase 2 for one rollout: the weighted sum of the reward functions' rewards [N] (NaN where no function could
+    score) with DAPO's overlong punishment, each function's rewards [N, F], the completions' texts, and the punishment
+    [N] (zeros without --overlong-buffer)."""
     rewards_per_func, texts = score(task, rows, rollout)  # [N, F]
     rewards = (rewards_per_func * task.weights).nansum(1)
     rewards[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
@@ -383,66 +386,7 @@ def score_rollout(args: Args, task, rows: list[dict], rollout):
         over = (rollout.model_mask.sum(1) - (args.max_completion_length - args.overlong_buffer)).clamp(min=0)
         punishment = -args.overlong_penalty * over / args.overlong_buffer
         rewards = rewards + punishment
-    return rewards_per_func, texts, rewards, punishment
-
-
-def dynamic_sampling(args: Args, task, engine, accelerator, update: int, rows, rollout, scored):
-    """DAPO's dynamic sampling (Yu et al. 2025, Algorithm 1; verl's filter_groups): a group whose rewards are all equal
-    has no advantage to learn from, so it is set aside and more prompts are sampled, round after round, until this rank
-    holds batch_size groups whose rewards differ, or --max-num-gen-batches rounds were drawn; the batch is then topped
-    up with groups set aside. Every rank samples in every round while any rank lacks groups (their collectives stay in
-    step). Returns the batch's rows, rollout and scores, the rounds drawn, and the groups topped up."""
-    G, want = args.num_generations, args.batch_size
-    kept, aside, rounds = [], [], 0
-    while True:
-        flat = group_advantages(scored[2], G)[1].view(-1, G)[:, 0]  # this rank's groups: all rewards equal
-        for g, flat_group in enumerate(flat.tolist()):
-            (aside if flat_group else kept).append((rows, rollout, scored, slice(g * G, (g + 1) * G)))
-        rounds += 1
-        short = accelerator.reduce(torch.tensor(float(len(kept) < want), device=accelerator.device), "max")
-        if short.item() == 0 or rounds >= args.max_num_gen_batches:
-            break
-        # the next prompts: a draw of its own per (update, round), the same on every rank, each rank its slice
-        draw = (update + 1) * args.max_num_gen_batches + rounds + 10**6
-        rows = [row for row in epoch_rows(task.train_rows, want, draw, args.seed, accelerator) for _ in range(G)]
-        engine.policy.eval()
-        rollout = engine.rollout(rows)
-        scored = score_rollout(args, task, rows, rollout)
-    chosen = (kept + aside)[:want]
-    rows = [row for part_rows, _, _, part in chosen for row in part_rows[part]]
-    per_func, rewards, punishment = (torch.cat([scored[i][part] for _, _, scored, part in chosen]) for i in (0, 2, 3))
-    texts = [text for _, _, scored, part in chosen for text in scored[1][part]]
-    rollout = cat_rollouts([(r, part) for _, r, _, part in chosen], task.tokenizer.pad_token_id)
-    return rows, rollout, (per_func, texts, rewards, punishment), rounds, max(0, want - len(kept))
-
-
-def dynamic_metrics(accelerator, rounds: int, filled: int) -> dict[str, float]:
-    """The update's generation rounds (the most over the processes) and the groups topped up (summed over them)."""
-    values = accelerator.gather(torch.tensor([[float(rounds), float(filled)]], device=accelerator.device))
-    return {"dynamic_sampling/rounds": values[:, 0].max().item(), "dynamic_sampling/filled": values[:, 1].sum().item()}
-
-
-def cat_rollouts(parts: list, pad_id: int):
-    """One rollout of the `(rollout, slice)` parts: prompts left-padded and completions right-padded to the widest."""
-    first = parts[0][0]
-    P = max(r.prompts.shape[1] for r, _ in parts)
-    T = max(r.completions.shape[1] for r, _ in parts)
-
-    def left(x, value):
-        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
-
-    def right(x, value):
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    def cat(name, pad, value):
-        return torch.cat([pad(getattr(r, name)[part], value) for r, part in parts])
-
-    sampled = None if first.sampling_logprobs is None else cat("sampling_logprobs", right, 0.0)
-    return type(first)(
-        cat("prompts", left, pad_id), cat("prompt_mask", left, 0), cat("completions", right, pad_id),
-        cat("mask", right, 0), cat("model_mask", right, 0), torch.cat([r.ended[part] for r, part in parts]),
-        sampling_logprobs=sampled, version=first.version,
-    )  # fmt: skip
+    return rewards, rewards_per_func, texts, punishment
 
 
 def importance_sampling_ratio(old_logprobs, sampling_logprobs, mask, mode="sequence_mask", clip_min=None, clip_max=3.0):
@@ -656,16 +600,6 @@ def check(args: Args) -> None:
     check_adam(args)
     check_online_args(args, non_negative="overlong_buffer overlong_penalty off_policy_mask_threshold delta")
     EntropyBonus.check(args)
-    if args.dynamic_sampling:
-        refused = [
-            f
-            for f, on in (("--max-staleness", args.max_staleness), ("--tools / --environment", args.tools or args.environment))
-            if on
-        ]
-        if refused:
-            raise UsageError(f"--dynamic-sampling with {refused[0]}: it samples again on-policy, without tools; drop one.")
-        if args.max_num_gen_batches < 1:
-            raise UsageError(f"--max-num-gen-batches {args.max_num_gen_batches}: at least 1 round of generation.")
     if not 0 <= args.top_entropy_quantile <= 1:
         raise UsageError(f"--top-entropy-quantile {args.top_entropy_quantile}: it lies in [0, 1].")
     if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
@@ -711,13 +645,13 @@ def main(args: Args) -> None:
 
         # 2. score: every reward function on every completion, a weighted sum; DAPO's overlong punishment
         #    (--dynamic-sampling: groups whose rewards are all equal are replaced by newly sampled ones)
-        rewards_per_func, completions_text, rewards, punishment = score_rollout(args, task, rows, rollout)  # [N, F], [N]
+        rewards, rewards_per_func, completions_text, punishment = score_rollout(args, task, rows, rollout)  # [N], [N, F]
         if args.dynamic_sampling:
-            scored = (rewards_per_func, completions_text, rewards, punishment)
+            scored = (rewards, rewards_per_func, completions_text, punishment)
             rows, rollout, scored, rounds, filled = dynamic_sampling(
-                args, task, engine, accelerator, update, rows, rollout, scored
+                args, task, engine, accelerator, update, rows, rollout, scored, lambda *r: score_rollout(args, task, *r)
             )
-            rewards_per_func, completions_text, rewards, punishment = scored
+            rewards, rewards_per_func, completions_text, punishment = scored
             generate_time = time.time() - update_start  # every round's sampling (and its scoring)
         prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
         sampled = rollout.sampling_logprobs  # [N, T], the sampler's own log-probs (--max-staleness, --old-logprobs sampler)

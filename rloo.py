@@ -34,6 +34,8 @@ from common.rollout import (
     Ledger,
     RolloutStream,
     check_online_args,
+    dynamic_metrics,
+    dynamic_sampling,
     evaluate,
     load_online_task,
     load_policy,
@@ -171,6 +173,15 @@ class Args:
     """normalise the advantages over the whole generation batch to mean 0 and std 1"""
     reward_clip_range: tuple[float, float] | None = None
     """clip the summed reward (before the KL penalty) to (min, max); None: no clipping"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """several reward functions: their weighted sum; or GDPO's normalize_then_sum: each function normalised within its
+    group, then the weighted sum (TRL 1.16's GRPOConfig; add --normalize-advantages for GDPO's batch normalisation)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards (before the KL penalty) are all equal are dropped and more prompts
+    sampled until the batch is full of groups with a signal (Yu et al. 2025, Algorithm 1; TRL has none)"""
+    max_num_gen_batches: int = 4
+    """--dynamic-sampling: generation rounds per update at most (verl's max_num_gen_batches); then the batch is topped
+    up with dropped groups, and dynamic_sampling/filled counts them"""
     mask_truncated_completions: bool = False
     """completions cut by max_completion_length (no EOS) take no part in the loss"""
     entropy_coef: float = 0.0
@@ -310,6 +321,32 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+def gdpo_scores(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's decoupled aggregation (Liu et al. 2026; TRL 1.16's normalize_then_sum before its batch normalisation),
+    rewards_per_func [N, F] in group order: each function's rewards minus their group mean over their group std + 1e-4,
+    then the weighted sum [N]. NaN rewards are left out of the statistics; NaN where no function scored."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    std = nanstd(grouped, dim=1).unsqueeze(1)
+    normalised = ((grouped - grouped.nanmean(1, keepdim=True)) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
+    scores = (normalised * weights).nansum(1)
+    scores[rewards_per_func.isnan().all(1)] = math.nan
+    return scores
+
+
+def score_rollout(args: Args, task, rows: list[dict], rollout):
+    """Phase 2 for one rollout: the task's reward [N] (the functions' weighted sum, or GDPO's; clipped to
+    --reward-clip-range; NaN where no function could score), each function's rewards [N, F], the completions' texts."""
+    rewards_per_func, texts = score(task, rows, rollout)  # [N, F]
+    if args.multi_objective_aggregation == "normalize_then_sum":
+        scores = gdpo_scores(rewards_per_func, task.weights, args.num_generations)
+    else:
+        scores = (rewards_per_func * task.weights).nansum(1)
+        scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
+    if args.reward_clip_range is not None:
+        scores = scores.clamp(*args.reward_clip_range)
+    return scores, rewards_per_func, texts
+
+
 def rloo_loss(logps, old_logps, advantages, epsilon_low: float, epsilon_high: float, is_ratio=None):
     """PPO's clipped objective with the whole completion as one action (TRL 1.x `RLOOTrainer._compute_loss`).
 
@@ -394,15 +431,25 @@ def main(args: Args) -> None:
         # 1. generate: k completions of each of this rank's prompts, side by side (with tools: whole episodes), by the
         #    weights of this update, or with --max-staleness by those of an earlier one
         rows, rollout, staleness = stream.next(update)  # completions [N, T], N = batch_size * k
-        prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
         generate_time = time.time() - update_start
+
+        # 2. score: every reward function on every completion, their weighted sum (GDPO: each normalised in its group)
+        #    (--dynamic-sampling: groups whose rewards are all equal are replaced by newly sampled ones)
+        scores, rewards_per_func, completions_text = score_rollout(args, task, rows, rollout)  # [N], [N, F]
+        if args.dynamic_sampling:
+            rows, rollout, (scores, rewards_per_func, completions_text), rounds, filled = dynamic_sampling(
+                args, task, engine, accelerator, update, rows, rollout, (scores, rewards_per_func, completions_text),
+                lambda *r: score_rollout(args, task, *r),
+            )  # fmt: skip
+            generate_time = time.time() - update_start  # every round's sampling (and its scoring)
+        prompts, prompt_mask, completions, mask = rollout.prompts, rollout.prompt_mask, rollout.completions, rollout.mask
         # the tokens the loss and the KL read: the policy's own (tool results are context), less cut ones with the flag
         loss_mask = rollout.model_mask
         if args.mask_truncated_completions:
             loss_mask = loss_mask * rollout.ended[:, None].float()
         sampled = (rollout.sampling_logprobs * loss_mask).sum(1) if rollout.sampling_logprobs is not None else None
 
-        # 2. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
+        # 3. old and reference log-probs of each completion, summed over its tokens: the KL penalty enters the reward.
         #    Without it, and with one pass and one optimizer step per generation batch, no mini-batch sees an updated
         #    policy: the old log-probs are then the training forward's own, detached, and this pass is skipped
         #    (--old-logprobs sampler: the sampler's own, and no forward)
@@ -422,17 +469,10 @@ def main(args: Args) -> None:
         old_logps = sampled if not recompute else old_logps
         ref_logps = (ref_logprobs * loss_mask).sum(1) if ref_logprobs is not None else None
 
-        # 3. score: every reward function on every completion, a weighted sum, minus beta * KL:
-        #    r = sum_f w_f r_f - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t))
-        rewards_per_func, completions_text = score(task, rows, rollout)  # [N, F]
-        scores = (rewards_per_func * task.weights).nansum(1)
-        scores[rewards_per_func.isnan().all(1)] = math.nan  # every function returned None: unscorable
-        if args.reward_clip_range is not None:
-            scores = scores.clamp(*args.reward_clip_range)
+        # 4. the KL penalty, then leave-one-out advantages over every process's groups:
+        #    r = score - beta * sum_t (log pi_old(y_t) - log pi_ref(y_t)), A_i = r_i - mean of the other k - 1 rewards
         kl = old_logps - ref_logps if beta else torch.zeros_like(scores)  # [N], first-order, per sequence
         rewards = scores - args.beta * kl
-
-        # 4. leave-one-out advantages over every process's groups: A_i = r_i - mean of the other k - 1 rewards
         all_rewards = accelerator.gather(rewards)  # [world * N]: --normalize-advantages uses the whole batch
         all_advantages = rloo_advantages(all_rewards, args.num_generations, args.normalize_advantages)
         local = slice(accelerator.process_index * len(rows), (accelerator.process_index + 1) * len(rows))
@@ -490,6 +530,7 @@ def main(args: Args) -> None:
                 "time/step": time.time() - update_start,
             }
             | stream.metrics(staleness)
+            | (dynamic_metrics(accelerator, rounds, filled) if args.dynamic_sampling else {})
         )
         stream.trained(update, policy)
         ledger.extra["entropy_bonus"] = bonus.state()  # checkpointed with the ledger

@@ -90,6 +90,13 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     if not (args.tools or args.environment) and (args.chat_template_path or args.max_tool_calling_iterations is not None):
         warn_once("--chat-template-path and --max-tool-calling-iterations take effect with --tools or --environment")
     check_off_policy_args(args)
+    if getattr(args, "dynamic_sampling", False):
+        tools = "--tools / --environment" if args.tools or args.environment else ""
+        refused = "--max-staleness" if args.max_staleness else tools
+        if refused:
+            raise UsageError(f"--dynamic-sampling with {refused}: it samples again on-policy, without tools; drop one.")
+        if args.max_num_gen_batches < 1:
+            raise UsageError(f"--max-num-gen-batches {args.max_num_gen_batches}: at least 1 round of generation.")
     json_object(args.chat_template_kwargs, "--chat-template-kwargs", '{"enable_thinking": false}')
     try:  # the schedule, on a stand-in parameter: a name or option that transformers cannot take is one line
         learning_rate_schedule(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10, 1)
@@ -667,6 +674,70 @@ def sampling_logprobs(args, accelerator: Accelerator, policy, ref_model, rollout
             with reference_context(policy, ref_model), accelerator.autocast():
                 ref_logprobs.append(per_token_logprobs(ref_model or policy, *inputs)[0])
     return (torch.cat(old_logprobs) if old else None), (torch.cat(ref_logprobs) if ref else None)
+
+
+# ================================ DAPO's dynamic sampling ================================
+def dynamic_sampling(args, task: Task, engine: Engine, accelerator: Accelerator, update: int, rows, rollout, scored, score):
+    """DAPO's dynamic sampling (Yu et al. 2025, Algorithm 1; verl's filter_groups): a group whose rewards are all equal
+    has no advantage to learn from, so it is set aside and more prompts are sampled, round after round, until this rank
+    holds batch_size groups whose rewards differ, or --max-num-gen-batches rounds were drawn; the batch is then topped
+    up with groups set aside. Every rank samples in every round while any rank lacks groups (their collectives stay in
+    step). `scored` is `score(rows, rollout)`: a tuple of per-completion tensors or lists, its first the rewards [N]
+    that decide. Returns the batch's rows, rollout and scores, the rounds drawn, and the groups topped up."""
+    G, want = args.num_generations, args.batch_size
+    kept, aside, rounds = [], [], 0
+    while True:
+        for g, flat in enumerate(zero_std_groups(scored[0], G).tolist()):  # this rank's groups: all rewards equal
+            (aside if flat else kept).append((rows, rollout, scored, slice(g * G, (g + 1) * G)))
+        rounds += 1
+        short = accelerator.reduce(torch.tensor(float(len(kept) < want), device=accelerator.device), "max")
+        if short.item() == 0 or rounds >= args.max_num_gen_batches:
+            break
+        # the next prompts: a draw of its own per (update, round), the same on every rank, each rank its slice
+        draw = (update + 1) * args.max_num_gen_batches + rounds + 10**6
+        rows = [row for row in epoch_rows(task.train_rows, want, draw, args.seed, accelerator) for _ in range(G)]
+        engine.policy.eval()
+        rollout = engine.rollout(rows)
+        scored = score(rows, rollout)
+    chosen = (kept + aside)[:want]
+    rows = [row for part_rows, _, _, part in chosen for row in part_rows[part]]
+
+    def joined(i):  # the i-th score of the chosen groups
+        parts = [(s[i], part) for _, _, s, part in chosen]
+        return torch.cat([v[p] for v, p in parts]) if torch.is_tensor(parts[0][0]) else [x for v, p in parts for x in v[p]]
+
+    scored = tuple(joined(i) for i in range(len(scored)))
+    rollout = cat_rollouts([(r, part) for _, r, _, part in chosen], task.tokenizer.pad_token_id)
+    return rows, rollout, scored, rounds, max(0, want - len(kept))
+
+
+def dynamic_metrics(accelerator: Accelerator, rounds: int, filled: int) -> dict[str, float]:
+    """The update's generation rounds (the most over the processes) and the groups topped up (summed over them)."""
+    values = accelerator.gather(torch.tensor([[float(rounds), float(filled)]], device=accelerator.device))
+    return {"dynamic_sampling/rounds": values[:, 0].max().item(), "dynamic_sampling/filled": values[:, 1].sum().item()}
+
+
+def cat_rollouts(parts: list, pad_id: int) -> Rollout:
+    """One rollout of the `(rollout, slice)` parts: prompts left-padded and completions right-padded to the widest."""
+    first = parts[0][0]
+    P = max(r.prompts.shape[1] for r, _ in parts)
+    T = max(r.completions.shape[1] for r, _ in parts)
+
+    def left(x, value):
+        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
+
+    def right(x, value):
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    def cat(name, pad, value):
+        return torch.cat([pad(getattr(r, name)[part], value) for r, part in parts])
+
+    sampled = None if first.sampling_logprobs is None else cat("sampling_logprobs", right, 0.0)
+    return type(first)(
+        cat("prompts", left, pad_id), cat("prompt_mask", left, 0), cat("completions", right, pad_id),
+        cat("mask", right, 0), cat("model_mask", right, 0), torch.cat([r.ended[part] for r, part in parts]),
+        sampling_logprobs=sampled, version=first.version,
+    )  # fmt: skip
 
 
 # ================================ scoring and evaluation ================================

@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 from conftest import ARITH as ARITHS
-from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, run_failing, run_script
+from conftest import DDP_ENV, ROOT, check_resume, ddp_launch, read_scalars, require, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
-from rloo import rloo_advantages, rloo_loss
+from rloo import gdpo_scores, rloo_advantages, rloo_loss
 
 RLOO = os.path.join(ROOT, "rloo.py")
 ARITH = ARITHS["rloo"]
@@ -109,7 +109,7 @@ TINY = [
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--reward-funcs", "verifier", "alternate.py:alternate"],
+        ["--reward-funcs", "verifier", "alternate.py:alternate", "--multi-objective-aggregation", "normalize_then_sum"],
         [
             "--normalize-advantages",
             "--num-iterations",
@@ -266,3 +266,49 @@ def test_tr_dpo_reference_with_alpha_1_keeps_the_kl_at_zero(tmp_path):
     synced, frozen = (read_scalars(str(tmp_path / d), "kl") for d in ("synced", "frozen_runs"))
     assert len(synced) > 2 and synced == pytest.approx([0.0] * len(synced), abs=1e-6), synced
     assert frozen[-1] > 1e-3, frozen
+
+
+def test_gdpo_scores_then_normalised_advantages_equal_trls_gdpo():
+    """--multi-objective-aggregation normalize_then_sum (GDPO; RLOOConfig lacks it): each function normalised within its
+    group, then the weighted sum, as TRL 1.16's GRPOTrainer (its normalize_then_sum block, reproduced below). Those sums
+    have group mean 0, so the leave-one-out advantages are k/(k-1) times them, a factor --normalize-advantages divides
+    out: with it the advantages are TRL's GDPO advantages (to the 1e-4 in each denominator). A completion no function
+    scored gets 0."""
+    generator = torch.Generator().manual_seed(0)
+    rewards_per_func = torch.rand(12, 3, generator=generator) * torch.tensor([1.0, 10.0, 0.1])  # three scales
+    rewards_per_func[2, 1] = math.nan  # one function could not score one completion
+    weights, k = torch.tensor([1.0, 0.5, 2.0]), 4
+
+    nanstd = require("trl").trainer.utils.nanstd  # TRL 1.16, grpo_trainer.py, normalize_then_sum
+    grouped = rewards_per_func.view(-1, k, 3)
+    reward_k = (grouped - torch.nanmean(grouped, 1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    rewards = (reward_k.view(-1, 3) * weights.unsqueeze(0)).nansum(dim=1)
+    expected = (rewards - torch.nanmean(rewards)) / (nanstd(rewards).expand_as(rewards) + 1e-4)
+
+    scores = gdpo_scores(rewards_per_func, weights, k)
+    assert torch.allclose(scores, rewards, atol=1e-6)
+    assert torch.allclose(rloo_advantages(scores, k), k / (k - 1) * rewards, atol=1e-5)
+    assert torch.allclose(rloo_advantages(scores, k, normalize=True), expected, atol=1e-4)
+    summed = rloo_advantages((rewards_per_func * weights).nansum(1), k, normalize=True)  # sum_then_normalize differs
+    assert not torch.allclose(summed, expected, atol=1e-2)
+    rewards_per_func[7] = math.nan  # no function could score this one
+    assert rloo_advantages(gdpo_scores(rewards_per_func, weights, k), k)[7] == 0
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(tmp_path):
+    """rloo.py --dynamic-sampling (DAPO, Algorithm 1; grpo.py's, common.rollout.dynamic_sampling): in each update the
+    groups with equal rewards are only those topped up after the last round (frac_reward_zero_std x groups ==
+    dynamic_sampling/filled), where the same run without it trains on such groups; a round beyond the first was needed."""
+    flags = ["--total-prompts", "16", "--max-num-gen-batches", "4"]
+    run_script([RLOO, *ARITH, *TINY, *flags, "--log-dir", "plain"], tmp_path)
+    run_script([RLOO, *ARITH, *TINY, *flags, "--dynamic-sampling", "--log-dir", "dynamic"], tmp_path)
+    plain, zero, rounds, filled = (
+        read_scalars(str(tmp_path / d), tag)
+        for d, tag in (("plain", "frac_reward_zero_std"), ("dynamic", "frac_reward_zero_std"),
+                       ("dynamic", "dynamic_sampling/rounds"), ("dynamic", "dynamic_sampling/filled"))
+    )  # fmt: skip
+    assert len(zero) == len(rounds) == 4 and max(rounds) > 1 and sum(plain) > 0, (plain, zero, rounds, filled)
+    assert [round(z * 4) for z in zero] == [int(f) for f in filled], (zero, filled)
+    assert sum(zero) < sum(plain)
+    error = run_failing([RLOO, *ARITH, *TINY, "--dynamic-sampling", "--max-staleness", "1"], tmp_path)
+    assert "--dynamic-sampling with --max-staleness" in error
