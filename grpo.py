@@ -81,6 +81,9 @@ class Args:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype of every model of the run: float32 as TRL (weights that train need it; mixed precision comes from
     `accelerate launch --mixed_precision bf16`), bfloat16 for frozen weights, auto for each checkpoint's own"""
+    cast_lm_head_to_fp32: bool = False
+    """ScaleRL's float32 LM head (TRL 1.16): the head's weights and logits in float32 whatever --dtype, in the policy,
+    its reference and HF generate; with --use-vllm, vLLM runs in float32 (--vllm-dtype float32)"""
     dataset_name: str = "reasoning-gym:chain_sum"
     """reasoning-gym:<task> (seeded train and held-out problems, scored by the task's own verifier), or a hub id /
     local json/jsonl/csv/parquet file with a prompt column and an answer column"""

@@ -116,6 +116,27 @@ def check_lora_targets(model: nn.Module, targets: list[str] | None) -> None:
         )
 
 
+class Float32Head(nn.Linear):
+    """An LM head whose weights are float32 and whose matmul takes its hidden states in float32 (see cast_lm_head)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
+
+
+def cast_lm_head(model: nn.Module) -> None:
+    """ScaleRL's float32 LM head (TRL 1.16's cast_lm_head_to_fp32), in place: the head's weights in float32 and its
+    logits computed in float32 whatever the model's dtype. A head tied to the embeddings shares the float32 weight, and
+    the embeddings' output is cast back to the model's dtype. Before LoRA and the reference copy, which inherit it."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        raise UsageError(f"--cast-lm-head-to-fp32: the model's head is a {type(head).__name__}, not a linear layer.")
+    dtype = head.weight.dtype
+    head.float().__class__ = Float32Head  # a class, not a bound function: deep copies (the reference) keep their own
+    if model.get_input_embeddings().weight is head.weight:  # tied: only the activations go back to the model's dtype
+        model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.to(dtype))
+
+
 def peft_model_of(model: nn.Module) -> PeftModel | None:
     """The PeftModel inside `model` (itself, or the LM of a value-head wrapper), or None."""
     inner = getattr(model, "pretrained_model", model)

@@ -39,7 +39,7 @@ from common.core import (
     warn_once,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import create_reference_model, place_frozen, reference_context
+from common.models import cast_lm_head, create_reference_model, place_frozen, reference_context
 from common.outputs import check_finite
 from common.rewards import (
     RewardModel,
@@ -106,6 +106,13 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
             f"{error_line(error)}; pass a transformers scheduler and the options it takes."
         ) from None
     if getattr(args, "use_vllm", False):
+        if (
+            getattr(args, "cast_lm_head_to_fp32", False)
+            and (args.vllm_dtype, args.dtype)[args.vllm_dtype == "auto"] != "float32"
+        ):
+            raise UsageError(
+                "--cast-lm-head-to-fp32 with --use-vllm: vLLM runs one dtype for the whole model; add --vllm-dtype float32."
+            )
         check_vllm_args(args)
     check_generation_options(args)
     if args.sync_ref_model and (args.beta == 0 or args.use_peft):  # TRL refuses both too
@@ -244,6 +251,8 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
             f"max_prompt_length ({args.max_prompt_length}) + max_completion_length "
             f"({args.max_completion_length}) exceeds the model's context of {context} tokens."
         )
+    if getattr(args, "cast_lm_head_to_fp32", False):  # before LoRA and the reference: both inherit the head
+        cast_lm_head(model)
     for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

@@ -162,7 +162,19 @@ TINY = [
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--loss-type", "grpo", "--beta", "0.1", "--importance-sampling-level", "sequence", "--lr-scheduler-type", "linear"],
+        [
+            "--loss-type",
+            "grpo",
+            "--beta",
+            "0.1",
+            "--importance-sampling-level",
+            "sequence",
+            "--lr-scheduler-type",
+            "linear",
+            "--dtype",
+            "bfloat16",
+            "--cast-lm-head-to-fp32",
+        ],
         ["--loss-type", "dr_grpo", "--scale-rewards", "none", "--use-peft", "--beta", "0.1"],
         [
             "--epsilon-high",
@@ -766,6 +778,38 @@ def test_gdpo_normalize_then_sum_equals_trls_formula():
     assert not is_std_zero.any()
     summed, _ = group_advantages((rewards_per_func * weights).nansum(1), num_generations)  # sum_then_normalize differs
     assert not torch.allclose(advantages, summed, atol=1e-2)
+
+
+def test_cast_lm_head_to_fp32_matches_trls_cast(tmp_path):
+    """--cast-lm-head-to-fp32 (ScaleRL) against TRL 1.16's own cast (GRPOTrainer.__init__'s closure, reproduced below)
+    on a bfloat16 model with a head tied to its embeddings: the same float32 logits, bit for bit, the embeddings'
+    output still bfloat16; a deep copy (the reference) keeps a head of its own; with vLLM in another dtype: one line."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from common.models import cast_lm_head
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)).to(torch.bfloat16).eval()
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    cast_lm_head(ours)
+
+    lm_head = theirs.lm_head.float()  # TRL 1.16, grpo_trainer.py, _cast_lm_head_to_fp32
+    lm_head.forward = lambda h: torch.nn.functional.linear(h.to(torch.float32), lm_head.weight.to(torch.float32), None)
+    theirs.transformer.wte.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16))
+
+    ids = torch.randint(0, 50, (2, 7))
+    logits, expected, plain = (m(input_ids=ids).logits for m in (ours, theirs, base))
+    assert ours.lm_head.weight.dtype == logits.dtype == torch.float32 and plain.dtype == torch.bfloat16
+    assert torch.equal(logits, expected) and ours.transformer.wte(ids).dtype == torch.bfloat16
+    assert ours.lm_head.weight is ours.transformer.wte.weight  # still tied
+    reference = copy.deepcopy(ours)
+    with torch.no_grad():
+        ours.lm_head.weight.add_(1.0)
+    assert torch.equal(reference(input_ids=ids).logits, expected)  # the copy reads its own weights
+    flags = ["--dtype", "bfloat16", "--cast-lm-head-to-fp32", "--use-vllm"]
+    assert "add --vllm-dtype float32" in run_failing([GRPO, *ARITH, *TINY, *flags], tmp_path)
 
 
 @pytest.mark.slow
