@@ -32,7 +32,7 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from common.chat import render, text_of
+from common.chat import bind_template_kwargs, render, text_of
 from common.checkpoints import load_checkpoint, save_checkpoint, save_policy
 from common.cli import cli
 from common.core import (
@@ -108,6 +108,8 @@ class Args:
     """render string prompts as one user message with the tokenizer's chat template, when it has one"""
     system_prompt: str | None = None
     """a system message put before every chat prompt that has none (None: the template's default, if any)"""
+    chat_template_kwargs: str | None = None
+    """options of the chat template as JSON, e.g. '{"enable_thinking": false}' for Qwen3 (TRL's chat_template_kwargs)"""
     task_instruction: str = "Give only the final answer."
     """appended to each reasoning-gym question when it is rendered as a chat"""
     max_prompt_length: int = 96
@@ -266,6 +268,7 @@ def check(args: Args) -> None:
         check_vllm_args(args)
     check_generation_options(args)
     teacher_options(args)
+    json_object(args.chat_template_kwargs, "--chat-template-kwargs", '{"enable_thinking": false}')
     if args.seq_kd and args.lmbda == 1:
         warn_once("--seq-kd has no effect with --lmbda 1: every batch is the student's own (lower --lmbda to use it)")
 
@@ -376,6 +379,7 @@ def main(args: Args) -> None:
     device, world = accelerator.device, accelerator.num_processes
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    bind_template_kwargs(tokenizer, json_object(args.chat_template_kwargs, "--chat-template-kwargs", "") or None)
     if len(tokenizer) != len(load_tokenizer(args.teacher_name)):
         raise UsageError(
             f"the student {args.model_name} and the teacher {args.teacher_name} have different vocabularies "

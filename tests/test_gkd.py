@@ -81,7 +81,11 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     kl = read_scalars(str(tmp_path / "runs"), "train/kl_to_teacher")
     assert len(kl) == 4 and min(kl) > 0, kl
     check_model_card(tmp_path / "outputs" / "gkd", "gkd")
-    run_script([GKD, *TINY, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg"], tmp_path)
+    thinking = ["--chat-template-kwargs", '{"enable_thinking": false}']  # TRL's chat_template_kwargs, as grpo.py's
+    run_script([GKD, *TINY, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg", *thinking], tmp_path)
+    assert "--chat-template-kwargs '[1]': give a JSON object" in run_failing(
+        [GKD, *TINY, "--chat-template-kwargs", "[1]"], tmp_path
+    )
     assert "different vocabularies" in run_failing(
         [GKD, *TINY, "--teacher-name", chat_llama, "--overwrite"], tmp_path
     )  # 2 more tokens
