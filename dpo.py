@@ -704,9 +704,8 @@ class Scorer:
         if self.chunked:
             head = self.accelerator.unwrap_model(policy).get_output_embeddings()
             with self.accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
-                per_token, mask, hidden = lm_token_logprobs(
-                    policy, head, batch["input_ids"], batch["attention_mask"], batch["labels"]
-                )
+                inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                per_token, mask, hidden = lm_token_logprobs(policy, head, inputs, batch["labels"])
             with torch.no_grad():  # the mean over the vocabulary of hidden @ W.T + b is hidden @ mean(W) + mean(b)
                 mean_logits = (hidden.float() @ head.weight.float().mean(0)).mean(1)
                 mean_logits += 0 if head.bias is None else head.bias.float().mean()

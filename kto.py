@@ -484,7 +484,7 @@ class Scorer:
         if self.chunked:
             head = self.accelerator.unwrap_model(policy).get_output_embeddings()
             with self.accelerator.autocast():  # the head runs outside the forward, which prepare wraps in autocast
-                per_token, _, _ = lm_token_logprobs(policy, head, ids, mask, labels)
+                per_token, _, _ = lm_token_logprobs(policy, head, dict(input_ids=ids, attention_mask=mask), labels)
             return per_token.sum(-1)
         logits = policy(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
         labels = labels[:, 1:]

@@ -1,9 +1,9 @@
 """Supervised fine-tuning (SFT) of a causal LM: the first stage of the RLHF pipeline (TRL 0.7-0.8 `SFTTrainer`).
 
 Trains next-token prediction on a text column (plain text, or chat messages rendered by the tokenizer's chat
-template), or on prompt/completion columns with the loss on the completion only. Options: constant-length packing
-of EOS-separated texts, a completion-only loss after a response template, LoRA, NEFTune embedding noise (Jain et al.
-2023), gradient checkpointing.
+template), or on prompt/completion columns with the loss on the completion only. Options: packing (best-fit
+decreasing, or constant-length blocks), a completion-only loss after a response template, LoRA, NEFTune embedding
+noise (Jain et al. 2023), gradient checkpointing.
 
 Usage:
     python sft.py                                   # offline: tiny GPT-2 on the built-in chatterbot dialogue
@@ -97,7 +97,10 @@ class Args:
     max_seq_length: int = 128
     """longer examples are truncated; with packing, the length of every block"""
     packing: bool = False
-    """concatenate EOS-separated texts and cut them into full blocks of max_seq_length (ConstantLengthDataset)"""
+    """pack the examples into rows of at most max_seq_length tokens (see --packing-strategy)"""
+    packing_strategy: Literal["bfd", "wrapped"] = "bfd"
+    """bfd: whole examples, best-fit decreasing, each attending only to itself, any loss (TRL 1.16's default);
+    wrapped: EOS-separated texts cut into full blocks (ConstantLengthDataset), whole texts only"""
     eval_fraction: float = 0.05
     """fraction of the examples held out for evaluation"""
 
@@ -177,6 +180,40 @@ def pack_sequences(token_lists: list[list[int]], seq_length: int, eos_token_id: 
     """
     stream = [token for tokens in token_lists for token in (*tokens, eos_token_id)]
     return [stream[i : i + seq_length] for i in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def pack_bfd(examples: list[dict], seq_length: int) -> list[dict]:
+    """Best-fit decreasing (TRL 1.16's packing_strategy="bfd"): the examples (each at most seq_length tokens), longest
+    first, each into the row with the least room left that holds it (of equals, the one that came to that room first),
+    or a new row. A row keeps each example's labels, less the first label of each after the first (no token is
+    predicted across examples), and positions that restart at 0 with each example: attention stays within it."""
+    rows, room, since = [], [], []  # since: the step at which a row came to its room
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))  # stable, as TRL's sort
+    for step, i in enumerate(order):
+        ids, labels = examples[i]["input_ids"], examples[i]["labels"]
+        fits = [r for r in range(len(rows)) if room[r] >= len(ids)]
+        if fits:
+            r = min(fits, key=lambda r: (room[r], since[r]))
+        else:
+            r = len(rows)
+            rows.append(dict(input_ids=[], labels=[], position_ids=[]))
+            room.append(seq_length)
+            since.append(0)
+        row = rows[r]
+        row["labels"] += ([-100] + labels[1:]) if row["input_ids"] else labels
+        row["input_ids"] += ids
+        row["position_ids"] += list(range(len(ids)))
+        room[r] -= len(ids)
+        since[r] = step
+    return rows
+
+
+def model_inputs(batch: dict) -> dict:
+    """The forward's inputs: packed rows (bfd) pass their position ids, no mask and no cache, so that transformers
+    attends within each example (it reads the examples off the positions only then); others the padding mask."""
+    if "position_ids" in batch:
+        return dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
 
 def completion_only_labels(input_ids: list[int], response_template_ids: list[int]) -> list[int] | None:
@@ -259,8 +296,10 @@ def check(args: Args) -> None:
             f"--max-seq-length {args.max_seq_length}, --warmup-ratio {args.warmup_ratio}: a sequence needs "
             "at least 2 tokens (one to predict from, one to predict), the warmup ratio lies in [0, 1)."
         )
-    if args.packing and (args.prompt_column or args.response_template):
-        raise UsageError("--packing trains on whole texts: it cannot be combined with a completion-only loss.")
+    if args.packing and args.packing_strategy == "wrapped" and (args.prompt_column or args.response_template):
+        raise UsageError(
+            "--packing-strategy wrapped trains on whole texts: for a completion-only loss use --packing-strategy bfd."
+        )
 
 
 @dataclass
@@ -297,7 +336,7 @@ def load_examples(args: Args, accelerator: Accelerator, tokenizer) -> Data:
     if chat and (args.chat_template_path or calls or "tools" in dataset.column_names):
         accelerator.print(f"chat template: {use_tool_template(tokenizer, args.chat_template_path)}")
     train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, args.seed)
-    if args.packing:  # whole texts, untruncated: a text may span two blocks (ConstantLengthDataset)
+    if args.packing and args.packing_strategy == "wrapped":  # whole texts, untruncated: a text may span two blocks
         train, eval_ = (pack(args, tokenizer, split, text_column, conversations) for split in (train_dataset, eval_dataset))
     else:
         train, eval_ = (
@@ -308,6 +347,8 @@ def load_examples(args: Args, accelerator: Accelerator, tokenizer) -> Data:
                 f"warning: {len(train_dataset) - len(train)} training examples dropped "
                 "(no response template, or nothing left to learn after truncation)"
             )
+        if args.packing:  # bfd: whole examples, as tokenised (and truncated) above, side by side in rows
+            train, eval_ = pack_bfd(train, args.max_seq_length), pack_bfd(eval_, args.max_seq_length)
     if not train or not eval_:
         raise UsageError(
             f"Nothing to train or evaluate on ({len(train)} train / {len(eval_)} eval "
@@ -370,11 +411,14 @@ class Batches:
 
     def collate(self, batch: list[dict]) -> dict:
         device, pad = self.accelerator.device, self.tokenizer.pad_token_id
-        return dict(
+        out = dict(
             input_ids=pad_right([e["input_ids"] for e in batch], pad).to(device),
             attention_mask=pad_right([[1] * len(e["input_ids"]) for e in batch], 0).to(device),
             labels=pad_right([e["labels"] for e in batch], -100).to(device),
         )
+        if "position_ids" in batch[0]:  # bfd rows: each example's positions from 0
+            out["position_ids"] = pad_right([e["position_ids"] for e in batch], 0).to(device)
+        return out
 
     def micro_batch(self, examples: list[dict], step: int) -> dict:
         args, accelerator = self.args, self.accelerator
@@ -426,15 +470,15 @@ def token_loss(logprobs: torch.Tensor, mask: torch.Tensor, loss_type: str = "nll
 def lm_loss(model, head, accelerator: Accelerator, batch: dict, loss_type: str = "nll") -> torch.Tensor:
     """`token_loss` over the labelled tokens (the model's own loss for nll without the chunked head)."""
     if head is None and loss_type == "nll":
-        return model(**batch).loss
+        return model(**model_inputs(batch), labels=batch["labels"]).loss
     if head is None:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logits = model(**model_inputs(batch)).logits[:, :-1]
         labels = batch["labels"][:, 1:]
         mask = labels != -100
         logprobs = logprobs_from_logits(logits, labels.clamp(min=0)) * mask
     else:
         with accelerator.autocast():  # the head runs outside the model's forward, which prepare wraps in autocast
-            logprobs, mask, _ = lm_token_logprobs(model, head, batch["input_ids"], batch["attention_mask"], batch["labels"])
+            logprobs, mask, _ = lm_token_logprobs(model, head, model_inputs(batch), batch["labels"])
     return token_loss(logprobs, mask, loss_type)
 
 

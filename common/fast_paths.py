@@ -99,13 +99,13 @@ def chunkable_head(model, sharded: bool = False):
     return None if head is None or scaled or sharded else head
 
 
-def lm_token_logprobs(model, head, input_ids, attention_mask, labels) -> tuple[torch.Tensor, ...]:
+def lm_token_logprobs(model, head, inputs: dict, labels) -> tuple[torch.Tensor, ...]:
     """Causal LM: log p(labels[:, t + 1]) [B, T - 1] (0 where the label is -100), that mask, and the last hidden
     states [B, T, H]. One forward returns the hidden states (`logits_to_keep=1`: the full logits are never built;
     `use_cache=False`: no KV cache, whose per-layer state would also make a compiled layer recompile for each layer);
     `chunked_logprobs` runs `head` on the labelled positions. `model` may be the wrapped (DDP) module."""
     kw = dict(output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, **kw)
+    out = model(**(inputs | kw))
     hidden, labels = out.hidden_states[-1], labels[:, 1:]
     mask = labels != -100
     logprobs = chunked_logprobs(hidden[:, :-1][mask], head.weight, labels[mask], head.bias)

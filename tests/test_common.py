@@ -325,7 +325,7 @@ def test_lm_token_logprobs_match_the_models_logits_and_chunkable_head_refuses_sc
     labels = ids.masked_fill(attention_mask == 0, -100)
     labels[1, :4] = -100  # a prompt
     head = chunkable_head(model)
-    logprobs, mask, hidden = lm_token_logprobs(model, head, ids, attention_mask, labels)
+    logprobs, mask, hidden = lm_token_logprobs(model, head, dict(input_ids=ids, attention_mask=attention_mask), labels)
     expected = logprobs_from_logits(model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1], ids[:, 1:])
     assert torch.equal(mask, labels[:, 1:] != -100) and hidden.shape == (3, 9, model.config.n_embd)
     torch.testing.assert_close(logprobs, expected * mask, rtol=1e-5, atol=1e-5)

@@ -1,17 +1,66 @@
 import json
 import math
 import os
+import random
 import warnings
 
 import pytest
 import torch
-from conftest import ROOT, check_model_card, check_resume, default_run, read_scalars, run_failing, run_script
+from conftest import ROOT, check_model_card, check_resume, default_run, read_scalars, require, run_failing, run_script
 from transformers import AutoModelForCausalLM
 
 from common.loading import load_pretrained, load_tokenizer
-from sft import completion_only_labels, neftune_hook, pack_sequences, token_loss
+from sft import completion_only_labels, model_inputs, neftune_hook, pack_bfd, pack_sequences, token_loss
 
 SFT = os.path.join(ROOT, "sft.py")
+
+
+def test_bfd_packing_places_examples_as_trls_pack_dataset():
+    """--packing-strategy bfd against TRL 1.16's pack_dataset(strategy="bfd") on examples of many lengths, ties among
+    them: the same rows, each the same examples in the same order, positions restarting at each example (TRL's
+    seq_lengths); each example's labels kept but its first (nothing is predicted across examples)."""
+    datasets, trl = require("datasets"), require("trl")
+    rng = random.Random(0)
+    examples = []
+    for n in [rng.randint(1, 16) for _ in range(60)] + [16, 5, 5, 5, 11, 11]:
+        ids = [rng.randint(1, 999) for _ in range(n)]
+        examples.append(dict(input_ids=ids, labels=[-100] * (n // 3) + ids[n // 3 :]))
+    rows = pack_bfd(examples, 16)
+    theirs = trl.pack_dataset(datasets.Dataset.from_list(examples), 16, strategy="bfd")[:]
+    assert [r["input_ids"] for r in rows] == theirs["input_ids"] and len(rows) < len(examples)
+    starts = [[i for i, p in enumerate(r["position_ids"]) if p == 0] for r in rows]
+    assert [[b - a for a, b in zip(s, s[1:] + [len(r["input_ids"])])] for s, r in zip(starts, rows)] == theirs["seq_lengths"]
+    for row, labels, s in zip(rows, theirs["labels"], starts):
+        assert row["labels"] == [-100 if i in s[1:] else label for i, label in enumerate(labels)]
+        assert row["position_ids"] == [i - max(a for a in s if a <= i) for i in range(len(row["input_ids"]))]
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_bfd_rows_attend_within_each_example(architecture):
+    """A packed row's forward (position ids, no mask: transformers attends within each example) gives each example the
+    log-probs of its own forward, for GPT-2 and Llama (SmolLM2's architecture): packing changes no gradient."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if architecture == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100))
+    else:
+        config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        config.num_key_value_heads = 2
+        model = LlamaForCausalLM(config)
+    model.eval()
+    examples = [dict(input_ids=ids, labels=ids) for ids in ([5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18])]
+    rows = pack_bfd(examples, 8)
+    assert [len(r["input_ids"]) for r in rows] == [8, 6]  # 5 + 3 (the best fit) and 4 + 2
+    for row in rows:
+        batch = {k: torch.tensor([v]) for k, v in row.items()}
+        packed = model(**model_inputs(batch)).logits[0].log_softmax(-1)
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        for a, b in zip(starts, starts[1:]):
+            alone = model(input_ids=torch.tensor([row["input_ids"][a:b]])).logits[0].log_softmax(-1)
+            torch.testing.assert_close(packed[a:b], alone, rtol=1e-5, atol=1e-5)
+        mixed = model(input_ids=batch["input_ids"]).logits[0].log_softmax(-1)  # one causal mask over the row
+        assert not torch.allclose(mixed[starts[1] :], packed[starts[1] :], atol=1e-3)
 
 
 def test_packing_gives_full_blocks_with_eos_separators():
@@ -114,7 +163,8 @@ def test_sft_options_run(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every warning, also one an earlier test in this process already showed
         run_script(
-            [SFT, "--max-steps", "3", "--packing", "--max-seq-length", "32", "--use-peft", "--lora-r", "4"]
+            [SFT, "--max-steps", "3", "--packing", "--packing-strategy", "wrapped", "--max-seq-length", "32"]
+            + ["--use-peft", "--lora-r", "4"]
             + ["--neftune-noise-alpha", "5", "--gradient-checkpointing", "--save-steps", "2"]
             + ["--num-sample-generations", "0"],
             tmp_path,
@@ -124,7 +174,9 @@ def test_sft_options_run(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "sft")  # LoRA merged
     assert not any("lora" in n for n, _ in model.named_parameters())
     run_script(
-        [SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion", "--overwrite"], tmp_path
+        [SFT, "--max-steps", "3", "--prompt-column", "prompt", "--completion-column", "completion", "--overwrite"]
+        + ["--packing"],  # bfd: a completion-only loss in packed rows
+        tmp_path,
     )
 
 
