@@ -13,6 +13,7 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml kto.py --model-name outputs/sft --use-peft
 """
 
+import gc
 import json
 import os
 import time
@@ -133,6 +134,9 @@ class Args:
     """TR-DPO's alpha: the policy's share in each update of the reference (1: a hard copy)"""
     ref_model_sync_steps: int = 512
     """TR-DPO: optimizer steps between two updates of the reference"""
+    precompute_ref_log_probs: bool = False
+    """the reference log-probs of every example and of its KL pair once before training, then the reference freed; the
+    KL pairs are then fixed as TRL forms them: rotated within each --batch-size chunk of the data's order"""
 
     # Optimisation
     learning_rate: float = 3e-5
@@ -233,6 +237,15 @@ def mismatched(completions: list) -> list:
     return completions[-1:] + completions[:-1]
 
 
+def fixed_kl_pairs(examples: list[dict], batch_size: int) -> None:
+    """--precompute-ref-log-probs: each example's KL completion fixed once, `mismatched` within each chunk of
+    `batch_size` examples in the data's order (TRL 1.16's add_kl_completion_ids), in place."""
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        for example, kl_completion in zip(chunk, mismatched([e["completion_ids"] for e in chunk])):
+            example["kl_completion_ids"] = kl_completion
+
+
 def unpair(dataset, prompt: str, chosen: str, rejected: str, completion: str, label: str) -> Dataset:
     """TRL's `unpair_preference_dataset`: each pair becomes its chosen completion labelled true and its rejected one
     labelled false, in blocks of up to 1000 pairs (the block's chosen completions, then its rejected ones)."""
@@ -289,8 +302,9 @@ def check(args: Args) -> None:
     )
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio {args.warmup_ratio}: it lies in [0, 1).")
-    if args.sync_ref_model and args.use_peft:  # TRL refuses it too
-        raise UsageError("--sync-ref-model moves a reference copy during training, and --use-peft has none: drop one.")
+    if args.sync_ref_model and (args.use_peft or args.precompute_ref_log_probs):  # TRL refuses both too
+        flag = "--use-peft has none" if args.use_peft else "--precompute-ref-log-probs frees it"
+        raise UsageError(f"--sync-ref-model moves a reference copy during training, and {flag}: drop one.")
     if args.sync_ref_model and not 0 <= args.ref_model_mixup_alpha <= 1:
         raise UsageError(f"--ref-model-mixup-alpha {args.ref_model_mixup_alpha}: it lies in [0, 1].")
     if args.loss_type == "kto" and args.batch_size < 2:
@@ -424,9 +438,12 @@ class Batches:
     def collate(self, examples: list[dict], kl: bool) -> dict:
         prompts, completions = [e["prompt_ids"] for e in examples], [e["completion_ids"] for e in examples]
         batch = self.sequences(prompts, completions, "")
-        if kl:
-            batch |= self.sequences(prompts, mismatched(completions), "KL_")
+        if kl:  # the batch's own completions rotated, or the pairs fixed before training (--precompute-ref-log-probs)
+            fixed = [e["kl_completion_ids"] for e in examples] if "kl_completion_ids" in examples[0] else None
+            batch |= self.sequences(prompts, fixed or mismatched(completions), "KL_")
         batch["label"] = torch.tensor([e["label"] for e in examples])
+        for key in ("reference_logps", "KL_reference_logps") if "reference_logps" in examples[0] else ():
+            batch[key] = torch.tensor([e[key] for e in examples])
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def micro_batch(self, examples: list[dict], step: int, kl: bool) -> dict:
@@ -492,9 +509,30 @@ class Scorer:
 
     @torch.no_grad()
     def reference_logps(self, batch: dict, prefix: str = "") -> torch.Tensor:
+        """log pi_ref(completion | prompt) [B]: precomputed, the frozen copy's, or the policy's with its adapter off."""
+        if f"{prefix}reference_logps" in batch:
+            return batch[f"{prefix}reference_logps"]
         policy = self.accelerator.unwrap_model(self.model)
         with reference_context(policy, self.ref_model):
             return self.completion_logps(self.ref_model if self.ref_model is not None else policy, batch, prefix)
+
+    def precompute_reference(self, examples, batches: "Batches") -> None:
+        """--precompute-ref-log-probs: the KL pairs fixed, every example's reference log-probs (and its KL pair's)
+        stored with it, then the frozen copy freed."""
+        for split in (examples.train, examples.eval):
+            if self.kl:
+                fixed_kl_pairs(split, self.args.batch_size)
+            starts = range(0, len(split), self.args.batch_size)
+            for i in tqdm(starts, desc="reference log-probs", disable=not self.accelerator.is_local_main_process):
+                chunk = split[i : i + self.args.batch_size]
+                batch = batches.collate(chunk, self.kl)
+                values = {"reference_logps": self.reference_logps(batch).tolist()}
+                if self.kl:
+                    values["KL_reference_logps"] = self.reference_logps(batch, "KL_").tolist()
+                for j, example in enumerate(chunk):
+                    example.update({key: v[j] for key, v in values.items()})
+        self.ref_model = None  # the frozen copy is no longer needed
+        gc.collect()
 
     def batch_metrics(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """The KTO loss of a batch and the sums behind TRL's metrics (`summarise` turns them into means)."""
@@ -591,6 +629,8 @@ def main(args: Args) -> None:
     batches = Batches(args, accelerator, tokenizer, steps_per_epoch)
     model, ref_model = load_models(args, accelerator, quantization)
     scorer = Scorer(args, accelerator, model, ref_model)
+    if args.precompute_ref_log_probs:
+        scorer.precompute_reference(examples, batches)
     optimizer = adamw(args, model)
     ticks = accelerator.num_processes  # accelerate's prepared scheduler steps once per process per optimizer step
     scheduler = get_scheduler(

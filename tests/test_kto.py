@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -227,6 +228,48 @@ def test_resume_continues_where_it_stopped(tmp_path, feedback_file, sync):
     out, checkpoint = check_resume(common, ["--save-steps", "2"], "step_2", r" steps in .*?(eval [^;]*);", tmp_path)
     assert "kto: 2 steps" in out
     assert "raise --max-steps" in run_failing([*common, "--max-steps", "2", "--resume-from", checkpoint], tmp_path)
+
+
+def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, feedback_file):
+    """--precompute-ref-log-probs (TRL's KTOConfig field): the KL pairs fixed as TRL forms them (each --batch-size chunk
+    of the data's order rotated by one: TRL's add_kl_completion_ids, reproduced below) and every reference log-prob
+    computed once. In the data's order (--train-sampling-strategy sequential) a batch is such a chunk, so the run trains
+    what the on-the-fly run trains; with --sync-ref-model there is no reference left to move: one line."""
+    from safetensors.torch import load_file
+
+    from kto import fixed_kl_pairs
+
+    examples = [{"completion_ids": [i] * (i % 3 + 1)} for i in range(10)]
+    fixed_kl_pairs(examples, 4)
+    expected = []
+    for start in range(0, 10, 4):  # TRL 1.16: dataset.map(add_kl_completion_ids, batched=True, batch_size=4)
+        completions = [e["completion_ids"] for e in examples[start : start + 4]]
+        expected += [completions[-1]] + completions[:-1]
+    assert [e["kl_completion_ids"] for e in examples] == expected
+    from accelerate import Accelerator
+
+    from kto import Args, Batches
+
+    batches = Batches(Args(max_length=16), Accelerator(cpu=True), load_tokenizer("builtin:tiny-gpt2"), 1)
+    rows = [dict(prompt_ids=[1, 2], completion_ids=[3], kl_completion_ids=[4, 5], label=True, reference_logps=-1.0,
+                 KL_reference_logps=-2.0), dict(prompt_ids=[6], completion_ids=[7], kl_completion_ids=[8], label=False,
+                 reference_logps=-3.0, KL_reference_logps=-4.0)]  # fmt: skip
+    batch = batches.collate(rows, kl=True)  # the fixed pairs and the stored log-probs, not the batch's rotation
+    assert batch["KL_input_ids"][0, :4].tolist() == [1, 2, 4, 5] and batch["KL_input_ids"][1, :2].tolist() == [6, 8]
+    assert batch["reference_logps"].tolist() == [-1.0, -3.0] and batch["KL_reference_logps"].tolist() == [-2.0, -4.0]
+
+    common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "4"]
+    common += ["--train-sampling-strategy", "sequential", "--learning-rate", "1e-3"]
+    live = run_script([*common, "--output-dir", "live"], tmp_path)
+    pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs", "--log-dir", "pre_runs"], tmp_path)
+    summary = r"kto: 4 steps in \S+ (eval reward margin [^;]*);"  # the freed reference samples no replies
+    assert re.search(summary, live).group(1) == re.search(summary, pre).group(1), (live[-300:], pre[-300:])
+    weights = [load_file(tmp_path / d / "model.safetensors") for d in ("live", "pre")]
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
+    kl = [read_scalars(str(tmp_path / d), "train/kl") for d in ("runs", "pre_runs")]
+    assert len(kl[0]) == 4 and kl[0] == pytest.approx(kl[1]), kl
+    error = run_failing([*common, "--precompute-ref-log-probs", "--sync-ref-model"], tmp_path)
+    assert "--precompute-ref-log-probs frees it" in error, error
 
 
 def test_tr_dpo_reference_with_alpha_1_becomes_the_policy(tmp_path, feedback_file):
