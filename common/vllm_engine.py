@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from common.core import UsageError, check_args, json_object
-from common.loading import REMOTE_CODE
+from common.loading import REMOTE_CODE, load_config
 from common.models import peft_model_of
 
 INSTALL = {
@@ -111,6 +111,21 @@ def check_vllm_args(args) -> None:
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
     check_vllm()
+    if not torch.cuda.is_available():  # vLLM's CPU attention runs some head sizes only: one line, not its traceback
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        except ImportError:  # another vLLM layout: vLLM itself says so at its start
+            return
+        config = load_config(args.model_name)
+        if config.is_encoder_decoder:  # the script's own line says vLLM samples decoder-only models
+            return
+        config = config.get_text_config()
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
+            raise UsageError(
+                f"--use-vllm: vLLM's CPU attention runs head sizes {sizes}, and {args.model_name} has {head}: "
+                "sample with HF generate (drop --use-vllm), or pick another model."
+            )
 
 
 class VLLMSampler:

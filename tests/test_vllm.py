@@ -297,6 +297,7 @@ def test_grpo_with_vllm_under_deepspeed_zero3_trains_as_one_process(tmp_path):
         (["--vllm-tensor-parallel-size", "2"], "--vllm-tensor-parallel-size 2: an engine spanning several GPUs"),
         (["--vllm-enable-sleep-mode"], "--vllm-enable-sleep-mode frees GPU memory: there is no GPU here"),
         (["--vllm-dtype", "int8"], "--vllm-dtype int8: choose auto, float32, bfloat16 or float16"),
+        (["--model-name", "builtin:tiny-gpt2"], "vLLM's CPU attention runs head sizes"),  # head size 16: not its traceback
     ],
 )
 def test_bad_vllm_flags_are_one_line_before_anything_loads(tmp_path, flags, message):
