@@ -506,6 +506,29 @@ def speed_cpu() -> str:
     )
 
 
+def roofline() -> str:
+    """Each phase of a grpo.py / rloo.py update against the machine's matmul rate (benchmarks/RESULTS-roofline.json,
+    `python benchmarks/roofline.py`): time, executed and useful GFLOP, and the share of the float32 rate each achieves."""
+    r = record("RESULTS-roofline.json")
+    rate, tokens = r["matmul_flops_per_s"], r["tokens"]
+    rows = ["| phase | seconds | GFLOP executed | GFLOP useful | executed / (time x matmul rate) | useful / (time x matmul "
+            "rate) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for p in r["phases"]:
+        rows.append(
+            f"| {p['phase']} | {p['seconds']:.2f} | {p['executed_flops'] / 1e9:.1f} | {p['useful_flops'] / 1e9:.1f} | "
+            f"{100 * p['executed_share']:.0f}% | {100 * p['useful_share']:.0f}% |"
+        )
+    total = sum(p["seconds"] for p in r["phases"])
+    return "\n".join(rows) + (
+        f"\n\nThe roof: a {r['matmul_size']} x {r['matmul_size']} matmul at {rate['float32'] / 1e9:.0f} GFLOP/s in "
+        f"float32 ({rate['bfloat16'] / 1e9:.0f} in bfloat16). The update: {tokens['completions']} completions, prompts of "
+        f"{tokens['prompt_mean']:.1f} tokens on average (at most {tokens['prompt_max']}), completions of "
+        f"{tokens['completion_mean']:.1f} (at most {tokens['completion_max']}); the phases add to {total:.1f} s (the "
+        "log-prob forward runs only with several optimizer steps per update or a reference, --beta > 0). "
+        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads, torch {r['torch']}; `{r['command']}`."
+    )
+
+
 def offpolicy() -> str:
     """grpo.py with stale rollouts on the real model (benchmarks/RESULTS-offpolicy.json, `python
     benchmarks/offpolicy.py`): benchmarks/offpolicy.py's own table."""
@@ -1235,6 +1258,7 @@ FIGURES = {
     "tool-calls": tool_calls,
     "offpolicy": offpolicy,
     "speed-cpu": speed_cpu,
+    "roofline": roofline,
     "real-model-full-table": real_model_full_table,
     "real-model-command": real_model_command,
     "ppo-critic": ppo_critic,
