@@ -216,6 +216,24 @@ def check_resume(command: list[str], save_flags: list[str], checkpoint: str, sum
     return out, path
 
 
+def check_dynamic_sampling(command: list[str], cwd) -> None:
+    """`command` (grpo.py or rloo.py on a tiny task, 4 updates of 4 groups) with and without --dynamic-sampling (DAPO,
+    Algorithm 1): in each update the groups with equal rewards are only those topped up after the last round
+    (frac_reward_zero_std x groups == dynamic_sampling/filled), where the run without it trains on such groups; a round
+    beyond the first was needed. Without the resampling (the filter alone) the counts differ."""
+    flags = ["--total-prompts", "16", "--max-num-gen-batches", "4"]
+    run_script([*command, *flags, "--log-dir", "plain"], cwd)
+    run_script([*command, *flags, "--dynamic-sampling", "--log-dir", "dynamic"], cwd)
+    plain, zero, rounds, filled = (
+        read_scalars(os.path.join(cwd, d), tag)
+        for d, tag in (("plain", "frac_reward_zero_std"), ("dynamic", "frac_reward_zero_std"),
+                       ("dynamic", "dynamic_sampling/rounds"), ("dynamic", "dynamic_sampling/filled"))
+    )  # fmt: skip
+    assert len(zero) == len(rounds) == 4 and max(rounds) > 1 and sum(plain) > 0, (plain, zero, rounds, filled)
+    assert [round(z * 4) for z in zero] == [int(f) for f in filled], (zero, filled)
+    assert sum(zero) < sum(plain)
+
+
 def free_port() -> str:
     import socket
 
