@@ -11,6 +11,8 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml sft.py --model-name gpt2 --dataset-name data.jsonl
 """
 
+import bisect
+import collections
 import json
 import math
 import os
@@ -187,24 +189,24 @@ def pack_bfd(examples: list[dict], seq_length: int) -> list[dict]:
     first, each into the row with the least room left that holds it (of equals, the one that came to that room first),
     or a new row. A row keeps each example's labels, less the first label of each after the first (no token is
     predicted across examples), and positions that restart at 0 with each example: attention stays within it."""
-    rows, room, since = [], [], []  # since: the step at which a row came to its room
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))  # stable, as TRL's sort
-    for step, i in enumerate(order):
+    rows, rooms, waiting = [], [], collections.defaultdict(collections.deque)  # rooms: sorted; waiting: rows by room
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"])):  # stable, as TRL's sort
         ids, labels = examples[i]["input_ids"], examples[i]["labels"]
-        fits = [r for r in range(len(rows)) if room[r] >= len(ids)]
-        if fits:
-            r = min(fits, key=lambda r: (room[r], since[r]))
+        k = bisect.bisect_left(rooms, len(ids))  # the least room that holds the example
+        if k < len(rooms):
+            room, row = rooms[k], waiting[rooms[k]].popleft()
+            if not waiting[room]:
+                rooms.pop(k)
         else:
-            r = len(rows)
-            rows.append(dict(input_ids=[], labels=[], position_ids=[]))
-            room.append(seq_length)
-            since.append(0)
-        row = rows[r]
+            room, row = seq_length, dict(input_ids=[], labels=[], position_ids=[])
+            rows.append(row)
         row["labels"] += ([-100] + labels[1:]) if row["input_ids"] else labels
         row["input_ids"] += ids
         row["position_ids"] += list(range(len(ids)))
-        room[r] -= len(ids)
-        since[r] = step
+        if (left := room - len(ids)) > 0:
+            if not waiting[left]:
+                bisect.insort(rooms, left)
+            waiting[left].append(row)
     return rows
 
 
