@@ -106,11 +106,6 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
             f"{error_line(error)}; pass a transformers scheduler and the options it takes."
         ) from None
     if getattr(args, "use_vllm", False):
-        vllm_dtype = args.dtype if args.vllm_dtype == "auto" else args.vllm_dtype  # VLLMSampler's
-        if getattr(args, "cast_lm_head_to_fp32", False) and vllm_dtype != "float32":
-            raise UsageError(
-                "--cast-lm-head-to-fp32 with --use-vllm: vLLM runs one dtype for the whole model; add --vllm-dtype float32."
-            )
         check_vllm_args(args)
     check_generation_options(args)
     if args.sync_ref_model and (args.beta == 0 or args.use_peft):  # TRL refuses both too

@@ -108,6 +108,11 @@ def check_vllm_args(args) -> None:
         )
     if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
+    dtype = args.dtype if args.vllm_dtype == "auto" else args.vllm_dtype  # the engine's, as VLLMSampler picks it
+    if getattr(args, "cast_lm_head_to_fp32", False) and dtype != "float32":
+        raise UsageError(
+            "--cast-lm-head-to-fp32 with --use-vllm: vLLM runs one dtype for the whole model; add --vllm-dtype float32."
+        )
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
     check_vllm()
