@@ -30,7 +30,17 @@ _TERMINATED = []  # the signal, once SIGTERM or SIGHUP arrived: whatever excepti
 
 
 def _terminate(signum, frame) -> None:
-    """SIGTERM or SIGHUP: raise Terminated in the main thread, once (a second signal while the run unwinds is not)."""
+    """SIGTERM or SIGHUP: raise Terminated in the main thread, once (a second signal while the run unwinds is not). A
+    run already ending in its exception hook (`_report`: another rank failed, and the launcher stops this one) ends as
+    the hook would: the main rank still writes its line, another rank stops without a word (Terminated raised inside
+    the hook would print "Error in sys.excepthook" and both tracebacks)."""
+    while frame is not None and frame.f_code is not _report.__code__:
+        frame = frame.f_back
+    if frame is not None:  # inside the hook
+        if int(os.environ.get("RANK", "0")):
+            release_outputs()
+            os._exit(128 + signum)
+        return
     if not _TERMINATED:
         _TERMINATED.append(signum)
         raise Terminated()

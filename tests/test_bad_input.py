@@ -105,6 +105,43 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_stop_signal_inside_the_exception_hook_ends_it_as_the_hook_would(monkeypatch, capfd, rank):
+    """The launcher's SIGTERM may reach a rank while it is already reporting a mistake (its exception hook, before the
+    hook waits for the launcher): the main rank still writes its one line and exits 2, another rank exits 143 without
+    a word; neither raises inside the hook (which printed "Error in sys.excepthook" and both tracebacks)."""
+    import signal
+
+    from common import cli
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli.os, "_exit", exit_)
+    monkeypatch.setattr(cli, "_TERMINATED", [])
+    monkeypatch.setattr(cli, "_wait_for_the_launcher", lambda seconds: None)
+    stdout, flush = cli.sys.stdout, cli.sys.stdout.flush
+
+    def signal_at_the_first_call():  # the hook's first call (stdout's flush), before the line
+        stdout.flush = flush
+        cli._terminate(signal.SIGTERM, sys._getframe(1))
+
+    monkeypatch.setattr(stdout, "flush", signal_at_the_first_call)
+    try:
+        cli._report(UsageError, UsageError("--dataset-name missing.jsonl: no such file"), None)
+    except Exited as exited:
+        code = exited.args[0]
+    except BaseException as error:  # noqa: BLE001 - Terminated, raised inside the hook
+        pytest.fail(f"{type(error).__name__} raised inside the exception hook")
+    assert code == (2 if rank == "0" else 143)
+    err = capfd.readouterr().err
+    assert ("error: --dataset-name missing.jsonl" in err) == (rank == "0") and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, launcher):
