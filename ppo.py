@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, AutoModelForCausalLM, get_scheduler
 
 from common.chat import render, text_of, use_chat
-from common.checkpoints import full_weights, load_checkpoint, save_checkpoint
+from common.checkpoints import save_checkpoint, save_policy
 from common.cli import cli
 from common.core import (
     INVALID_LOGPROB,
@@ -71,6 +71,8 @@ from common.models import (
     VALUE_HEAD_FILE,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
+    Critic,
+    PolicyAndCritic,
     check_lora_targets,
     create_reference_model,
     load_reward_model,
@@ -78,8 +80,9 @@ from common.models import (
     place_frozen,
     reference_context,
 )
-from common.outputs import atomic_directory, check_finite, write_model_card
+from common.outputs import check_finite
 from common.rewards import RewardModel, load_rewards, load_task, score_completions
+from common.rollout import resume
 from common.run import end_run, start_run
 from common.sampling import Sampler, sampler_gap
 from common.vllm_engine import check_vllm_args
@@ -556,7 +559,10 @@ def main(args: Args) -> None:
     kl_ctl, running = FixedKLController(args.init_kl_coef), RunningMoments()
     if args.adap_kl_ctrl:  # Ziegler et al. 2019: the coefficient moves the KL towards --target
         kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
-    state = resume(args, accelerator, kl_ctl, running)  # {} without --resume-from
+    state = resume(args, accelerator, args.num_updates, "--total-episodes")  # {} without --resume-from
+    if state:  # the KL coefficient and the running score moments go on as they were
+        kl_ctl.value = state["kl_coef"]
+        running.__dict__.update(state["running_moments"])
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
     first_eval = evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, start_update)
@@ -778,23 +784,6 @@ def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_
             "charts/episodes": (update + 1) * per_update,
         }
     )
-
-
-def resume(args: Args, accelerator: Accelerator, kl_ctl, running: RunningMoments) -> dict:
-    """The loop's state saved with --resume-from's checkpoint, whose weights, optimizer, KL coefficient and running
-    score moments it restores ({} without)."""
-    if not args.resume_from:
-        return {}
-    state = load_checkpoint(accelerator, args.resume_from)
-    if state["update"] >= args.num_updates:
-        raise UsageError(
-            f"--resume-from {args.resume_from}: the checkpoint is at update {state['update']}, and this run "
-            f"has {args.num_updates}: raise --total-episodes to train further."
-        )
-    kl_ctl.value = state["kl_coef"]
-    running.__dict__.update(state["running_moments"])
-    accelerator.print(f"resumed from {args.resume_from} at update {state['update']}")
-    return state
 
 
 @torch.no_grad()
@@ -1044,35 +1033,6 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     return model, ref_model, scorer
 
 
-class Critic(AutoModelForCausalLMWithValueHead):
-    """A separate value model (OpenRLHF's critic): a transformer trunk without its LM head, and a value head on its last
-    hidden state; forward(...) -> values [B, L]. Saved as the trunk (plain `AutoModel.from_pretrained` loads it) and
-    value_head.safetensors."""
-
-    def forward(self, logits_to_keep=None, **inputs) -> torch.Tensor:
-        return self.v_head(self.pretrained_model(**inputs, use_cache=False).last_hidden_state)
-
-
-class PolicyAndCritic(AutoModelForCausalLMWithValueHead):
-    """The policy and its separate critic as one module, forward(...) -> (policy logits, critic values) as the value-head
-    policy's: every launcher prepares, shards and checkpoints the two together (TRL 0.11's PolicyAndValueWrapper), one
-    Adam with a parameter group each. Saved as the policy (plain from_pretrained format) with the critic in critic/."""
-
-    def __init__(self, policy, critic: Critic):
-        torch.nn.Module.__init__(self)
-        self.pretrained_model, self.critic, self.config = policy, critic, policy.config
-
-    def forward(self, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pretrained_model(**inputs, use_cache=False).logits, self.critic(**inputs)
-
-    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
-        parts = {"pretrained_model.": None, "critic.": None}
-        for prefix in parts if state_dict is not None else ():
-            parts[prefix] = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
-        self.pretrained_model.save_pretrained(save_directory, state_dict=parts["pretrained_model."], **kwargs)
-        self.critic.save_pretrained(os.path.join(save_directory, "critic"), state_dict=parts["critic."], **kwargs)
-
-
 def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
     """The critic of --value-model-path: the trunk of the policy, of the reward model (its reward logit becomes the value
     head, as OpenRLHF starts its critic from the reward model), of a critic ppo.py saved, or of any causal LM (with a
@@ -1113,7 +1073,6 @@ class Sampling:
 
     def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool, longest: int):
         self.args, self.tokenizer, self.accelerator, self.chat = args, tokenizer, accelerator, chat
-        self.batch = args.generation_batch_size or args.batch_size
         # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
         self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
         logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
@@ -1125,7 +1084,8 @@ class Sampling:
         processors = [logit_mask] if logit_mask is not None else []
         length = longest + args.max_new_tokens  # vLLM's context: the longest query and the longest response
         stops = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
-        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, not quantization, stops)
+        batch, fast = args.generation_batch_size or args.batch_size, not quantization
+        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast, stops, batch_size=batch)
         accelerator.print(f"rollouts: {self.sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
 
     def texts(self, rows: list[dict], queries, responses, response_mask):
@@ -1137,21 +1097,13 @@ class Sampling:
         return prompts, decode(responses, skip_special_tokens=True), ids
 
     def generate(self, queries, query_mask, max_new_tokens: int, model=None):
-        """Responses in batches of generation_batch_size: (responses [B, T], mask [B, T] long, ended [B]), and the
+        """Responses (in batches of --generation-batch-size): (responses [B, T], mask [B, T] long, ended [B]), and the
         sampler's log-probs [B, T] when it keeps them (else None). `model`: another model's responses (the reference)."""
-        outputs = []
-        for i in range(0, len(queries), self.batch):
-            ids, mask = queries[i : i + self.batch], query_mask[i : i + self.batch]
-            if model is None:
-                outputs.append(self.sampler.generate(ids, mask, max_new_tokens))
-            else:
-                outputs.append((*self.sampler.generate_with(model, ids, mask, max_new_tokens), None))
-        width = max(o[0].shape[1] for o in outputs)  # generation stops early when every sequence has ended
-        pad = lambda x, value: F.pad(x, (0, width - x.shape[1]), value=value)  # noqa: E731
-        responses = torch.cat([pad(o[0], self.tokenizer.pad_token_id) for o in outputs])
-        mask, ended = torch.cat([pad(o[1], 0).long() for o in outputs]), torch.cat([o[2] for o in outputs])
-        sampled = torch.cat([pad(o[3], 0.0) for o in outputs]) if outputs[0][3] is not None else None
-        return responses, mask, ended, sampled
+        if model is None:
+            responses, mask, ended, sampled = self.sampler.generate(queries, query_mask, max_new_tokens)
+        else:
+            (responses, mask, ended), sampled = self.sampler.generate_with(model, queries, query_mask, max_new_tokens), None
+        return responses, mask.long(), ended, sampled
 
 
 class Rewards:
@@ -1339,23 +1291,11 @@ def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_rewar
 
 
 def save_model(args: Args, accelerator, policy, tokenizer, path: str, metrics: dict, final: bool, run_name: str) -> None:
-    """Policy (plain from_pretrained format, value head beside it), tokenizer and model card, written atomically by the
-    main process (every rank calls it: a sharded policy is gathered first); uploaded with --push-to-hub (the final
-    model, or each new best with --save-best)."""
-    weights = full_weights(accelerator, policy)
-    if not accelerator.is_main_process:
-        return
-    if peft_model_of(policy) is not None:  # LoRA merged into the base: loads with plain from_pretrained
-        # the final save merges in place; a best checkpoint merges a copy, so training goes on
-        merged = (policy.pretrained_model if final else copy.deepcopy(policy.pretrained_model)).merge_and_unload()
-        v_head, policy = policy.v_head, type(policy)(merged)
-        policy.v_head = v_head
-    with atomic_directory(path) as tmp:
-        policy.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        write_model_card(tmp, args, "ppo", metrics)
-    if args.push_to_hub and final != args.save_best:
-        policy.pretrained_model.push_to_hub(args.hub_model_id or run_name)
+    """`save_policy` (plain from_pretrained format, LoRA merged, the value head beside it), uploaded with --push-to-hub
+    (the final model, or each new best with --save-best)."""
+    save_policy(args, accelerator, policy, tokenizer, metrics, "ppo", path, final)
+    if args.push_to_hub and final != args.save_best and accelerator.is_main_process:  # the LM as saved (LoRA merged)
+        policy.auto_class.from_pretrained(path).push_to_hub(args.hub_model_id or run_name)
         tokenizer.push_to_hub(args.hub_model_id or run_name)
 
 

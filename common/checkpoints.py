@@ -2,6 +2,7 @@
 accelerate's state, read back with one-line errors for a folder that is no checkpoint, a truncated file or another
 run's arguments; the whole weights of a sharded model for a save, and the final save of a policy (`save_policy`)."""
 
+import copy
 import glob
 import json
 import os
@@ -191,18 +192,28 @@ def load_checkpoint(accelerator: Accelerator, path: str) -> dict:
     return state
 
 
-def save_policy(args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str) -> None:
-    """The trained policy in plain from_pretrained format (LoRA merged), with its tokenizer and model card, written
-    atomically; first a check that DDP kept every rank's weights the same."""
+def save_policy(
+    args, accelerator: Accelerator, policy, tokenizer, metrics: dict, algorithm: str, path: str | None = None, final=True
+) -> None:
+    """The policy in plain from_pretrained format (LoRA merged; a value-head model's head beside it), with its tokenizer
+    and model card, written atomically to `path` (default --output-dir); first a check that DDP kept every rank's
+    weights the same. Every rank calls it. A save that is not `final` merges a copy: training goes on."""
     weights = full_weights(accelerator, policy)  # gathered on the main process when sharded (every rank calls it)
     if weights is None:  # replicated: every rank holds the same weights
         checksums = accelerator.gather(torch.stack([p.detach().float().sum() for p in policy.parameters()]).sum()[None])
         if not torch.allclose(checksums, checksums[0].expand_as(checksums)):
             raise RuntimeError(f"the ranks' weights differ (parameter sums {checksums.tolist()})")
-    policy = policy.merge_and_unload() if peft_model_of(policy) is not None else policy
+    language_model = getattr(policy, "pretrained_model", policy)  # a value-head model's LM
+    if peft_model_of(language_model) is not None:
+        merged = (language_model if final else copy.deepcopy(language_model)).merge_and_unload()
+        if language_model is not policy:  # the value head rides on the merged LM
+            v_head, policy = policy.v_head, type(policy)(merged)
+            policy.v_head = v_head
+        else:
+            policy = merged
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with atomic_directory(args.output_dir) as tmp:
+        with atomic_directory(path or args.output_dir) as tmp:
             policy.save_pretrained(tmp, state_dict=weights)
             tokenizer.save_pretrained(tmp)
             write_model_card(tmp, args, algorithm, metrics)

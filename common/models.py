@@ -105,6 +105,35 @@ class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
         return outputs.decoder_hidden_states[-1]
 
 
+class Critic(AutoModelForCausalLMWithValueHead):
+    """A separate value model (OpenRLHF's critic): a transformer trunk without its LM head, and a value head on its last
+    hidden state; forward(...) -> values [B, L]. Saved as the trunk (plain `AutoModel.from_pretrained` loads it) and
+    value_head.safetensors."""
+
+    def forward(self, logits_to_keep=None, **inputs) -> torch.Tensor:
+        return self.v_head(self.pretrained_model(**inputs, use_cache=False).last_hidden_state)
+
+
+class PolicyAndCritic(AutoModelForCausalLMWithValueHead):
+    """The policy and its separate critic as one module, forward(...) -> (policy logits, critic values) as the value-head
+    policy's: every launcher prepares, shards and checkpoints the two together (TRL 0.11's PolicyAndValueWrapper), one
+    Adam with a parameter group each. Saved as the policy (plain from_pretrained format) with the critic in critic/."""
+
+    def __init__(self, policy, critic: Critic):
+        torch.nn.Module.__init__(self)
+        self.pretrained_model, self.critic, self.config = policy, critic, policy.config
+
+    def forward(self, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pretrained_model(**inputs, use_cache=False).logits, self.critic(**inputs)
+
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        parts = {"pretrained_model.": None, "critic.": None}
+        for prefix in parts if state_dict is not None else ():
+            parts[prefix] = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.pretrained_model.save_pretrained(save_directory, state_dict=parts["pretrained_model."], **kwargs)
+        self.critic.save_pretrained(os.path.join(save_directory, "critic"), state_dict=parts["critic."], **kwargs)
+
+
 def check_lora_targets(model: nn.Module, targets: list[str] | None) -> None:
     """A one-line error for --lora-target-modules that name no module of `model` (peft matches a name or its suffix)."""
     names = [name for name, _ in model.named_modules()]

@@ -287,15 +287,16 @@ def learning_rate_schedule(args, optimizer, optimizer_steps: int, processes: int
     )
 
 
-def resume(args, accelerator: Accelerator, num_updates: int) -> dict:
-    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without)."""
+def resume(args, accelerator: Accelerator, num_updates: int, total: str = "--total-prompts") -> dict:
+    """The loop's state saved with --resume-from's checkpoint, whose weights and optimizer it restores ({} without);
+    `total`: the flag that sets the run's length."""
     if not args.resume_from:
         return {}
     resumed = load_checkpoint(accelerator, args.resume_from)
     if resumed["update"] >= num_updates:
         raise UsageError(
             f"--resume-from {args.resume_from}: the checkpoint is at update {resumed['update']}, and this run "
-            f"has {num_updates}: raise --total-prompts to train further."
+            f"has {num_updates}: raise {total} to train further."
         )
     accelerator.print(f"resumed from {args.resume_from} at update {resumed['update']}")
     return resumed

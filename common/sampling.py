@@ -48,7 +48,8 @@ class Sampler:
     processors applied before the warpers (ppo.py's --logit-mask); the fast path and vLLM take none, and the fast path
     no min-p, repetition penalty or --generation-kwargs either (HF `generate` serves those). `fast`: whether
     the fast path may serve (not for a quantized policy). `stop_token_ids`: token lists that end a completion as EOS
-    does. `share`: another sampler whose vLLM engine this one samples through (`fork`)."""
+    does. `share`: another sampler whose vLLM engine this one samples through (`fork`). `batch_size`: prompts per
+    call of the backend (None: all at once)."""
 
     def __init__(
         self,
@@ -61,8 +62,10 @@ class Sampler:
         fast=True,
         stop_token_ids=(),
         share=None,
+        batch_size=None,
     ):
         self.args, self.tokenizer, self.policy, self.accelerator = args, tokenizer, policy, accelerator
+        self.batch_size = batch_size
         top_k, top_p = getattr(args, "top_k", 0), getattr(args, "top_p", 1.0)
         inverse_cdf = getattr(args, "inverse_cdf_sampling", True)
         min_p, penalty = getattr(args, "min_p", None), getattr(args, "repetition_penalty", 1.0)
@@ -105,11 +108,11 @@ class Sampler:
         """A sampler for a background thread (the asynchronous rollout worker): one that samples through this one's vLLM
         copy of the weights, or one over a frozen copy of the policy; `sync` refreshes either from the trainer."""
         if self.vllm is not None:
-            return Sampler(self.args, self.tokenizer, self.policy, self.accelerator, 0, share=self)
+            return Sampler(self.args, self.tokenizer, self.policy, self.accelerator, 0, share=self, batch_size=self.batch_size)
         import copy
 
         policy = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        forked = Sampler(self.args, self.tokenizer, policy, self.accelerator, 0)
+        forked = Sampler(self.args, self.tokenizer, policy, self.accelerator, 0, batch_size=self.batch_size)
         forked.copied = True
         return forked
 
@@ -143,12 +146,32 @@ class Sampler:
         batch = self.tokenizer.pad({"input_ids": token_lists}, padding_side="left", return_tensors="pt")
         return batch["input_ids"].to(self.accelerator.device), batch["attention_mask"].to(self.accelerator.device)
 
-    @torch.no_grad()
     def generate(self, prompts, prompt_mask, max_new_tokens: int, logprobs: bool = False):
         """The policy's completions [N, T] of left-padded prompts [N, P], cut after the first EOS or stop sequence (pad
         after it), their mask [N, T], whether each ended [N] and, with `logprobs` (or `keeps_logprobs`), each token's
         log-prob under the sampling weights [N, T] (log_softmax(logits / temperature), read off the decoding steps: no
-        extra forward), else None. vLLM or the fast path draw where there is one."""
+        extra forward), else None. vLLM or the fast path draw where there is one; `batch_size` prompts at a time."""
+        return self._chunks(self._generate, prompts, prompt_mask, max_new_tokens, logprobs)
+
+    def generate_with(self, model, prompts, prompt_mask, max_new_tokens: int):
+        """Another model's completions (a teacher, the reference) at the same settings, with HF `generate`: completions,
+        mask and ended as `generate` returns them."""
+        return self._chunks(self._generate_with, prompts, prompt_mask, max_new_tokens, model)[:3]
+
+    def _chunks(self, sample, prompts, prompt_mask, *options):
+        size = self.batch_size or len(prompts)
+        outputs = [sample(prompts[i : i + size], prompt_mask[i : i + size], *options) for i in range(0, len(prompts), size)]
+        if len(outputs) == 1:
+            return outputs[0]
+        width = max(o[0].shape[1] for o in outputs)  # generation stops early when every sequence has ended
+        pad = lambda x, value: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)  # noqa: E731
+        completions = torch.cat([pad(o[0], self.tokenizer.pad_token_id) for o in outputs])
+        mask, ended = torch.cat([pad(o[1], 0.0) for o in outputs]), torch.cat([o[2] for o in outputs])
+        sampled = torch.cat([pad(o[3], 0.0) for o in outputs]) if outputs[0][3] is not None else None
+        return completions, mask, ended, sampled
+
+    @torch.no_grad()
+    def _generate(self, prompts, prompt_mask, max_new_tokens: int, logprobs: bool):
         tokenizer, sampled = self.tokenizer, None
         with self.accelerator.autocast():  # mixed precision reaches generate too (prepare wraps forward only)
             if self.vllm is not None:
@@ -168,12 +191,10 @@ class Sampler:
         return self._cut(completions, sampled)
 
     @torch.no_grad()
-    def generate_with(self, model, prompts, prompt_mask, max_new_tokens: int):
-        """Another model's completions (a teacher, the reference) at the same settings, with HF `generate`: completions,
-        mask and ended as `generate` returns them."""
+    def _generate_with(self, prompts, prompt_mask, max_new_tokens: int, model):
         with self.accelerator.autocast():
             completions, _ = self._hf_generate(model, prompts, prompt_mask, max_new_tokens, False)
-        return self._cut(completions, None)[:3]
+        return self._cut(completions, None)
 
     def _hf_generate(self, model, prompts, prompt_mask, max_new_tokens: int, logprobs: bool):
         tokenizer = self.tokenizer
