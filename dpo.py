@@ -47,6 +47,7 @@ from common.loading import (
 from common.models import (
     check_lora_targets,
     create_reference_model,
+    disable_dropout,
     peft_model_of,
     place_frozen,
     reference_context,
@@ -663,9 +664,7 @@ def load_models(args: Args, accelerator: Accelerator, pairs: Pairs, quantization
     auto_class = AutoModelForSeq2SeqLM if pairs.is_encoder_decoder else AutoModelForCausalLM
     model = load_pretrained(args.model_name, auto_class, dtype=args.dtype, **quantization)
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     if args.gradient_checkpointing:  # activations recomputed in the backward (older transformers: gradient_checkpointing_*)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()

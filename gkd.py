@@ -48,7 +48,7 @@ from common.core import (
     warn_once,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import place_frozen
+from common.models import disable_dropout, place_frozen
 from common.outputs import check_finite
 from common.rewards import distinct_answers, is_number, load_task, verifier
 from common.run import end_run, start_run
@@ -290,9 +290,7 @@ def load_models(args: Args, accelerator: Accelerator):
             f"max_prompt_length ({args.max_prompt_length}) + max_new_tokens ({args.max_new_tokens}) exceeds the "
             f"models' context of {context} tokens."
         )
-    for module in student.modules():  # TRL's disable_dropout: the student's distribution is the one sampled
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    disable_dropout(student)  # as TRL: the student's distribution is the one sampled
     if args.use_peft:
         student = get_peft_model(student, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     if args.gradient_checkpointing:  # activations recomputed in the backward (non-reentrant: LoRA needs no input grads)

@@ -53,7 +53,14 @@ from common.loading import (
     load_tokenizer,
     quantization_kwargs,
 )
-from common.models import check_lora_targets, create_reference_model, place_frozen, reference_context, sync_reference
+from common.models import (
+    check_lora_targets,
+    create_reference_model,
+    disable_dropout,
+    place_frozen,
+    reference_context,
+    sync_reference,
+)
 from common.outputs import check_finite
 from common.run import end_run, rank_batches, start_run
 from common.sampling import held_out_samples
@@ -459,9 +466,7 @@ def load_models(args: Args, accelerator: Accelerator, quantization: dict):
     """The policy (LoRA with --use-peft) and its frozen reference (None for LoRA: the adapter disabled), on the device."""
     model = load_pretrained(args.model_name, AutoModelForCausalLM, dtype=args.dtype, **quantization)
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     if args.gradient_checkpointing:  # activations recomputed in the backward (older transformers: gradient_checkpointing_*)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()

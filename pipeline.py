@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.cli import cli
 from common.core import logprobs_from_logits
-from common.loading import load_data, reward_model_text
+from common.loading import load_data
 from common.outputs import MARKER
+from common.rewards import RewardModel, distinct_bigrams
 from common.sampling import cut
 
 
@@ -100,13 +101,6 @@ def vader(responses: list[str]) -> list[float]:
     return [analyzer.polarity_scores(r)["compound"] for r in responses]
 
 
-def distinct_bigrams(texts: list[str]) -> float:
-    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): a policy that answers every
-    prompt with the same phrase scores low, even when each answer is varied within itself."""
-    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
-    return len(set(bigrams)) / max(1, len(bigrams))
-
-
 @torch.no_grad()
 def evaluate(
     policy_dir: str, sft_dir: str, reward_dir: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int, seed: int
@@ -117,8 +111,7 @@ def evaluate(
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     sft = AutoModelForCausalLM.from_pretrained(sft_dir).eval()
-    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1).eval()
-    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir, padding_side="right")
+    reward_model = RewardModel(reward_dir)  # scores "query response<eos>" as reward_modeling.py trained it
     queries = [p for p in prompts for _ in range(samples_per_prompt)]
     inputs = tokenizer(queries, return_tensors="pt", padding=True)
     torch.manual_seed(seed)  # every policy answers with the same random draws
@@ -137,15 +130,7 @@ def evaluate(
         logits = logits[:, inputs["input_ids"].shape[1] - 1 : -1]
         logprobs[name] = (logprobs_from_logits(logits, responses) * response_mask).sum(1)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    # the reward model reads "query response<eos>" as reward_modeling.py trained it and ppo.py scored it
-    ends = ended.tolist()
-    scored = [reward_model_text(reward_tokenizer, q, r, e) for q, r, e in zip(queries, texts, ends)]
-    rm_scores = torch.cat(
-        [
-            reward_model(**reward_tokenizer(scored[i : i + 64], padding=True, return_tensors="pt")).logits[:, 0]
-            for i in range(0, len(scored), 64)
-        ]
-    )
+    rm_scores = reward_model.scores(queries, texts, ended.tolist())
     metrics = {
         "reward model": rm_scores.mean().item(),
         "VADER": sum(vader(texts)) / len(texts),

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
@@ -41,7 +42,6 @@ from common.core import (
     RunningMoments,
     UsageError,
     check_args,
-    check_scores,
     entropy_from_logprobs,
     epoch_rows,
     exact_div,
@@ -63,7 +63,6 @@ from common.loading import (
     load_pretrained,
     load_tokenizer,
     quantization_kwargs,
-    reward_model_text,
     train_eval_split,
 )
 from common.models import (
@@ -75,13 +74,14 @@ from common.models import (
     PolicyAndCritic,
     check_lora_targets,
     create_reference_model,
+    disable_dropout,
     load_reward_model,
     peft_model_of,
     place_frozen,
     reference_context,
 )
 from common.outputs import check_finite
-from common.rewards import RewardModel, load_rewards, load_task, score_completions
+from common.rewards import RewardModel, distinct_bigrams, load_rewards, load_task, score_completions
 from common.rollout import resume
 from common.run import end_run, start_run
 from common.sampling import Sampler, sampler_gap
@@ -551,7 +551,7 @@ def main(args: Args) -> None:
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
     model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
-    sampling = Sampling(args, tokenizer, model, accelerator, quantization, chat, longest)
+    sampling = Sampling(args, tokenizer, model, accelerator, quantization, longest)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
@@ -590,8 +590,8 @@ def main(args: Args) -> None:
         marks.append(clock(device))
 
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
-        prompts, responses_text, response_ids = sampling.texts(rows, queries, responses, response_mask)
-        raw_scores = scorer(rows, prompts, responses_text, response_ids, ended.tolist()).to(device)  # [B]
+        responses_text, response_ids = sampling.texts(responses, response_mask)
+        raw_scores = scorer(rows, responses_text, response_ids, ended.tolist()).to(device)  # [B]
         scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
         marks.append(clock(device))
         if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
@@ -676,7 +676,7 @@ def main(args: Args) -> None:
         explained_history.append(metrics["ppo/val/var_explained"])
         progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
         if (update + 1) % args.log_freq == 0:
-            sampled = (rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens)
+            sampled = (rows, responses_text, raw_scores, queries, query_mask, max_new_tokens)
             log_samples(args, sampling, scorer, logger, unwrapped, ref_model, sampled, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
             evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, update + 1)
@@ -965,6 +965,9 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         + "; each pass over the data reshuffles and leaves out "
         f"{len(train_rows) % per_update} queries (different ones each pass)"
     )
+    if not chat:  # a raw-text query as the policy reads it (truncated, decoded) is what the rewards and tables read
+        for row in train_rows + eval_rows:
+            row["prompt"] = tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
     for specs in (args.reward_funcs, args.gold_reward_funcs):
         if specs:  # tried on two real rows before any model loads: a bad plug-in is a one-line error here
             load_rewards(specs, train_rows, "cpu", chat)
@@ -993,9 +996,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
             f"of {context} tokens: lower --max-new-tokens, or cut queries (--max-query-length with --truncate-queries)."
         )
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     if quantization:
         model.pretrained_model = prepare_model_for_kbit_training(model.pretrained_model)
     if args.use_peft and peft_model_of(model) is None:
@@ -1018,9 +1019,8 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     )
     if args.value_model_path:  # the policy's own value head is dropped: the separate critic gives the values
         critic = load_critic(args, model, scorer, tokenizer)
-        for module in critic.modules() if args.disable_dropout else ():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        if args.disable_dropout:
+            disable_dropout(critic)
         model = PolicyAndCritic(model.pretrained_model, critic)
         accelerator.print(
             f"critic: a separate value model from {args.value_model_path} "
@@ -1071,8 +1071,8 @@ class Sampling:
     each update), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
     (temperature, decoder start, logit mask) that every forward pass must see too."""
 
-    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, chat: bool, longest: int):
-        self.args, self.tokenizer, self.accelerator, self.chat = args, tokenizer, accelerator, chat
+    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, longest: int):
+        self.args, self.tokenizer, self.accelerator = args, tokenizer, accelerator
         # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
         self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
         logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
@@ -1088,13 +1088,10 @@ class Sampling:
         self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast, stops, batch_size=batch)
         accelerator.print(f"rollouts: {self.sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
 
-    def texts(self, rows: list[dict], queries, responses, response_mask):
-        """What the scorer and the sample tables read: the prompts (a chat's messages, else the decoded query), the
-        responses' text, and each response's token ids."""
-        decode = self.tokenizer.batch_decode
-        prompts = [r["prompt"] for r in rows] if self.chat else decode(queries, skip_special_tokens=True)
+    def texts(self, responses, response_mask):
+        """What the rewards and the sample tables read: the responses' text, and each response's token ids."""
         ids = [row[m.bool()].tolist() for row, m in zip(responses, response_mask)]
-        return prompts, decode(responses, skip_special_tokens=True), ids
+        return self.tokenizer.batch_decode(responses, skip_special_tokens=True), ids
 
     def generate(self, queries, query_mask, max_new_tokens: int, model=None):
         """Responses (in batches of --generation-batch-size): (responses [B, T], mask [B, T] long, ended [B]), and the
@@ -1107,55 +1104,44 @@ class Sampling:
 
 
 class Rewards:
-    """One score per (query, response): `reward_fn` (VADER), the verifiable rewards of --reward-funcs (grpo.py's
-    semantics, weighted by --reward-weights; an unscorable response gets 0), a `RewardModel` (common/rewards.py, as
-    grpo.py's --reward-model), or a `RewardAdapter` on the policy's base."""
+    """One score per (query, response) from the first of: the verifiable rewards of --reward-funcs (grpo.py's semantics,
+    weighted by --reward-weights; an unscorable response gets 0), a `RewardAdapter` on the policy's base, a `RewardModel`
+    (common/rewards.py, as grpo.py's --reward-model), `reward_fn` (VADER); each called as a reward function is (TRL 1.x's
+    keywords, `score_completions`). And the --gold-reward-funcs, watched beside."""
 
     def __init__(self, args: Args, model, accelerator: Accelerator, chat: bool, rows: list[dict]):
-        self.args, self.accelerator, self.policy, self.chat = args, accelerator, model, chat
-        self.reward_model, self.tokenizer, self.adapter, self.funcs = None, None, None, []
+        self.accelerator, self.reward_model, self.adapter, device = accelerator, None, None, accelerator.device
         if args.reward_funcs:
-            self.funcs = load_rewards(args.reward_funcs, rows, accelerator.device, chat)
-            weights = args.reward_weights or [1.0] * len(self.funcs)
-            self.weights = torch.tensor(weights, device=accelerator.device)
-        elif args.reward_model is not None and args.reward_adapter is None:
-            self.reward_model = RewardModel(args.reward_model, args.reward_label, args.dtype, chat, args.reward_batch_size)
+            self.funcs = load_rewards(args.reward_funcs, rows, device, chat)
         elif args.reward_adapter is not None:  # the reward model is the policy's base with a second, frozen adapter
-            self.adapter = RewardAdapter(model, args.reward_adapter, base_model_name=args.model_name)
-            self.tokenizer = load_tokenizer(args.model_name, padding_side="right")
-        self.gold = load_rewards(args.gold_reward_funcs, rows, accelerator.device, chat) if args.gold_reward_funcs else []
+            self.adapter = RewardAdapter(model, args.reward_adapter, args.model_name, chat, args.reward_batch_size)
+            self.funcs = [(f"--reward-adapter {args.reward_adapter}", self.adapter)]
+        elif args.reward_model is not None:
+            self.reward_model = RewardModel(args.reward_model, args.reward_label, args.dtype, chat, args.reward_batch_size)
+            self.funcs = [(f"--reward-model {args.reward_model}", self.reward_model)]
+        else:  # reward_fn in this file, on the query and response texts
+            texts = lambda values: [text_of(v) for v in values]  # noqa: E731
+            self.funcs = [("reward_fn", lambda prompts, completions, **_: reward_fn(texts(prompts), texts(completions)))]
+        self.trial = not args.reward_funcs  # (load_rewards tried the reward functions on real rows already)
+        self.weights = torch.tensor(args.reward_weights or [1.0] * len(self.funcs), device=device)
+        self.gold = load_rewards(args.gold_reward_funcs, rows, device, chat) if args.gold_reward_funcs else []
 
     def ready(self, policy) -> None:
         """On the accelerator's device, with the prepared policy: a bad reward (wrong length, NaN) fails here."""
         if self.reward_model is not None:
             self.reward_model.place(self.accelerator)
         if self.adapter is not None:
-            self.adapter.score = self.adapter.score.to(self.accelerator.device)
-        self.policy = policy
-        if not self.funcs:  # (load_rewards tried the reward functions already)
-            self([{"prompt": "Hello"}, {"prompt": "Hi"}], ["Hello", "Hi"], [" there", " you"], [[15], [16]], [True, False])
+            self.adapter.place(self.accelerator, policy)
+        if self.trial:
+            self([{"prompt": "Hello"}, {"prompt": "Hi"}], [" there", " you"], [[15], [16]], [True, False])
 
     @torch.no_grad()
-    def __call__(self, rows: list[dict], prompts: list, responses_text: list[str], response_ids, ended: list[bool]):
-        """Scores [B] of the responses to `rows`, whose prompts (as the reward model reads them) are `prompts`."""
-        if self.funcs:
-            rewards = score_completions(self.funcs, rows, responses_text, response_ids, ended, self.accelerator.device)
-            if rewards.isnan().all():  # grpo.py counts such a batch as degenerate; here it would train on zeros
-                warn_once("no reward function scored a batch of responses (all returned None): they score 0 there")
-            return (rewards * self.weights).nansum(1).cpu()
-        if self.reward_model is not None:
-            scores = self.reward_model.scores(prompts, responses_text, ended)
-            return check_scores(scores, len(scores), f"reward model {self.args.reward_model}")
-        if self.adapter is None:
-            return check_scores(reward_fn([text_of(p) for p in prompts], responses_text), len(responses_text), "reward_fn")
-        size = self.args.reward_batch_size
-        texts = [reward_model_text(self.tokenizer, p, r, e, self.chat) for p, r, e in zip(prompts, responses_text, ended)]
-        scores = []
-        for i in range(0, len(texts), size):
-            batch = self.tokenizer(texts[i : i + size], padding=True, add_special_tokens=not self.chat, return_tensors="pt")
-            with self.accelerator.autocast():
-                scores.append(self.adapter(self.policy, **batch.to(self.accelerator.device))[:, 0].float().cpu())
-        return check_scores(torch.cat(scores), len(texts), f"reward adapter {self.args.reward_adapter}")
+    def __call__(self, rows: list[dict], responses_text: list[str], response_ids, ended: list[bool]):
+        """Scores [B] of the responses to `rows` (each row's `prompt` as the reward model reads it)."""
+        rewards = score_completions(self.funcs, rows, responses_text, response_ids, ended, self.accelerator.device)
+        if rewards.isnan().all():  # grpo.py counts such a batch as degenerate; here it would train on zeros
+            warn_once("no reward function scored a batch of responses (all returned None): they score 0 there")
+        return (rewards * self.weights).nansum(1).cpu()
 
     @torch.no_grad()
     def watch(self, rows: list[dict], responses_text: list[str], response_ids, ended: list[bool], scores, prefix: str):
@@ -1176,27 +1162,25 @@ class Rewards:
         return metrics
 
 
-class RewardAdapter:
+class RewardAdapter(RewardModel):
     """TRL's multi-adapter RL: the LoRA reward adapter and score head that `reward_modeling.py --use-peft` saves, loaded
     as a second, frozen adapter of the peft policy, so one copy of the base weights serves policy, reference (adapters
-    off) and reward model. Load it before the model is wrapped for distributed training."""
+    off) and reward model; it scores as a `RewardModel` does. Load it before the model is wrapped for distributed
+    training, and `place` it with the prepared policy."""
 
-    def __init__(self, model, path: str, base_model_name: str, adapter_name: str = "reward"):
+    def __init__(self, model, path: str, base_model_name: str, chat: bool = True, batch_size: int = 64, name="reward"):
         peft_model = peft_model_of(model)
         if peft_model is None:
             raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
         with open(os.path.join(path, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
-
-        def canonical(name: str) -> str:  # a local folder by its real path, a hub id as it is
-            return os.path.realpath(name) if os.path.exists(name) else name
-
+        canonical = lambda name: os.path.realpath(name) if os.path.exists(name) else name  # noqa: E731 - a folder's real path
         if canonical(base) != canonical(base_model_name):
             raise UsageError(
                 f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
                 "they must share the base model (or use --reward-model with a full reward model)."
             )
-        peft_model.load_adapter(path, adapter_name, is_trainable=False)
+        peft_model.load_adapter(path, name, is_trainable=False)
         weights = load_file(os.path.join(path, "adapter_model.safetensors"))
         score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
         if "weight" not in score:
@@ -1210,10 +1194,16 @@ class RewardAdapter:
             with open(normalization) as f:
                 stats = json.load(f)
             self.gain, self.bias = stats["gain"], stats["bias"]
-        self.name, self.policy_adapter = adapter_name, peft_model.active_adapter
+        self.name, self.policy_adapter, self.policy = name, peft_model.active_adapter, model
+        self.chat, self.batch_size, self.accelerator, self.index = chat, batch_size, None, 0
+        self.tokenizer = load_tokenizer(base_model_name, padding_side="right")
+        self.model = lambda **batch: SimpleNamespace(logits=self.forward(self.policy, **batch))  # RewardModel.scores'
+
+    def place(self, accelerator, policy) -> None:
+        self.accelerator, self.policy, self.score = accelerator, policy, self.score.to(accelerator.device)
 
     @torch.no_grad()
-    def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Scores [B, 1] at each sequence's last real token, with the reward adapter on for this pass only (TRL's
         `compute_reward_score`)."""
         peft_model = peft_model_of(model)
@@ -1238,9 +1228,9 @@ def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows,
     queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
     responses, response_mask, ended, _ = sampling.generate(queries, query_mask, args.max_new_tokens)
-    prompts, responses_text, response_ids = sampling.texts(eval_rows, queries, responses, response_mask)
-    scores = scorer(eval_rows, prompts, responses_text, response_ids, ended.tolist())
-    queries_text = [text_of(p) for p in prompts]
+    responses_text, response_ids = sampling.texts(responses, response_mask)
+    scores = scorer(eval_rows, responses_text, response_ids, ended.tolist())
+    queries_text = [text_of(r["prompt"]) for r in eval_rows]
     extra = metric_fn(queries_text, responses_text)  # per-sample values; every process scores as many samples
     metrics = pooled(accelerator, [{f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()}])
     every = accelerator.gather(scores.to(accelerator.device)).cpu()  # the statistics of every process's samples
@@ -1260,8 +1250,8 @@ def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows,
 def log_samples(args: Args, sampling: Sampling, scorer: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
     """The update's sample table (query, response, score), with the reference model's responses to the same queries
     and their scores beside them (and env/ref_reward_mean) with --log-ref-responses."""
-    rows, prompts, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
-    columns = {"query": [text_of(p) for p in prompts], "response": responses_text, "score": raw_scores.tolist()}
+    rows, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
+    columns = {"query": [text_of(r["prompt"]) for r in rows], "response": responses_text, "score": raw_scores.tolist()}
     if args.log_ref_responses:
         columns |= ref_responses(sampling, scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens)
         ref_mean = pooled(sampling.accelerator, [{"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}])
@@ -1275,8 +1265,8 @@ def ref_responses(sampling: Sampling, scorer: Rewards, policy, ref_model, rows, 
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
         responses, mask, ended, _ = sampling.generate(queries, query_mask, max_new_tokens, model=ref_model or policy)
-    prompts, responses_text, ids = sampling.texts(rows, queries, responses, mask)
-    return {"ref response": responses_text, "ref score": scorer(rows, prompts, responses_text, ids, ended.tolist()).tolist()}
+    responses_text, ids = sampling.texts(responses, mask)
+    return {"ref response": responses_text, "ref score": scorer(rows, responses_text, ids, ended.tolist()).tolist()}
 
 
 def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_reward: float, update: int, run_name: str) -> float:
@@ -1310,13 +1300,6 @@ def top_token_share(tokens: list[int]) -> float:
     """The share of the most frequent token among all response tokens: a collapse into one repeated word shows as a
     share near 1; varied replies stay low."""
     return max(map(tokens.count, set(tokens))) / len(tokens) if tokens else 0.0
-
-
-def distinct_bigrams(texts: list[str]) -> float:
-    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): low when many responses
-    repeat one phrase, even where each response is varied within itself."""
-    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
-    return len(set(bigrams)) / max(1, len(bigrams))
 
 
 def health_check(

@@ -42,7 +42,7 @@ from common.loading import (
     reward_model_text,
     train_eval_split,
 )
-from common.models import REWARD_NORMALIZATION_FILE, check_lora_targets, classifier_pad, peft_model_of
+from common.models import REWARD_NORMALIZATION_FILE, check_lora_targets, classifier_pad, disable_dropout, peft_model_of
 from common.outputs import atomic_directory, check_finite, write_model_card
 from common.run import end_run, rank_batches, start_run
 
@@ -312,9 +312,7 @@ def load_model(args: Args, accelerator: Accelerator, tokenizer, quantization: di
     accelerator.print(f"reward model from {args.model_name}: " + (f"new, trained here: {new}" if new else "its own head"))
     classifier_pad(tokenizer, model)  # the classifier scores each text at its last token that is not the pad token
     if args.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(model)
     if quantization:
         model = prepare_model_for_kbit_training(model)
     if args.use_peft:

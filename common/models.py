@@ -134,6 +134,14 @@ class PolicyAndCritic(AutoModelForCausalLMWithValueHead):
         self.critic.save_pretrained(os.path.join(save_directory, "critic"), state_dict=parts["critic."], **kwargs)
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout probability of `model` set to 0 (TRL's disable_dropout): the log-probs of sampling and of training,
+    and of the policy and its reference, then agree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
 def check_lora_targets(model: nn.Module, targets: list[str] | None) -> None:
     """A one-line error for --lora-target-modules that name no module of `model` (peft matches a name or its suffix)."""
     names = [name for name, _ in model.named_modules()]

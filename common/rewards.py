@@ -281,6 +281,13 @@ def distinct_answers(completions: list[str], numeric: bool) -> tuple[float, int]
     return counts.max() / len(answers), len(counts)
 
 
+def distinct_bigrams(texts: list[str]) -> float:
+    """Distinct word bigrams over all responses / all bigrams (distinct-2, Li et al. 2016): low when many responses
+    repeat one phrase, even where each response is varied within itself."""
+    bigrams = [pair for text in texts for pair in zip(text.split(), text.split()[1:])]
+    return len(set(bigrams)) / max(1, len(bigrams))
+
+
 def degenerate_batch(lengths: torch.Tensor, ended: torch.Tensor, rewards: torch.Tensor, mask_truncated: bool) -> list[str]:
     """Why a generation batch (every process's: completion lengths with their EOS, whether each ended, the rewards) has
     nothing to learn from, if it has nothing: every completion empty, no completion scored, every completion cut while

@@ -39,7 +39,7 @@ from common.core import (
     warn_once,
 )
 from common.loading import context_length, load_pretrained, load_tokenizer
-from common.models import cast_lm_head, create_reference_model, place_frozen, reference_context
+from common.models import cast_lm_head, create_reference_model, disable_dropout, place_frozen, reference_context
 from common.outputs import check_finite
 from common.rewards import (
     RewardModel,
@@ -246,9 +246,7 @@ def load_policy(args, accelerator: Accelerator, optimizer_steps: int):
         )
     if getattr(args, "cast_lm_head_to_fp32", False):  # before LoRA and the reference: both inherit the head
         cast_lm_head(model)
-    for module in model.modules():  # log-probs of sampling and training must agree (TRL disables dropout too)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    disable_dropout(model)  # log-probs of sampling and training must agree (TRL disables dropout too)
     if args.use_peft:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM"))
     ref_model = create_reference_model(model) if args.beta > 0 else None

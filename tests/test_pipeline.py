@@ -8,15 +8,6 @@ from conftest import ROOT, run_script
 PIPELINE = os.path.join(ROOT, "pipeline.py")
 
 
-def test_distinct_bigrams_by_hand():
-    from pipeline import distinct_bigrams
-
-    # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; the same phrase everywhere: 1 of 3
-    assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75
-    assert abs(distinct_bigrams(["fine thanks"] * 3) - 1 / 3) < 1e-12
-    assert distinct_bigrams(["", "one"]) == 0.0
-
-
 @pytest.mark.slow
 def test_pipeline_chains_the_stages_and_compares_on_unseen_prompts(tmp_path):
     # a `python` first on PATH that is not this interpreter (as when a venv's python is called without activating it):

@@ -369,8 +369,11 @@ def test_reward_model_from_local_folder(tmp_path):
     broken = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
     torch.nn.init.constant_(broken.score.weight, float("nan"))
     broken.save_pretrained(tmp_path / "rm")
-    error = run_failing([PPO, *TINY, "--overwrite", "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path)
-    assert "returned a NaN or infinite score: [nan, nan]" in error  # the two smoke samples, not a rollout batch
+    out, error = run_in_process(
+        [PPO, *TINY, "--overwrite", "--total-episodes", "8", "--reward-model", str(tmp_path / "rm")], tmp_path
+    )
+    assert f"--reward-model {tmp_path / 'rm'} returned nan: every reward must be a finite number" in str(error)
+    assert "eval samples" not in out  # the smoke samples, before the first evaluation's table
 
 
 @pytest.mark.slow
@@ -437,11 +440,9 @@ def test_a_bad_gold_reward_is_a_one_line_error_before_any_model_loads(tmp_path):
 
 
 def test_health_check_warns_on_reward_hacking():
-    from ppo import distinct_bigrams, health_check, top_token_share
+    from ppo import health_check, top_token_share
 
     assert top_token_share([5, 5, 6, 7, 8, 9]) == pytest.approx(2 / 6) and top_token_share([]) == 0
-    # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; one phrase in every response: 1 of 3
-    assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75 and distinct_bigrams(["so fine"] * 3) == pytest.approx(1 / 3)
     line, warning = health_check(
         5.0, 6.0, top_share=0.1, distinct_words=0.9, distinct_2=0.72, start_distinct_2=0.93, start_top_share=0.08
     )
@@ -517,7 +518,7 @@ def test_reward_adapter_on_the_policy_base_scores_like_the_merged_reward_model(t
     ids = tokenizer(["q1 some words here"], return_tensors="pt")
     with torch.no_grad():
         policy_logits = policy(**ids)[0]
-        torch.testing.assert_close(adapter(policy, **batch), merged(**batch).logits)
+        torch.testing.assert_close(adapter.forward(policy, **batch), merged(**batch).logits)
         torch.testing.assert_close(policy(**ids)[0], policy_logits)  # back on the policy adapter
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert any(".default." in n for n in trainable) and not any(".reward." in n for n in trainable)

@@ -11,6 +11,7 @@ import torch
 from common.rewards import (
     check_rewards,
     distinct_answers,
+    distinct_bigrams,
     extract_answer,
     load_task,
     r1_format_reward,
@@ -100,3 +101,10 @@ def test_the_data_seed_fixes_the_problems_while_the_seed_varies():
     assert problems(seed=2, data_seed=1) == problems(seed=1) == problems(seed=1, data_seed=None)
     train, held_out = problems(seed=2)
     assert held_out != problems(seed=1)[1] and train != problems(seed=1)[0]
+
+
+def test_distinct_bigrams_by_hand():
+    # (a b) (b c) | (a b) (b d) | none: 3 distinct of 4; the same phrase everywhere: 1 of 3
+    assert distinct_bigrams(["a b c", "a b d", "e"]) == 0.75
+    assert abs(distinct_bigrams(["fine thanks"] * 3) - 1 / 3) < 1e-12
+    assert distinct_bigrams(["", "one"]) == 0.0
