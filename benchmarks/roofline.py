@@ -1,12 +1,15 @@
 """Where an update's time goes, against what this machine can do: the rate of a large matmul (float32 and bfloat16),
-then each phase of a grpo.py / rloo.py update at the real-model recipe (builtin:smollm2-135m-instruct, reasoning-gym
-chain_sum as chat prompts, 8 prompts x 4 completions of at most 32 tokens, mini-batches of 8, one optimizer step of
-32), run through the functions the scripts call (common.rollout's Engine, score, sampling_logprobs; the training
-forward and backward of common.sampling.per_token_logprobs, then AdamW). For each phase: its time (the median of
---repeats, after a warm-up), the FLOPs it executes (torch's FlopCounterMode: every matmul and attention product,
-padding included), the useful FLOPs (PaLM's count over the real tokens only), and the share of the float32 matmul rate
-each achieves. grpo.py and rloo.py run these same calls; their losses add no matmul. Writes
-benchmarks/RESULTS-roofline.json, from which docs/benchmarks.md renders its table.
+then each phase of an update at the real-model recipe (builtin:smollm2-135m-instruct, reasoning-gym chain_sum as chat
+prompts, completions of at most 32 tokens), run through the functions the scripts call:
+- grpo.py / rloo.py: 8 prompts x 4 completions, mini-batches of 8, one optimizer step of 32 (common.rollout's Engine,
+  score, sampling_logprobs; the training forward and backward of common.sampling.per_token_logprobs, then AdamW; their
+  losses add no matmul);
+- ppo.py with its separate critic, at benchmarks/real_model.py's ppo_critic settings: 8 prompts x 4, one epoch of 4
+  mini-batches of 8, an Adam step each (its Sampling, Rewards, sampling_forwards, forward and ppo_loss).
+For each phase: its time (the median of --repeats, after a warm-up), the FLOPs it executes (torch's FlopCounterMode:
+every matmul and attention product, padding included), the useful FLOPs (PaLM's count over the real tokens only), and
+the share of the float32 matmul rate each achieves. Writes benchmarks/RESULTS-roofline.json, from which
+docs/benchmarks.md renders its tables.
 
     python benchmarks/roofline.py
 """
@@ -27,6 +30,12 @@ RECIPE = dict(  # benchmarks/speed_cpu.py's RECIPE: benchmarks/real_model.py's s
     model_name="builtin:smollm2-135m-instruct", dataset_name="reasoning-gym:chain_sum", data_seed=1, seed=1,
     max_completion_length=32, batch_size=8, num_generations=4, mini_batch_size=8, gradient_accumulation_steps=4,
     learning_rate=1e-5, beta=0.0, eval_freq=0, total_prompts=8,
+)  # fmt: skip
+PPO_RECIPE = dict(  # benchmarks/real_model.py's ppo_critic: the policy's copy as the critic, lambda 1, no KL
+    model_name="builtin:smollm2-135m-instruct", dataset_name="reasoning-gym:chain_sum", data_seed=1, seed=1,
+    min_new_tokens=32, max_new_tokens=32, reward_funcs=["verifier"], batch_size=32, n_samples_per_prompt=4,
+    mini_batch_size=8, ppo_epochs=1, learning_rate=1e-5, value_model_path="auto", critic_learning_rate=5e-5, lam=1.0,
+    critic_lam=1.0, init_kl_coef=0.0, adap_kl_ctrl=False, total_episodes=32, eval_freq=0,
 )  # fmt: skip
 
 
@@ -71,28 +80,122 @@ def timed(phase, repeats: int) -> float:
     return statistics.median(times)
 
 
-def useful_flops(config, prompt_lengths: list[int], completion_lengths: list[int]) -> float:
+def useful_flops(config, prompt_lengths: list[int], completion_lengths: list[int], head: bool = True) -> float:
     """PaLM's count of one forward over the real tokens only: 2 per weight of the layers' matrices per token, the LM head
-    (2 x width x vocabulary) per completion token (each is scored, or drawn), and 4 x layers x width x the token's
-    position for attention."""
+    (2 x width x vocabulary) per completion token (each is scored, or drawn; `head` False: a critic's trunk, without
+    it), and 4 x layers x width x the token's position for attention."""
     layers, width, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
     kv = width * config.num_key_value_heads // config.num_attention_heads
     block = layers * (2 * width * width + 2 * width * kv + 3 * width * config.intermediate_size)  # q, o; k, v; MLP
     total = 0.0
     for p, c in zip(prompt_lengths, completion_lengths):
-        total += (p + c) * 2 * block + c * 2 * width * vocab + 4 * layers * width * sum(range(1, p + c + 1))
+        total += (p + c) * 2 * block + head * c * 2 * width * vocab + 4 * layers * width * sum(range(1, p + c + 1))
     return total
 
 
-def main(args: Args) -> None:
+def measure(phases: dict, repeats: int, rate: float) -> list[dict]:
+    """Each phase's row: its median time, the FLOPs it executes and the useful ones, each as a share of `rate`."""
+    rows = []
+    for name, (phase, useful) in phases.items():
+        seconds = timed(phase, repeats)
+        executed = counted(phase) if useful else 0.0
+        rows.append(
+            {
+                "phase": name,
+                "seconds": seconds,
+                "executed_flops": executed,
+                "useful_flops": useful,
+                "executed_share": executed / seconds / rate,
+                "useful_share": useful / seconds / rate,
+            }
+        )
+        print(f"{name}: {seconds:.2f} s, {executed / 1e9:.1f} GFLOP executed, {useful / 1e9:.1f} useful")
+    return rows
+
+
+def lengths(prompt_mask, completion_mask) -> tuple[list[int], list[int], dict]:
+    """The real tokens of each prompt and completion, and their summary for the record."""
+    prompts, completions = prompt_mask.sum(1).int().tolist(), completion_mask.sum(1).int().tolist()
+    summary = {
+        "completions": len(completions),
+        "prompt_mean": statistics.mean(prompts),
+        "prompt_max": max(prompts),
+        "completion_mean": statistics.mean(completions),
+        "completion_max": max(completions),
+    }
+    return prompts, completions, summary
+
+
+def ppo_phases(repeats: int, rate: float) -> dict:
+    """ppo.py's update at PPO_RECIPE, phase by phase, through its own functions; the critic is a trunk without the LM
+    head, so it counts the useful FLOPs of the policy's forward less the head."""
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    import ppo
+    from common.loading import load_tokenizer
+
+    run = ppo.Args(**PPO_RECIPE)
+    accelerator = Accelerator()
+    step_size = ppo.batch_sizes(run, accelerator)
+    tokenizer = load_tokenizer(run.model_name, padding_side="left")
+    train_rows, eval_rows, chat = ppo.load_queries(run, tokenizer, accelerator)
+    model, ref_model, scorer = ppo.load_models(run, accelerator, tokenizer, {}, chat, train_rows, eval_rows)
+    sampling = ppo.Sampling(run, tokenizer, model, accelerator, {}, max(len(r["prompt_ids"]) for r in train_rows))
+    model, optimizer, _ = ppo.prepare_training(run, accelerator, model, step_size)
+    policy = accelerator.unwrap_model(model)
+    scorer.ready(policy)
+    rows = [row for row in train_rows[: run.batch_size // run.n_samples_per_prompt] for _ in range(run.n_samples_per_prompt)]
+    queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in rows])
+    torch.manual_seed(0)
+    policy.eval()
+    responses, response_mask, ended, _ = sampling.generate(queries, query_mask, run.max_new_tokens)
+    texts, ids = sampling.texts(responses, response_mask)
+    batch = (queries, query_mask, responses, response_mask)
+    old, _, values, _ = ppo.sampling_forwards(run, accelerator, policy, ref_model, sampling, *batch)
+    mask, advantages, returns = response_mask.float(), torch.randn_like(old), torch.randn_like(old)
+
+    def generate():
+        policy.eval()
+        sampling.generate(queries, query_mask, run.max_new_tokens)
+
+    def forwards():
+        ppo.sampling_forwards(run, accelerator, policy, ref_model, sampling, *batch)
+
+    def train():  # one epoch over the mini-batches: the policy's and the critic's forward, backward and Adam step each
+        model.train()
+        for mb in torch.arange(run.batch_size).split(run.mini_batch_size):
+            logits, vpreds = ppo.forward(
+                model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **sampling.forward_kwargs
+            )
+            logprobs = torch.gather(F.log_softmax(logits.float(), -1), -1, responses[mb, :, None])[..., 0]
+            pg_loss, vf_loss, _ = ppo.ppo_loss(
+                old[mb], values[mb], logprobs, vpreds, mask[mb], advantages[mb], returns[mb], 0.2, 0.2, run.vf_coef
+            )
+            accelerator.backward(pg_loss + vf_loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    prompts, completions, tokens = lengths(query_mask, response_mask)
+    config = policy.config
+    lm, trunk = useful_flops(config, prompts, completions), useful_flops(config, prompts, completions, head=False)
+    phases = {
+        "rollout": (generate, lm),
+        "score": (lambda: scorer(rows, texts, ids, ended.tolist()), 0.0),
+        "old log-probs and values, reference log-probs": (forwards, 2 * lm + trunk),
+        "train (policy and critic: forward, backward, Adam)": (train, 3 * (lm + trunk)),
+    }  # fmt: skip
+    return {"recipe": PPO_RECIPE, "tokens": tokens, "phases": measure(phases, repeats, rate)}
+
+
+def grpo_phases(repeats: int, rate: float) -> dict:
+    """A grpo.py / rloo.py update at RECIPE, phase by phase, through common.rollout's functions."""
     from accelerate import Accelerator
 
     import grpo
     from common.rollout import Engine, batch_rows, load_online_task, load_policy, sampling_logprobs, score
     from common.sampling import per_token_logprobs
 
-    rates = {name: matmul_rate(args.size, dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    print({k: f"{v / 1e9:.1f} GFLOP/s" for k, v in rates.items()})
     run = grpo.Args(**RECIPE)
     accelerator = Accelerator()
     task = load_online_task(run, accelerator, 1)
@@ -103,8 +206,6 @@ def main(args: Args) -> None:
     torch.manual_seed(0)
     policy.eval()
     rollout = engine.rollout(rows)
-    prompt_lengths = rollout.prompt_mask.sum(1).tolist()
-    completion_lengths = rollout.mask.sum(1).int().tolist()
     advantages = torch.randn(len(rows))
 
     def generate():
@@ -125,48 +226,24 @@ def main(args: Args) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    def scoring():
-        score(task, rows, rollout)
-
-    config = policy.config
+    prompts, completions, tokens = lengths(rollout.prompt_mask, rollout.mask)
+    useful = useful_flops(policy.config, prompts, completions)
     phases = {
-        "rollout": (generate, useful_flops(config, prompt_lengths, completion_lengths)),
-        "score": (scoring, 0.0),
-        "old or reference log-probs": (logprobs, useful_flops(config, prompt_lengths, completion_lengths)),
-        "train (forward, backward, AdamW)": (train, 3 * useful_flops(config, prompt_lengths, completion_lengths)),
+        "rollout": (generate, useful),
+        "score": (lambda: score(task, rows, rollout), 0.0),
+        "old or reference log-probs": (logprobs, useful),
+        "train (forward, backward, AdamW)": (train, 3 * useful),
     }  # fmt: skip
-    rows_out = []
-    for name, (phase, useful) in phases.items():
-        seconds = timed(phase, args.repeats)
-        executed = counted(phase) if useful else 0.0
-        rows_out.append(
-            {
-                "phase": name,
-                "seconds": seconds,
-                "executed_flops": executed,
-                "useful_flops": useful,
-                "executed_share": executed / seconds / rates["float32"],
-                "useful_share": useful / seconds / rates["float32"],
-            }
-        )
-        print(f"{name}: {seconds:.2f} s, {executed / 1e9:.1f} GFLOP executed, {useful / 1e9:.1f} useful")
-    write(
-        os.path.join(HERE, "RESULTS-roofline.json"),
-        header("python benchmarks/roofline.py")
-        | {
-            "recipe": RECIPE,
-            "matmul_size": args.size,
-            "matmul_flops_per_s": rates,
-            "tokens": {
-                "completions": len(rows),
-                "prompt_mean": statistics.mean(prompt_lengths),
-                "prompt_max": max(prompt_lengths),
-                "completion_mean": statistics.mean(completion_lengths),
-                "completion_max": max(completion_lengths),
-            },
-            "phases": rows_out,
-        },
-    )
+    return {"recipe": RECIPE, "tokens": tokens, "phases": measure(phases, repeats, rate)}
+
+
+def main(args: Args) -> None:
+    rates = {name: matmul_rate(args.size, dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    print({k: f"{v / 1e9:.1f} GFLOP/s" for k, v in rates.items()})
+    record = header("python benchmarks/roofline.py") | {"matmul_size": args.size, "matmul_flops_per_s": rates}
+    record |= grpo_phases(args.repeats, rates["float32"])
+    record["ppo"] = ppo_phases(args.repeats, rates["float32"])
+    write(os.path.join(HERE, "RESULTS-roofline.json"), record)
 
 
 if __name__ == "__main__":

@@ -507,24 +507,35 @@ def speed_cpu() -> str:
 
 
 def roofline() -> str:
-    """Each phase of a grpo.py / rloo.py update against the machine's matmul rate (benchmarks/RESULTS-roofline.json,
-    `python benchmarks/roofline.py`): time, executed and useful GFLOP, and the share of the float32 rate each achieves."""
+    """Each phase of a grpo.py / rloo.py update, and of a ppo.py update with its separate critic, against the machine's
+    matmul rate (benchmarks/RESULTS-roofline.json, `python benchmarks/roofline.py`): time, executed and useful GFLOP,
+    and the share of the float32 rate each achieves."""
     r = record("RESULTS-roofline.json")
-    rate, tokens = r["matmul_flops_per_s"], r["tokens"]
-    rows = ["| phase | seconds | GFLOP executed | GFLOP useful | executed / (time x matmul rate) | useful / (time x matmul "
-            "rate) |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for p in r["phases"]:
-        rows.append(
-            f"| {p['phase']} | {p['seconds']:.2f} | {p['executed_flops'] / 1e9:.1f} | {p['useful_flops'] / 1e9:.1f} | "
-            f"{100 * p['executed_share']:.0f}% | {100 * p['useful_share']:.0f}% |"
-        )
-    total = sum(p["seconds"] for p in r["phases"])
-    return "\n".join(rows) + (
+    rate = r["matmul_flops_per_s"]
+
+    def table(part: dict) -> list[str]:
+        rows = ["| phase | seconds | GFLOP executed | GFLOP useful | executed / (time x matmul rate) | useful / (time x "
+                "matmul rate) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for p in part["phases"]:
+            rows.append(
+                f"| {p['phase']} | {p['seconds']:.2f} | {p['executed_flops'] / 1e9:.1f} | {p['useful_flops'] / 1e9:.1f} | "
+                f"{100 * p['executed_share']:.0f}% | {100 * p['useful_share']:.0f}% |"
+            )
+        t = part["tokens"]
+        return rows + [
+            "",
+            f"{t['completions']} completions, prompts of {t['prompt_mean']:.1f} tokens on average (at most "
+            f"{t['prompt_max']}), completions of {t['completion_mean']:.1f} (at most {t['completion_max']}); the phases "
+            f"add to {sum(p['seconds'] for p in part['phases']):.1f} s.",
+        ]
+
+    lines = ["grpo.py and rloo.py (the log-prob forward runs only with several optimizer steps per update or a "
+             "reference, --beta > 0):", "", *table(r)]  # fmt: skip
+    if "ppo" in r:
+        lines += ["", "ppo.py with a separate critic (the policy's copy, without the LM head):", "", *table(r["ppo"])]
+    return "\n".join(lines) + (
         f"\n\nThe roof: a {r['matmul_size']} x {r['matmul_size']} matmul at {rate['float32'] / 1e9:.0f} GFLOP/s in "
-        f"float32 ({rate['bfloat16'] / 1e9:.0f} in bfloat16). The update: {tokens['completions']} completions, prompts of "
-        f"{tokens['prompt_mean']:.1f} tokens on average (at most {tokens['prompt_max']}), completions of "
-        f"{tokens['completion_mean']:.1f} (at most {tokens['completion_max']}); the phases add to {total:.1f} s (the "
-        "log-prob forward runs only with several optimizer steps per update or a reference, --beta > 0). "
+        f"float32 ({rate['bfloat16'] / 1e9:.0f} in bfloat16). "
         f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads, torch {r['torch']}; `{r['command']}`."
     )
 
