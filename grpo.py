@@ -285,7 +285,8 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.3
     """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
     vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine spans (TRL's vllm_tensor_parallel_size); only 1 for now"""
+    """training processes (GPUs) one vLLM engine spans, a shard on each; their prompts sampled together (TRL's
+    vllm_tensor_parallel_size)"""
     vllm_enable_sleep_mode: bool = False
     """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
     vllm_dtype: str = "auto"

@@ -102,7 +102,8 @@ class Sampler:
             self.fast = FastGenerator(language_model, args.temperature, top_k, top_p)
         self.name = "vLLM, colocated" if self.vllm else "compiled static-cache decoding" if self.fast else "HF generate"
         if self.vllm is not None:
-            self.name += f" ({self.vllm.dtype})"
+            parallel = f", tensor-parallel over {self.vllm.tp} processes" if self.vllm.tp > 1 else ""
+            self.name += f" ({self.vllm.dtype}{parallel})"
 
     def fork(self):
         """A sampler for a background thread (the asynchronous rollout worker): one that samples through this one's vLLM

@@ -101,10 +101,18 @@ def check_vllm_args(args) -> None:
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
         raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
     check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
-    if args.vllm_tensor_parallel_size > 1:  # TRL gathers each group's prompts onto every rank of it, then slices
+    tp, world = args.vllm_tensor_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp:  # each engine spans tp training processes, one shard on each (TRL's colocate mode)
         raise UsageError(
-            f"--vllm-tensor-parallel-size {args.vllm_tensor_parallel_size}: an engine spanning several GPUs needs each "
-            "tensor-parallel group's prompts gathered, which is not built yet; use 1 (one engine per process)."
+            f"--vllm-tensor-parallel-size {tp} with {world} process(es): each engine spans {tp} training processes, so "
+            f"launch a multiple of {tp} (accelerate launch --num_processes {tp}), or lower the size."
+        )
+    tools = getattr(args, "tools", None) or getattr(args, "environment", None)
+    lockstep = "--tools / --environment" if tools else "--async-rollouts" if getattr(args, "async_rollouts", 0) else None
+    if tp > 1 and lockstep:  # an engine's shards sample together: every process must ask as often, at the same time
+        raise UsageError(
+            f"--vllm-tensor-parallel-size {tp} with {lockstep}: the processes of an engine sample in lockstep, and "
+            "those rollouts take different turns or times on each; use --vllm-tensor-parallel-size 1."
         )
     if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise UsageError(f"--vllm-dtype {args.vllm_dtype}: choose auto, float32, bfloat16 or float16.")
@@ -156,8 +164,14 @@ class VLLMSampler:
         self.folder = tempfile.TemporaryDirectory(prefix="rlhf-vllm-config-")  # removed with this object
         config.save_pretrained(self.folder.name)
         self.external = torch.distributed.is_available() and torch.distributed.is_initialized()
+        tp = self.tp = args.vllm_tensor_parallel_size
+        self.group = None  # with tensor parallelism, the processes of this one's engine (TRL's tp_group)
+        if tp > 1:
+            ranks = [list(range(i, i + tp)) for i in range(0, accelerator.num_processes, tp)]
+            self.group = torch.distributed.new_subgroups_by_enumeration(ranks, backend="gloo")[0]
         self.dtype = args.vllm_dtype if args.vllm_dtype != "auto" else args.dtype
         self.eos = tokenizer.eos_token_id
+        shared_memory = _own_shared_memory(self.group) if tp > 1 and accelerator.device.type != "cuda" else None
         self.llm = LLM(
             model=self.folder.name,
             load_format="dummy",
@@ -169,11 +183,13 @@ class VLLMSampler:
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             trust_remote_code=REMOTE_CODE["trusted"],
             enforce_eager=accelerator.device.type != "cuda",
-            seed=args.seed + accelerator.process_index,
+            seed=args.seed + accelerator.process_index // tp,  # one seed for the shards of an engine
             logprobs_mode="processed_logprobs",  # after the temperature, as the trainer's log_softmax(logits / T) (TRL)
             # a trainer with a process group (several processes, or DeepSpeed's one): vLLM runs on it
             distributed_executor_backend="external_launcher" if self.external else None,
         )
+        if shared_memory is not None:
+            shared_memory.release()
         self.args, self.accelerator, self.lock, self.sleeping = args, accelerator, threading.Lock(), False
         self.cpu = accelerator.device.type != "cuda"
         if args.vllm_enable_sleep_mode:
@@ -187,7 +203,11 @@ class VLLMSampler:
         repeats itself."""
         from vllm import SamplingParams
 
-        args = self.args
+        args, requests, mine = self.args, [(tokens, seed + i) for i, tokens in enumerate(token_lists)], None
+        if self.group is not None:  # every shard runs its engine's whole batch: this process's prompts and its peers'
+            gathered = [None] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(gathered, requests, group=self.group)
+            requests, mine = group_requests(gathered, torch.distributed.get_rank(self.group))
         params = [
             SamplingParams(
                 temperature=args.temperature,
@@ -198,17 +218,18 @@ class VLLMSampler:
                 max_tokens=max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=[self.eos],
-                seed=seed + i,
+                seed=request_seed,
                 **generation_options(args),
             )
-            for i in range(len(token_lists))
+            for _, request_seed in requests
         ]
         with self.lock:
             if self.sleeping:
                 self.llm.wake_up()
-            outputs = self.llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": t} for t, _ in requests], params, use_tqdm=False)
             if self.sleeping:
                 self.llm.sleep(level=1)
+        outputs = outputs[mine] if mine is not None else outputs
         completions = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [
             [step[token].logprob for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs
@@ -240,6 +261,50 @@ class VLLMSampler:
             self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
             if self.sleeping:
                 self.llm.sleep(level=1)
+
+
+class _own_shared_memory:
+    """vLLM's CPU engines spanning several processes talk through shared-memory files named after the launch, which
+    under a trainer's launcher (external_launcher) is the same for every run: a run killed before its end, or one beside
+    it, would make the next fail to create them. Here the names get a token of this run, and once every process of the
+    engine has mapped them (`release`), each removes its own file, and the creator of the engine's broadcast queue its
+    name: the mappings live on, and no name is left behind when the run leaves without its exit hooks (`end_run`)."""
+
+    def __init__(self, group):
+        from vllm.distributed.device_communicators import cpu_communicator
+
+        self.group, self.names, self.module = group, [], cpu_communicator._CPUSHMDistributed
+        token = [os.urandom(4).hex()]
+        torch.distributed.broadcast_object_list(token, src=torch.distributed.get_global_rank(group, 0), group=group)
+        self.original = self.module.make_group_name
+
+        def make_group_name(communicator) -> str:
+            self.names.append((f"{self.original(communicator)}-{token[0]}", communicator.rank))
+            return self.names[-1][0]
+
+        self.module.make_group_name = staticmethod(make_group_name)
+
+    def release(self) -> None:
+        self.module.make_group_name = staticmethod(self.original)
+        torch.distributed.barrier(group=self.group)  # every process of the engine has mapped every file
+        for name, rank in set(self.names):
+            path = os.path.join("/dev/shm", f"{name.lstrip('/')}_{rank}")
+            if os.path.exists(path):
+                os.unlink(path)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        buffer = getattr(getattr(get_tp_group(), "mq_broadcaster", None), "buffer", None)  # its broadcast queue's too
+        if getattr(buffer, "is_creator", False):
+            buffer.shared_memory.unlink()
+            buffer.is_creator = False  # (its own cleanup would unlink the name again)
+
+
+def group_requests(gathered: list[list], rank: int) -> tuple[list, slice]:
+    """The requests of an engine's processes, in rank order, and where process `rank`'s own lie among them: its
+    completions, once the engine has sampled the whole (TRL slices `tp_slice` alike; here each process may send a
+    different number)."""
+    start = sum(len(requests) for requests in gathered[:rank])
+    return [request for requests in gathered for request in requests], slice(start, start + len(gathered[rank]))
 
 
 def policy_weights(policy, accelerator):

@@ -249,6 +249,18 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
         assert len(ddp) == 2 and ddp == pytest.approx(fsdp, rel=1e-5), (tag, ddp, fsdp)
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
+    # one engine over both processes (tensor parallel 2, TRL's colocate mode): each process's prompts gathered with its
+    # peer's, sampled together, and its own completions handed back; a completion given to the wrong process would
+    # leave the trainer's log-probs of it far from the sampler's (prompts differ), not at float32 rounding
+    shared = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    result = python([*ddp_launch(), *grpo, "--vllm-tensor-parallel-size", "2", "--log-dir", "tp_runs"], tmp_path, **DDP_ENV)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "float32, tensor-parallel over 2 processes" in result.stdout and "weights identical on 2 ranks" in result.stdout
+    gap = read_scalars(tmp_path / "tp_runs", "sampling/sampling_logp_difference/max")
+    assert len(gap) == 2 and max(gap) < 1e-5, gap
+    # the engine's shared-memory files are gone with the run (a name left behind would stop the next run's engine)
+    left = {f for f in set(os.listdir("/dev/shm")) - shared if "cpushm" in f} if shared else set()
+    assert not left and "resource_tracker" not in result.stderr, (left, result.stderr[-2000:])
 
 
 @pytest.mark.slow
@@ -294,7 +306,7 @@ def test_grpo_with_vllm_under_deepspeed_zero3_trains_as_one_process(tmp_path):
     "flags, message",
     [
         (["--vllm-gpu-memory-utilization", "1.5"], "--vllm-gpu-memory-utilization 1.5: it lies in (0, 1]"),
-        (["--vllm-tensor-parallel-size", "2"], "--vllm-tensor-parallel-size 2: an engine spanning several GPUs"),
+        (["--vllm-tensor-parallel-size", "2"], "--vllm-tensor-parallel-size 2 with 1 process(es): each engine spans 2"),
         (["--vllm-enable-sleep-mode"], "--vllm-enable-sleep-mode frees GPU memory: there is no GPU here"),
         (["--vllm-dtype", "int8"], "--vllm-dtype int8: choose auto, float32, bfloat16 or float16"),
         (["--model-name", "builtin:tiny-gpt2"], "vLLM's CPU attention runs head sizes"),  # head size 16: not its traceback
@@ -307,6 +319,23 @@ def test_bad_vllm_flags_are_one_line_before_anything_loads(tmp_path, flags, mess
     for script in ("rloo", "ppo", "gkd") if "1.5" in flags else ("rloo",):
         error = run_failing([os.path.join(ROOT, f"{script}.py"), "--use-vllm", *flags], tmp_path)
         assert error.startswith("UsageError: ") and message in error, (script, error)
+
+
+def test_tensor_parallel_engines_gather_their_processes_prompts_and_refuse_what_is_not_in_lockstep(tmp_path, monkeypatch):
+    from conftest import run_failing
+
+    from common.vllm_engine import group_requests
+
+    # three processes of one engine with 2, 0 and 1 requests: every one sends the engine all three lists, in rank order
+    gathered = [[("a", 1), ("b", 2)], [], [("c", 7)]]
+    assert [group_requests(gathered, rank)[1] for rank in range(3)] == [slice(0, 2), slice(2, 2), slice(2, 3)]
+    requests = group_requests(gathered, 0)[0]
+    assert requests == [("a", 1), ("b", 2), ("c", 7)] and requests[group_requests(gathered, 2)[1]] == [("c", 7)]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as a launcher of two processes sets it
+    tp = [os.path.join(ROOT, "grpo.py"), "--use-vllm", "--vllm-tensor-parallel-size", "2"]
+    for flags, what in ((["--tools", "calculator"], "--tools / --environment"), (["--async-rollouts"], "--async-rollouts")):
+        error = run_failing([*tp, *flags, "--max-staleness", "1" if "--async-rollouts" in flags else "0"], tmp_path)
+        assert f"--vllm-tensor-parallel-size 2 with {what}: the processes of an engine sample in lockstep" in error, error
 
 
 def test_what_vllm_cannot_sample_in_ppo_is_one_line(tmp_path):
