@@ -171,7 +171,7 @@ class VLLMSampler:
             self.group = torch.distributed.new_subgroups_by_enumeration(ranks, backend="gloo")[0]
         self.dtype = args.vllm_dtype if args.vllm_dtype != "auto" else args.dtype
         self.eos = tokenizer.eos_token_id
-        shared_memory = _own_shared_memory(self.group) if tp > 1 and accelerator.device.type != "cuda" else None
+        shared_memory = _SharedMemoryNames(self.group) if tp > 1 and accelerator.device.type != "cuda" else None
         self.llm = LLM(
             model=self.folder.name,
             load_format="dummy",
@@ -263,7 +263,7 @@ class VLLMSampler:
                 self.llm.sleep(level=1)
 
 
-class _own_shared_memory:
+class _SharedMemoryNames:
     """vLLM's CPU engines spanning several processes talk through shared-memory files named after the launch, which
     under a trainer's launcher (external_launcher) is the same for every run: a run killed before its end, or one beside
     it, would make the next fail to create them. Here the names get a token of this run, and once every process of the
