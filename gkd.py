@@ -52,8 +52,7 @@ from common.models import disable_dropout, place_frozen
 from common.outputs import check_finite
 from common.rewards import distinct_answers, is_number, load_task, verifier
 from common.run import end_run, start_run
-from common.sampling import Sampler, cut, sampler_gap
-from common.vllm_engine import check_generation_options, check_vllm_args
+from common.sampling import Sampler, check_sampling_args, cut, sampler_gap
 
 
 @dataclass
@@ -255,19 +254,11 @@ def check(args: Args) -> None:
         non_negative="weight_decay eval_freq save_freq top_k",
         fractions="eval_fraction",
     )
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
-    if args.min_p is not None and not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p {args.min_p}: it lies in [0, 1].")
-    if not args.repetition_penalty > 0:
-        raise UsageError(f"--repetition-penalty {args.repetition_penalty}: it must be > 0 (1.0: no penalty).")
+    check_sampling_args(args)
     if not (0 <= args.lmbda <= 1 and 0 <= args.beta <= 1 and 0 <= args.warmup_ratio < 1):
         raise UsageError(f"--lmbda {args.lmbda}, --beta {args.beta}: both lie in [0, 1], --warmup-ratio in [0, 1).")
     if args.objective == "reverse_kl_pg" and args.lmbda < 1:
         raise UsageError("--objective reverse_kl_pg is a policy gradient on the student's own samples: it needs --lmbda 1.")
-    if args.use_vllm:
-        check_vllm_args(args)
-    check_generation_options(args)
     teacher_options(args)
     json_object(args.chat_template_kwargs, "--chat-template-kwargs", '{"enable_thinking": false}')
     if args.seq_kd and args.lmbda == 1:

@@ -84,8 +84,7 @@ from common.outputs import check_finite
 from common.rewards import RewardModel, distinct_bigrams, load_rewards, load_task, score_completions
 from common.rollout import resume
 from common.run import end_run, start_run
-from common.sampling import Sampler, sampler_gap
-from common.vllm_engine import check_vllm_args
+from common.sampling import Sampler, check_sampling_args, sampler_gap
 
 
 @dataclass
@@ -894,8 +893,6 @@ def check(args: Args) -> None:
             )
     if args.use_kl_loss and args.kl_penalty == "full":
         raise UsageError("--use-kl-loss with --kl-penalty full: the loss takes a per-token estimate (k3, kl, mse, abs).")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise UsageError(f"Need 1 <= min_new_tokens ({args.min_new_tokens}) <= max_new_tokens ({args.max_new_tokens}).")
     if args.truncate_queries and args.max_query_length is None:
@@ -911,7 +908,7 @@ def check(args: Args) -> None:
         refused = [flag for flag, on in (("--logit-mask", args.logit_mask), ("--load-in-8bit / 4bit", quantized)) if on]
         if refused:
             raise UsageError(f"--use-vllm with {refused[0]}: vLLM samples without it; drop one of the two.")
-        check_vllm_args(args)
+    check_sampling_args(args)  # --top-p, and with --use-vllm vLLM's flags
     if args.reward_weights and not args.reward_funcs:
         raise UsageError("--reward-weights weighs the --reward-funcs: pass the reward functions too, or drop the weights.")
     if args.reward_funcs and len(args.reward_weights or args.reward_funcs) != len(args.reward_funcs):

@@ -176,7 +176,8 @@ def big(work: str) -> list[str]:
     tokenizer.save_pretrained(model)
     data = f"{work}/sft.jsonl"
     bench.sft_texts(1024).to_json(data)
-    sft = ["--model-name", model, "--dataset-name", data, "--packing", "--max-seq-length", "1024", "--batch-size", "8"]
+    sft = ["--model-name", model, "--dataset-name", data, "--packing", "--packing-strategy", "wrapped"]  # as recorded
+    sft += ["--max-seq-length", "1024", "--batch-size", "8"]
     sft += ["--max-steps", "8", "--num-sample-generations", "0", "--eval-steps", "100"]
     rows = ["| launch | step time, median (range) | peak GiB | saved model |", "|-|-|-|-|"]
     for port, (name, cfg) in enumerate(

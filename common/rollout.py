@@ -52,9 +52,8 @@ from common.rewards import (
     score_completions,
 )
 from common.run import rank_batches
-from common.sampling import Sampler, per_token_logprobs
+from common.sampling import Sampler, check_sampling_args, per_token_logprobs
 from common.tools import Toolset, run_calls, tool_suffix_ids
-from common.vllm_engine import check_generation_options, check_vllm_args
 
 # ================================ the flags every online script shares ================================
 SHARED_POSITIVE = (
@@ -76,12 +75,7 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
     )
     if args.num_generations < 2:
         raise UsageError(f"--num-generations {args.num_generations}: a group needs at least 2 completions to compare.")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
-    if args.min_p is not None and not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p {args.min_p}: it lies in [0, 1].")
-    if not args.repetition_penalty > 0:
-        raise UsageError(f"--repetition-penalty {args.repetition_penalty}: it must be > 0 (1.0: no penalty).")
+    check_sampling_args(args)
     if (args.tools or args.environment) and args.max_tool_calling_iterations == 0:
         raise UsageError(
             "--max-tool-calling-iterations 0 with --tools / --environment: no tool call would ever run; allow at least 1 "
@@ -105,9 +99,6 @@ def check_online_args(args, positive: str = "", non_negative: str = "") -> None:
             f"--lr-scheduler-type {args.lr_scheduler_type} (--lr-scheduler-kwargs {args.lr_scheduler_kwargs}): "
             f"{error_line(error)}; pass a transformers scheduler and the options it takes."
         ) from None
-    if getattr(args, "use_vllm", False):
-        check_vllm_args(args)
-    check_generation_options(args)
     if args.sync_ref_model and (args.beta == 0 or args.use_peft):  # TRL refuses both too
         what = "--beta 0 leaves no reference" if args.beta == 0 else "--use-peft has no reference copy"
         raise UsageError(f"--sync-ref-model moves a reference copy during training, and {what} to move: drop one.")

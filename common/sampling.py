@@ -18,9 +18,25 @@ from types import SimpleNamespace
 import torch
 from accelerate import Accelerator, DistributedType
 
+from common.core import UsageError
 from common.fast_paths import FastGenerator, sampling_kwargs
 from common.models import peft_model_of, reference_context
-from common.vllm_engine import VLLMSampler, generation_options
+from common.vllm_engine import VLLMSampler, check_generation_options, check_vllm_args, generation_options
+
+
+def check_sampling_args(args) -> None:
+    """A one-line error for each sampling flag a script has out of its range (--top-p, --min-p, --repetition-penalty),
+    a --generation-kwargs its backend cannot take, and with --use-vllm vLLM's own flags; before anything loads."""
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: it lies in (0, 1].")
+    min_p, penalty = getattr(args, "min_p", None), getattr(args, "repetition_penalty", 1.0)
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise UsageError(f"--min-p {min_p}: it lies in [0, 1].")
+    if not penalty > 0:
+        raise UsageError(f"--repetition-penalty {penalty}: it must be > 0 (1.0: no penalty).")
+    if getattr(args, "use_vllm", False):
+        check_vllm_args(args)
+    check_generation_options(args)
 
 
 def cut(completions, eos_token_id: int, pad_token_id: int, stop_token_ids=()):
