@@ -252,14 +252,14 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
     # one engine over both processes (tensor parallel 2, TRL's colocate mode): each process's prompts gathered with its
     # peer's, sampled together, and its own completions handed back; a completion given to the wrong process would
     # leave the trainer's log-probs of it far from the sampler's (prompts differ), not at float32 rounding
-    shared = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shared = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None  # (Linux: vLLM's CPU shared memory)
     result = python([*ddp_launch(), *grpo, "--vllm-tensor-parallel-size", "2", "--log-dir", "tp_runs"], tmp_path, **DDP_ENV)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "float32, tensor-parallel over 2 processes" in result.stdout and "weights identical on 2 ranks" in result.stdout
     gap = read_scalars(tmp_path / "tp_runs", "sampling/sampling_logp_difference/max")
     assert len(gap) == 2 and max(gap) < 1e-5, gap
     # the engine's shared-memory files are gone with the run (a name left behind would stop the next run's engine)
-    left = {f for f in set(os.listdir("/dev/shm")) - shared if "cpushm" in f} if shared else set()
+    left = {f for f in set(os.listdir("/dev/shm")) - shared if "cpushm" in f} if shared is not None else set()
     assert not left and "resource_tracker" not in result.stderr, (left, result.stderr[-2000:])
 
 
