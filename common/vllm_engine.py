@@ -18,7 +18,9 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -84,6 +86,8 @@ def check_generation_options(args) -> None:
             f"{flag}: {own[0]} is set by its own flag or by the sampler; pass it there (--{own[0].replace('_', '-')})."
         )
     if getattr(args, "use_vllm", False):
+        if args.vllm_mode == "server":  # a trainer of a vLLM server needs no vLLM of its own: the server checks them
+            return
         from vllm import SamplingParams
 
         known, backend = set(inspect.signature(SamplingParams).parameters), "vLLM's SamplingParams"
@@ -97,7 +101,13 @@ def check_generation_options(args) -> None:
 
 
 def check_vllm_args(args) -> None:
-    """--use-vllm's flags, and vLLM itself importable (the install line where it is not)."""
+    """--use-vllm's flags, and vLLM itself importable (the install line where it is not); in server mode, a server that
+    answers and serves the run's model."""
+    if args.vllm_mode not in ("colocate", "server"):
+        raise UsageError(f"--vllm-mode {args.vllm_mode}: choose colocate (an engine in each process) or server.")
+    if args.vllm_mode == "server":
+        check_server_args(args)
+        return
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
         raise UsageError(f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: it lies in (0, 1].")
     check_args(args, positive="vllm_tensor_parallel_size vllm_kv_cache_gib")
@@ -124,21 +134,26 @@ def check_vllm_args(args) -> None:
     if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
         raise UsageError("--vllm-enable-sleep-mode frees GPU memory: there is no GPU here; drop the flag.")
     check_vllm()
-    if not torch.cuda.is_available():  # vLLM's CPU attention runs some head sizes only: one line, not its traceback
-        try:
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-        except ImportError:  # another vLLM layout: vLLM itself says so at its start
-            return
-        config = load_config(args.model_name)
-        if config.is_encoder_decoder:  # the script's own line says vLLM samples decoder-only models
-            return
-        config = config.get_text_config()
-        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if head not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
-            raise UsageError(
-                f"--use-vllm: vLLM's CPU attention runs head sizes {sizes}, and {args.model_name} has {head}: "
-                "sample with HF generate (drop --use-vllm), or pick another model."
-            )
+    if not torch.cuda.is_available():
+        check_cpu_attention(args.model_name, "--use-vllm")
+
+
+def check_cpu_attention(model_name: str, flag: str) -> None:
+    """vLLM's CPU attention runs some head sizes only: one line naming them, not its traceback at the engine's start."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: vLLM itself says so at its start
+        return
+    config = load_config(model_name)
+    if config.is_encoder_decoder:  # the script's own line says vLLM samples decoder-only models
+        return
+    config = config.get_text_config()
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head not in (sizes := CPUAttentionBackend.get_supported_head_sizes()):
+        raise UsageError(
+            f"{flag}: vLLM's CPU attention runs head sizes {sizes}, and {model_name} has {head}: "
+            "sample with HF generate (drop --use-vllm), or pick another model."
+        )
 
 
 class VLLMSampler:
@@ -223,7 +238,7 @@ class VLLMSampler:
             )
             for _, request_seed in requests
         ]
-        with self.lock:
+        with self.lock, torch.random.fork_rng(devices=[]):  # vLLM draws from torch's generator: the run's stays its own
             if self.sleeping:
                 self.llm.wake_up()
             outputs = self.llm.generate([{"prompt_token_ids": t} for t, _ in requests], params, use_tqdm=False)
@@ -261,6 +276,190 @@ class VLLMSampler:
             self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
             if self.sleeping:
                 self.llm.sleep(level=1)
+
+
+def server_url(args) -> str:
+    """The server's address: --vllm-server-base-url, else http://--vllm-server-host:--vllm-server-port (TRL's flags)."""
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+def serve_line(args) -> str:
+    return f"python -m common.vllm_server --model-name {args.model_name} --port {args.vllm_server_port}"
+
+
+def check_server_args(args) -> None:
+    """--vllm-mode server: the colocated engine's own flags left alone, then a server that answers (waiting up to
+    --vllm-server-timeout seconds for one that is starting) and serves the run's model."""
+    import requests
+
+    if args.vllm_tensor_parallel_size != 1 or args.vllm_dtype != "auto":
+        flag = "--vllm-tensor-parallel-size" if args.vllm_tensor_parallel_size != 1 else "--vllm-dtype"
+        raise UsageError(f"{flag} with --vllm-mode server: the server sets it (python -m common.vllm_server --help).")
+    check_args(args, non_negative="vllm_server_timeout")
+    url, start, said = server_url(args), time.time(), False
+    while True:
+        try:
+            requests.get(f"{url}/health", timeout=5).raise_for_status()
+            break
+        except requests.RequestException as error:
+            waited = time.time() - start
+            if waited >= args.vllm_server_timeout:
+                raise UsageError(
+                    f"--vllm-mode server: no vLLM server answers at {url} ({type(error).__name__}, waited "
+                    f"{waited:.0f}s): start one with `{serve_line(args)}`, or point --vllm-server-base-url at yours."
+                ) from None
+            if not said and int(os.environ.get("RANK", "0")) == 0:
+                print(f"waiting for the vLLM server at {url} (up to {args.vllm_server_timeout:.0f}s)", flush=True)
+                said = True
+            time.sleep(1)
+    served = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    same = lambda a, b: a == b or os.path.realpath(a) == os.path.realpath(b)  # noqa: E731 - a folder, spelt twice
+    if not same(served["id"], args.model_name) and not same(served.get("root") or "", args.model_name):
+        raise UsageError(
+            f"--model-name {args.model_name}: the vLLM server at {url} serves {served['id']}; start it with "
+            f"`{serve_line(args)}`, or train the model it serves."
+        )
+
+
+class ServerGone(UsageError):
+    """The server stopped answering mid-run: one line saying so and what the run kept."""
+
+
+class VLLMClient:
+    """A vLLM server of its own (`--vllm-mode server`, common/vllm_server.py): every process sends its prompts over
+    HTTP, one request per completion with its own seed (as `VLLMSampler` draws); after each sync the main process
+    pushes the policy's weights through vLLM's weight-transfer API, over a gloo group with the server's workers."""
+
+    CHUNK_BYTES = 256 * 2**20  # the tensors of one /update_weights call
+
+    def __init__(self, args, tokenizer, policy, accelerator, max_model_len: int):
+        import requests
+
+        self.args, self.accelerator, self.eos, self.url = args, accelerator, tokenizer.eos_token_id, server_url(args)
+        self.session, self.lock, self.tp, self.group = requests.Session(), threading.Lock(), 1, None
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
+        config = self._call("get", "/server_info", params={"config_format": "json"})["vllm_config"]
+        self.model = config["model_config"]["served_model_name"]
+        self.dtype = str(config["model_config"]["dtype"]).removeprefix("torch.")
+        if (config.get("weight_transfer_config") or {}).get("backend") != "gloo":
+            raise UsageError(f"the vLLM server at {self.url} has no gloo weight transfer: start it with `{serve_line(args)}`.")
+        if config["model_config"]["max_model_len"] < max_model_len:
+            raise UsageError(
+                f"the vLLM server at {self.url} takes {config['model_config']['max_model_len']} tokens a sequence, and "
+                f"this run's prompts and completions need {max_model_len}: restart it with --max-model-len {max_model_len}."
+            )
+        if accelerator.is_main_process:  # the sender: the server's workers join its group as ranks 1..n
+            from common.vllm_server import open_group
+
+            world = self._call("get", "/get_world_size")["world_size"] + 1
+            info = dict(master_address=self._address(), master_port=args.vllm_group_port, rank_offset=1, world_size=world)
+            with ThreadPoolExecutor(1) as pool:  # the server blocks in the rendezvous while it answers
+                answer = pool.submit(self._call, "post", "/init_weight_transfer_engine", json={"init_info": info})
+                self.group = open_group("0.0.0.0", args.vllm_group_port, 0, world)
+                answer.result()
+
+    def _address(self) -> str:
+        """This machine's address as the server sees it: the interface that routes to it."""
+        import socket
+        from urllib.parse import urlparse
+
+        host = urlparse(self.url).hostname
+        if host in ("localhost", "127.0.0.1"):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 80))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+
+    def _call(self, method: str, path: str, **kwargs):
+        import requests
+
+        try:
+            response = getattr(self.session, method)(f"{self.url}{path}", **kwargs)
+        except requests.ConnectionError as error:
+            raise self._gone(type(error).__name__) from None
+        if response.status_code != 200:
+            raise UsageError(
+                f"the vLLM server at {self.url} answered {path} with {response.status_code}: {response.text[:300]}"
+            )
+        return response.json() if response.content else None
+
+    def _gone(self, why: str) -> ServerGone:
+        from common.outputs import interrupted_line
+
+        kept = interrupted_line().removeprefix("interrupted")
+        return ServerGone(f"the vLLM server at {self.url} stopped answering ({why}); the run stopped{kept}")
+
+    @torch.no_grad()
+    def generate(self, token_lists: list[list[int]], max_new_tokens: int, seed: int) -> tuple[list, list]:
+        """As `VLLMSampler.generate`, from the server: request i draws from `seed + i`."""
+        args = self.args
+        body = dict(
+            model=self.model,
+            max_tokens=max_new_tokens,
+            temperature=args.temperature,
+            top_k=getattr(args, "top_k", 0) or -1,
+            top_p=getattr(args, "top_p", 1.0),
+            min_p=getattr(args, "min_p", None) or 0.0,
+            repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=[self.eos],
+            return_token_ids=True,
+            return_tokens_as_token_ids=True,
+            **generation_options(args),
+        )
+
+        def one(i: int):
+            choice = self._call("post", "/v1/completions", json=body | dict(prompt=[token_lists[i]], seed=seed + i))
+            return choice["choices"][0]["token_ids"], choice["choices"][0]["logprobs"]["token_logprobs"]
+
+        with self.lock, ThreadPoolExecutor(min(64, max(1, len(token_lists)))) as pool:
+            answers = list(pool.map(one, range(len(token_lists))))
+        return [a[0] for a in answers], [a[1] for a in answers]
+
+    @torch.no_grad()
+    def load(self, policy) -> None:
+        """Push the policy's weights to the server (every rank calls it: gathering a sharded weight is a collective; the
+        main process sends), then every process waits for the push to end."""
+        with self.lock:
+            weights = policy_weights(policy, self.accelerator)
+            if self.group is None:
+                for _ in weights:
+                    pass
+            else:
+                self._call("post", "/start_weight_update", json={})
+                chunk, size = [], 0
+                for name, tensor in weights:
+                    chunk.append((name, tensor.detach().to("cpu", copy=True).contiguous()))
+                    size += chunk[-1][1].nbytes
+                    if size >= self.CHUNK_BYTES:
+                        self._send(chunk)
+                        chunk, size = [], 0
+                if chunk:
+                    self._send(chunk)
+                self._call("post", "/finish_weight_update", json={})
+                self._call("post", "/reset_prefix_cache")  # cached prefixes were computed by the old weights
+        self.accelerator.wait_for_everyone()
+
+    def _send(self, chunk: list) -> None:
+        info = {
+            "names": [name for name, _ in chunk],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+            "shapes": [list(t.shape) for _, t in chunk],
+        }
+        with ThreadPoolExecutor(1) as pool:  # the workers receive while the server answers
+            answer = pool.submit(self._call, "post", "/update_weights", json={"update_info": info})
+            try:
+                for _, tensor in chunk:
+                    self.group.broadcast(tensor, 0).wait()
+            except RuntimeError as error:  # the server's side of the group closed
+                raise self._gone(str(error).splitlines()[0][:120]) from None
+            answer.result()
+
+    def close(self) -> None:
+        self.group = None
 
 
 class _SharedMemoryNames:

@@ -1,0 +1,206 @@
+"""A vLLM server for the online scripts' rollouts (`--vllm-mode server`), on devices or machines of its own: vLLM's own
+OpenAI-compatible server, started with what a trainer needs (TRL 1.16's `trl vllm-serve` then `vllm_mode="server"`):
+
+    python -m common.vllm_server --model-name builtin:tiny-arith --port 8000
+    python grpo.py --model-name builtin:tiny-arith --use-vllm --vllm-mode server --vllm-server-port 8000
+
+Every training process sends its prompts to the server; after each weight sync the main process pushes the policy's
+weights through vLLM's weight-transfer API (/init_weight_transfer_engine once, then /start_weight_update,
+/update_weights, /finish_weight_update). The transport is a gloo group between the trainer's main process and the
+server's workers (`GlooWeightTransferEngine`, registered with vLLM's factory in each worker): it runs on CPUs as on
+GPUs, the tensors passing through host memory. vLLM's own NCCL backend is the faster path between GPUs.
+
+The server starts from the model's own weights; the trainer's first sync replaces them with the policy's (LoRA merged,
+or a resumed checkpoint's), so the server samples what the trainer trains.
+"""
+
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+BACKEND = "gloo"  # the name the weight-transfer engine below is registered under, in --weight-transfer-config
+TIMEOUT = datetime.timedelta(minutes=30)  # a weight sync waits this long for the other side
+
+
+@dataclass
+class GlooInitInfo:
+    """Where the trainer's main process listens (a TCPStore) and the group's size: the server's workers and the trainer
+    (rank 0)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass
+class GlooUpdateInfo:
+    """The tensors one /update_weights call receives, in the order the trainer broadcasts them."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+def open_group(address: str, port: int, rank: int, world_size: int):
+    """The gloo group of the trainer's main process (rank 0, which holds the store) and the server's workers."""
+    store = torch.distributed.TCPStore(address, port, world_size, is_master=rank == 0, timeout=TIMEOUT, wait_for_workers=False)
+    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("weights", store), rank, world_size, TIMEOUT)
+
+
+def _engine_class():
+    """vLLM's weight-transfer engine over gloo (defined on first use: vLLM is imported only in the server's workers)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class GlooWeightTransferEngine(WeightTransferEngine):
+        """A server worker's side: each /update_weights receives its tensors by broadcast from the trainer and loads
+        them through vLLM's layerwise reload (opened by /start_weight_update, closed by /finish_weight_update), which
+        vLLM's CPU backend needs too (it repacks every linear weight for oneDNN once loaded)."""
+
+        init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            config = self.parallel_config
+            worker = config.data_parallel_index * config.world_size + config.rank  # unique over TP, PP and DP
+            rank = worker + init_info.rank_offset
+            self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))  # synchronous: no device to wait for
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            if getattr(self, "group", None) is None:
+                raise RuntimeError("the gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.group.broadcast(tensor, 0).wait()
+                self.model.load_weights([(name, tensor.to(self.device))])
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    return GlooWeightTransferEngine
+
+
+class WeightSync:
+    """The server workers' extension (--worker-extension-cls): importing this module in a worker registers the gloo
+    engine with vLLM's factory, before the worker loads its model and builds its weight-transfer engine."""
+
+
+def _register() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # the trainer's side without vLLM: nothing to register
+        return
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, _engine_class())
+
+
+if os.environ.get("RLHF_VLLM_SERVER_WORKER"):  # set by `main` for the server's processes only
+    _register()
+
+
+@dataclass
+class ServeArgs:
+    """Start vLLM's OpenAI-compatible server for `--vllm-mode server` (extra vLLM flags after --)."""
+
+    model_name: str = "builtin:smollm2-135m-instruct"
+    """the policy's model: a pretrained built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct), a folder or a
+    hub id; the trainer's --model-name"""
+    host: str = "0.0.0.0"
+    """the address to listen on (the trainer's --vllm-server-host)"""
+    port: int = 8000
+    """the port to listen on (the trainer's --vllm-server-port)"""
+    dtype: str = "auto"
+    """weights and compute: auto (the model's), float32, bfloat16, float16"""
+    max_model_len: int | None = None
+    """the longest prompt plus completion the server takes (default: the model's longest)"""
+    tensor_parallel_size: int = 1
+    """GPUs one copy of the model spans"""
+    data_parallel_size: int = 1
+    """copies of the model the server runs"""
+    gpu_memory_utilization: float = 0.9
+    """the share of each GPU's memory vLLM may take (the whole GPU is the server's)"""
+    kv_cache_gib: int = 4
+    """on CPU, GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)"""
+    seed: int = 0
+    """the server's seed (each request brings its own sampling seed)"""
+    vllm_args: list[str] = field(default_factory=list)
+    """more of vLLM's own flags, passed as they are (after --)"""
+
+
+def serve_command(args: ServeArgs) -> list[str]:
+    """vLLM's server command line for `args`: the RL endpoints' weight transfer over gloo, its engine registered by the
+    worker extension, log-probs after the temperature (as the trainer's log_softmax(logits / T), TRL's setting)."""
+    import presets
+
+    folder = args.model_name
+    if presets.is_builtin(args.model_name):
+        if presets.is_random(args.model_name):
+            raise SystemExit(
+                f"error: --model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained "
+                "built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
+            )
+        folder = presets.folder(args.model_name)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
+    command += ["--served-model-name", args.model_name, "--host", args.host, "--port", str(args.port)]
+    command += ["--dtype", args.dtype, "--seed", str(args.seed)]
+    command += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    command += ["--data-parallel-size", str(args.data_parallel_size)]
+    command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    command += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+    command += ["--worker-extension-cls", "common.vllm_server.WeightSync", "--logprobs-mode", "processed_logprobs"]
+    if not torch.cuda.is_available():
+        command += ["--enforce-eager"]
+    return command + args.vllm_args
+
+
+def main() -> None:
+    import tyro
+
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = tyro.cli(ServeArgs, args=argv[: len(argv) - len(extra) - bool(extra)] if extra else argv)
+    args.vllm_args = [*args.vllm_args, *extra]
+    check_servable(args.model_name)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", RLHF_VLLM_SERVER_WORKER="1")  # the RL endpoints; our engine
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    command = serve_command(args)
+    print(f"serving {args.model_name} at http://{args.host}:{args.port} (vLLM's server, weight transfer over gloo)")
+    sys.stdout.flush()
+    os.execve(sys.executable, command, env)
+
+
+def check_servable(model_name: str) -> None:
+    """One line, before vLLM starts, for a model vLLM's CPU backend cannot run (its attention's head sizes)."""
+    if torch.cuda.is_available():
+        return
+    from common.core import UsageError
+    from common.vllm_engine import check_cpu_attention
+
+    try:
+        check_cpu_attention(model_name, "--model-name")
+    except UsageError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()
