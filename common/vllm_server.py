@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+import tyro
 
 BACKEND = "gloo"  # the name the weight-transfer engine below is registered under, in --weight-transfer-config
 
@@ -111,7 +112,8 @@ if os.environ.get("RLHF_VLLM_SERVER_WORKER"):  # set by `main` for the server's 
 
 @dataclass
 class ServeArgs:
-    """Start vLLM's OpenAI-compatible server for `--vllm-mode server` (extra vLLM flags after --)."""
+    """Start vLLM's OpenAI-compatible server for `--vllm-mode server`; vLLM's own flags go after -- (e.g. -- --max-num-seqs
+    64)."""
 
     model_name: str = "builtin:smollm2-135m-instruct"
     """the policy's model: a pretrained built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct), a folder or a
@@ -134,8 +136,7 @@ class ServeArgs:
     """on CPU, GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)"""
     seed: int = 0
     """the server's seed (each request brings its own sampling seed)"""
-    vllm_args: list[str] = field(default_factory=list)
-    """more of vLLM's own flags, passed as they are (after --)"""
+    vllm_args: tyro.conf.Suppress[list[str]] = field(default_factory=list)  # vLLM's own flags, those after --
 
 
 def serve_command(args: ServeArgs) -> list[str]:
@@ -144,9 +145,9 @@ def serve_command(args: ServeArgs) -> list[str]:
     from common.loading import is_random_builtin, resolve
 
     if is_random_builtin(args.model_name):
-        raise SystemExit(
-            f"error: --model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained "
-            "built-in (builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
+        fail(
+            f"--model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained built-in "
+            "(builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
         )
     folder = resolve(args.model_name)  # a pretrained built-in's cached folder (built on first use)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
@@ -164,15 +165,13 @@ def serve_command(args: ServeArgs) -> list[str]:
 
 
 def main() -> None:
-    import tyro
-
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = tyro.cli(ServeArgs, args=argv[: len(argv) - len(extra) - bool(extra)] if extra else argv)
-    args.vllm_args = [*args.vllm_args, *extra]
-    check_servable(args.model_name)
+    cut = argv.index("--") if "--" in argv else len(argv)  # vLLM's own flags come after --
+    args = tyro.cli(ServeArgs, args=argv[:cut])
+    args.vllm_args = argv[cut + 1 :]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", RLHF_VLLM_SERVER_WORKER="1")  # the RL endpoints; our engine
+    check_servable(args.model_name)  # (quiets vLLM's logging in this process only: the server keeps its own)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     command = serve_command(args)
@@ -182,16 +181,24 @@ def main() -> None:
 
 
 def check_servable(model_name: str) -> None:
-    """One line, before vLLM starts, for a model vLLM's CPU backend cannot run (its attention's head sizes)."""
+    """One line, before vLLM starts, for vLLM missing and for a model vLLM's CPU backend cannot run (its attention's head
+    sizes)."""
     if torch.cuda.is_available():
         return
     from common.core import UsageError
-    from common.vllm_engine import check_cpu_attention
+    from common.vllm_engine import check_cpu_attention, check_vllm
 
     try:
+        check_vllm()
         check_cpu_attention(model_name, "--model-name")
     except UsageError as error:
-        raise SystemExit(f"error: {error}") from None
+        fail(str(error))
+
+
+def fail(message: str) -> None:
+    """A mistake in the serve command: one line, exit status 2 (the scripts' convention), before vLLM starts."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
 
 
 if __name__ == "__main__":

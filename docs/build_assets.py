@@ -587,6 +587,53 @@ def vllm_speed() -> str:
     )
 
 
+def vllm_server() -> str:
+    """grpo.py's step and rollout time with a vLLM server against a colocated engine (benchmarks/RESULTS-vllm-server.json,
+    `python benchmarks/vllm_server.py`)."""
+    r = record("RESULTS-vllm-server.json")
+    names = {"colocate": "colocated engine (`--use-vllm`)", "server": "vLLM server (`--vllm-mode server`)"}
+    lines = ["| grpo.py sampling through | s / update | of which rollout | step time against colocated |", "|---|---|---|---|"]
+    base = r["rows"]["colocate"]["step"]["median"]
+    for side, label in names.items():
+        row = r["rows"][side]
+        runs = ", ".join(f"{v:.1f}" for v in row["step"]["runs"])
+        lines.append(
+            f"| {label} | {row['step']['median']:.1f} ({runs}) | {row['generate']['median']:.1f} | "
+            f"{row['step']['median'] / base:.2f}x |"
+        )
+    return "\n".join(lines) + (
+        f"\n\nMedians over {len(r['rows']['colocate']['step']['runs'])} interleaved rounds (each round's run in "
+        f"brackets: the median of its updates after the first); the server, float32 as the trainer, started once in "
+        f"{r['server_start_s']:.0f} s. {r['machine']}, `{r['launcher']}`, {r['threads']} threads, the server on the "
+        f"same cores; `{r['command']}`."
+    )
+
+
+def vllm_memory() -> str:
+    """grpo.py's bytes per GPU with vLLM in each mode, from the bytes per parameter (20 trained with a reference, 2 for
+    a bf16 vLLM copy): arithmetic, not a measurement, computed here so that the table and its formulas agree."""
+    trained, copy, gpus, fits = 20, 2, 8, 80
+
+    def gb(per_param: float, billions: float) -> str:
+        size = per_param * billions
+        return f"{size:.1f} GB".replace(".0 GB", " GB") + ("" if size <= fits else ": does not fit an 80 GB GPU")
+
+    rows = [
+        ("colocate, DDP: each GPU", "20P + 2P", trained + copy),
+        ("colocate, FSDP2: each GPU", "20P / 8 + 2P", trained / gpus + copy),
+        ("colocate, FSDP2, `--vllm-tensor-parallel-size 2`: each GPU", "20P / 8 + 2P / 2", trained / gpus + copy / 2),
+        ("server on 1 GPU, FSDP2 on 7: a training GPU", "20P / 7", trained / (gpus - 1)),
+        ("server on 1 GPU, FSDP2 on 7: the server's GPU", "2P", copy),
+    ]
+    out = ["| 8 GPUs | per GPU | P = 1.5B | P = 7B |", "|-|-|-|-|"]
+    out += [f"| {name} | {formula} | {gb(b, 1.5)} | {gb(b, 7)} |" for name, formula, b in rows]
+    return "\n".join(out) + (
+        "\n\nWeights, gradients, AdamW's moments and a float32 reference (20 bytes a parameter), and vLLM's bfloat16 "
+        "copy (2 bytes); activations and vLLM's KV cache, which takes what `--vllm-gpu-memory-utilization` (colocate) or "
+        "the server's `--gpu-memory-utilization` leaves, come on top."
+    )
+
+
 def vllm_learning() -> str:
     """grpo.py --use-vllm on the real-model recipe against grpo.py with HF generate (benchmarks/RESULTS-real-model.json,
     `python benchmarks/real_model.py --methods grpo_vllm --seeds 1 2 3`): accuracy, KL and the sampler-trainer gap per
@@ -1266,6 +1313,8 @@ FIGURES = {
     "agents-headline": agents_headline,
     "vllm-learning": vllm_learning,
     "vllm-speed": vllm_speed,
+    "vllm-server": vllm_server,
+    "vllm-memory": vllm_memory,
     "tool-calls": tool_calls,
     "offpolicy": offpolicy,
     "speed-cpu": speed_cpu,

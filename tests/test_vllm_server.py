@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, read_scalars, require
+from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, require
 from test_vllm import python
 
 MODEL = "builtin:tiny-arith"
@@ -130,26 +130,29 @@ def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_th
 
 
 @pytest.mark.slow
-def test_grpo_under_ddp_against_one_server_trains_what_colocated_engines_train(server, tmp_path):
+def test_grpo_under_ddp_and_fsdp2_against_one_server_trains_what_colocated_engines_train(server, tmp_path):
     """Two processes, each sending its own prompts to one server with its own seeds, and the main one pushing the
-    weights: the completions, rewards and trained weights are those of two processes with an engine each (request i
-    draws from seed + i in both modes), within the colocated DDP test's tolerance; the second update's rollout comes
-    from the pushed weights (the sampler gap at float32 rounding)."""
+    weights (under FSDP2 gathered whole by both ranks first, a collective): the completions, rewards and trained weights
+    are those of DDP x2 with an engine in each process (request i draws from seed + i in both modes), within the
+    colocated DDP test's tolerance; the second update's rollout comes from the pushed weights (the sampler gap at
+    float32 rounding)."""
     from safetensors.torch import load_file
 
-    for name, flags in (("colocate", []), ("server", served(server))):
-        result = python([*ddp_launch(), *GRPO, *flags, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
+    runs = (("colocate", ddp_launch, []), ("server", ddp_launch, served(server)), ("fsdp", fsdp_launch, served(server)))
+    for name, launch, flags in runs:
+        result = python([*launch(), *GRPO, *flags, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         assert "grpo: 2 updates" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"rollouts: the vLLM server at {server} (float32, weights synced every update" in result.stdout
-    for tag in ("reward", "entropy", "grad_norm", "completions/mean_length"):
-        colocate, served_ = (read_scalars(tmp_path / f"{name}_runs", tag) for name in ("colocate", "server"))
-        assert len(colocate) == 2 and colocate == pytest.approx(served_, rel=1e-5), (tag, colocate, served_)
+        assert ("the vLLM server at" in result.stdout) == bool(flags), result.stdout[-2000:]
+    for name in ("server", "fsdp"):
+        for tag in ("reward", "entropy", "grad_norm", "completions/mean_length"):
+            colocate, served_ = (read_scalars(tmp_path / f"{run}_runs", tag) for run in ("colocate", name))
+            assert len(colocate) == 2 and colocate == pytest.approx(served_, rel=1e-5), (name, tag, colocate, served_)
+        gap = read_scalars(tmp_path / f"{name}_runs", "sampling/sampling_logp_difference/max")
+        assert len(gap) == 2 and max(gap) < 1e-5, gap
+        a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("colocate", name))
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
     assert max(read_scalars(tmp_path / "server_runs", "grad_norm")) > 0  # it trained: the comparison is not of zeros
-    gap = read_scalars(tmp_path / "server_runs", "sampling/sampling_logp_difference/max")
-    assert len(gap) == 2 and max(gap) < 1e-5, gap
-    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("colocate", "server"))
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
 
 
 @pytest.mark.slow
@@ -264,3 +267,13 @@ def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
     assert f"no vLLM server answers at http://127.0.0.1:{port}" in result.stderr, result.stderr
     assert f"python -m common.vllm_server --model-name {MODEL} --port {port}" in result.stderr, result.stderr
+
+
+def test_the_serve_command_refuses_what_it_cannot_serve_in_one_line(tmp_path):
+    """A random built-in (no folder of weights) and a model whose head size vLLM's CPU attention cannot run stop the
+    serve command with one line each, exit status 2, before vLLM starts."""
+    require("vllm")
+    for model, says in (("builtin:tiny-gpt2", "CPU attention runs head sizes"), ("builtin:tiny-t5", "no folder to serve")):
+        result = python(["-m", "common.vllm_server", "--model-name", model, "--port", free_port()], ROOT)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+        assert result.stderr.startswith("error: ") and says in result.stderr, result.stderr
