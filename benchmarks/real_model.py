@@ -72,7 +72,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the evaluation's and 
 TASK = ["--dataset-name", "reasoning-gym:chain_sum", "--data-seed", "1"]  # the default task config, seed 1's problems
 METHODS = ("grpo", "rloo", "ppo", "rft", "dpo", "rm_ppo", "rm_ppo_kl", "rm_ppo_small", "trl_grpo", "trl_rloo")
 METHODS += ("grpo_linear", "rloo_linear")  # grpo and rloo with TRL's learning-rate schedule
-METHODS += ("grpo_vllm",)  # grpo sampling through vLLM (--use-vllm)
+METHODS += ("grpo_vllm", "grpo_vllm_bf16")  # grpo sampling through vLLM (--use-vllm), float32 and bfloat16
 METHODS += ("kto",)  # kto.py on dpo's pairs, unpaired
 # ppo.py as the field runs it: a separate critic, 4 completions a prompt, the KL out of the reward; and its ablation
 CRITIC_ABLATION = {  # one part of ppo_critic changed each, one seed each
@@ -191,6 +191,7 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
         "grpo": critic_free("grpo.py", "grpo"),
         "grpo_linear": critic_free("grpo.py", "grpo_linear", *linear),
         "grpo_vllm": critic_free("grpo.py", "grpo_vllm", "--use-vllm"),
+        "grpo_vllm_bf16": critic_free("grpo.py", "grpo_vllm_bf16", "--use-vllm", "--vllm-dtype", "bfloat16"),
         **{name: critic_free("grpo.py", name, *flags) for name, flags in FEATURES.items()},
         "rloo": critic_free("rloo.py", "rloo", "--beta", "0"),
         "rloo_linear": critic_free("rloo.py", "rloo_linear", *linear, "--beta", "0"),
@@ -452,6 +453,7 @@ LABELS = {
     "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (rloo.py --lr-scheduler-type linear)",
     "grpo_vllm": "GRPO sampling through vLLM (grpo.py --use-vllm)",
+    "grpo_vllm_bf16": "GRPO sampling through vLLM in bfloat16 (grpo.py --use-vllm --vllm-dtype bfloat16)",
     "grpo_entropy": "GRPO with the adaptive entropy bonus, target 1.5 nats (grpo.py --use-adaptive-entropy)",
     "grpo_dynamic": "GRPO with DAPO's dynamic sampling (grpo.py --dynamic-sampling)",
     "ppo_critic": "PPO with a separate critic (ppo.py --value-model-path auto, 4 completions a prompt)",
@@ -466,6 +468,7 @@ CURVES = {
     "grpo": ("grpo", "eval/reward", 32, ["time/step"], "time/generate"),
     "grpo_linear": ("grpo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
     "grpo_vllm": ("grpo_vllm", "eval/reward", 32, ["time/step"], "time/generate"),
+    "grpo_vllm_bf16": ("grpo_vllm_bf16", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo_linear": ("rloo_linear", "eval/reward", 32, ["time/step"], "time/generate"),
     "rloo": ("rloo", "eval/reward", 32, ["time/step"], "time/generate"),
     "ppo": ("ppo", "eval/reward_mean", 16, PPO_PHASES, "time/rollout"),
@@ -604,6 +607,7 @@ COMPARED = (  # (ours, theirs): ours against TRL, then TRL's schedule in ours ag
     ("rloo_linear", "trl_rloo"),
     ("rloo_linear", "rloo"),
     ("grpo_vllm", "grpo"),
+    ("grpo_vllm_bf16", "grpo_vllm"),
     ("ppo_critic", "grpo"),  # PPO as the field runs it, at grpo's completions
     ("ppo_critic", "ppo"),  # and against TRL 0.8's
 )

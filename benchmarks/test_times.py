@@ -32,7 +32,8 @@ def run(extra: list[str]) -> dict:
     slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|error|deselected)", summary)}
     if done.returncode or counts.get("failed") or counts.get("error"):
-        sys.exit(f"the suite failed:\n{done.stdout[-5000:]}")
+        failures = done.stdout.split("= FAILURES =")[-1].split("slowest 60 durations")[0]  # the tracebacks, not the timings
+        sys.exit(f"the suite failed:\n{failures[-20000:]}\n{summary}")
     return dict(seconds=seconds, passed=counts.get("passed", 0), deselected=counts.get("deselected", 0), slowest=slowest[:60])
 
 

@@ -646,20 +646,25 @@ def vllm_learning() -> str:
     seeds = sorted(s for s, runs in r["seeds"].items() if "grpo_vllm" in runs)
     gaps = [[v for _, v in r["seeds"][s]["grpo_vllm"]["sampler_gap"]] for s in seeds]
     machines = sorted({r["seeds"][s]["grpo_vllm"]["machine"] for s in seeds})
+    bf16 = r["aggregate"].get("grpo_vllm_bf16")  # vLLM in bfloat16, the trainer in float32 (the correction on)
+    samplers = [("vLLM, float32 (`--use-vllm`)", a)]
+    samplers += [("vLLM, bfloat16 (`--use-vllm --vllm-dtype bfloat16`)", bf16)] if bf16 else []
     rows = [
         "| sampler | seeds | greedy accuracy | sampled accuracy [min, max] | KL to the start |",
         "|---|---|---|---|---|",
-        f"| vLLM (`--use-vllm`) | {a['sampled']['n']} | {value(a['greedy'])} | {value(a['sampled'], spread=True)} | "
-        f"{value(a['kl'])} |",
-        f"| HF `generate` | {b['sampled']['n']} | {value(b['greedy'])} | {value(b['sampled'], spread=True)} | "
-        f"{value(b['kl'])} |",
+        *(
+            f"| {label} | {x['sampled']['n']} | {value(x['greedy'])} | {value(x['sampled'], spread=True)} | {value(x['kl'])} |"
+            for label, x in [*samplers, ("HF `generate`", b)]
+        ),
     ]
     shown = [u for u in (1, 5, 10, 15, 20) if u <= min(map(len, gaps))]
     curve = ["| seed | " + " | ".join(f"update {u}" for u in shown) + " |", "|---|" + "---|" * len(shown)]
     curve += [f"| {s} | " + " | ".join(f"{g[u - 1]:.1e}" for u in shown) + " |" for s, g in zip(seeds, gaps)]
     return (
         "\n".join(rows)
-        + f"\n\n{comparison({'grpo_vllm': a, 'grpo': b}, problems=64, samples=2)}\n\n"
+        + f"\n\n{comparison({'grpo_vllm': a, 'grpo': b}, problems=64, samples=2)}\n"
+        + (f"{comparison({'grpo_vllm_bf16': bf16, 'grpo_vllm': a}, problems=64, samples=2)}\n" if bf16 else "")
+        + "\n"
         + "The sampler-trainer gap along each run, nats per token (`sampling/sampling_logp_difference/mean`, float32 "
         + "vLLM against the float32 trainer):\n\n"
         + "\n".join(curve)

@@ -246,7 +246,9 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
         assert "rollouts: vLLM, colocated" in result.stdout and "grpo: 2 updates" in result.stdout, result.stdout[-2000:]
     for tag in ("reward", "entropy", "grad_norm", "sampling/sampling_logp_difference/mean"):
         ddp, fsdp = (read_scalars(tmp_path / f"{name}_runs", tag) for name in ("ddp", "fsdp"))
-        assert len(ddp) == 2 and ddp == pytest.approx(fsdp, rel=1e-5), (tag, ddp, fsdp)
+        # the sampler gap is float32 rounding itself (about 2e-7): equal to rounding, not to a share of itself
+        close = pytest.approx(fsdp, abs=2e-8) if tag.startswith("sampling/") else pytest.approx(fsdp, rel=1e-5)
+        assert len(ddp) == 2 and ddp == close, (tag, ddp, fsdp)
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
     # one engine over both processes (tensor parallel 2, TRL's colocate mode): each process's prompts gathered with its

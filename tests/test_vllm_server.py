@@ -121,7 +121,7 @@ def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_th
 
     (tmp_path / "sync.py").write_text(SYNC)
     result = python(["sync.py", server, free_port()], tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     gaps = json.loads(result.stdout.split("RESULT ")[1])
     for when in ("synced", "full, synced", "lora, synced"):
         assert gaps[when][0] < 2e-5 and gaps[when][1] < 2e-4, gaps
