@@ -269,6 +269,7 @@ def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
     assert f"python -m common.vllm_server --model-name {MODEL} --port {port}" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_the_serve_command_refuses_what_it_cannot_serve_in_one_line(tmp_path):
     """A random built-in (no folder of weights) and a model whose head size vLLM's CPU attention cannot run stop the
     serve command with one line each, exit status 2, before vLLM starts."""
