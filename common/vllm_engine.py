@@ -339,10 +339,6 @@ def open_group(address: str, port: int, rank: int, world_size: int):
     )
 
 
-class ServerGone(UsageError):
-    """The server stopped answering mid-run: one line saying so and what the run kept."""
-
-
 class VLLMClient:
     """A vLLM server of its own (`--vllm-mode server`, common/vllm_server.py): every process sends its prompts over
     HTTP, one request per completion with its own seed (as `VLLMSampler` draws); after each sync the main process
@@ -354,7 +350,7 @@ class VLLMClient:
         import requests
 
         self.args, self.accelerator, self.eos, self.url = args, accelerator, tokenizer.eos_token_id, server_url(args)
-        self.session, self.lock, self.tp, self.group = requests.Session(), threading.Lock(), 1, None
+        self.session, self.lock, self.group = requests.Session(), threading.Lock(), None
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
         config = self._call("get", "/server_info", params={"config_format": "json"})["vllm_config"]
         self.model = config["model_config"]["served_model_name"]
@@ -393,17 +389,20 @@ class VLLMClient:
             response = getattr(self.session, method)(f"{self.url}{path}", **kwargs)
         except requests.RequestException as error:  # refused, reset, cut short mid-answer
             raise self._gone(type(error).__name__) from None
+        if response.status_code == 404:  # vLLM's own server without the RL endpoints (VLLM_SERVER_DEV_MODE unset)
+            raise UsageError(f"the vLLM server at {self.url} has no {path} endpoint: start it with `{serve_line(self.args)}`.")
         if response.status_code != 200:
             raise UsageError(
                 f"the vLLM server at {self.url} answered {path} with {response.status_code}: {response.text[:300]}"
             )
         return response.json() if response.content else None
 
-    def _gone(self, why: str) -> ServerGone:
+    def _gone(self, why: str) -> UsageError:
+        """The server stopped answering mid-run: one line saying so and what the run kept."""
         from common.outputs import interrupted_line
 
         kept = interrupted_line().removeprefix("interrupted")
-        return ServerGone(f"the vLLM server at {self.url} stopped answering ({why}); the run stopped{kept}")
+        return UsageError(f"the vLLM server at {self.url} stopped answering ({why}); the run stopped{kept}")
 
     @torch.no_grad()
     def generate(self, token_lists: list[list[int]], max_new_tokens: int, seed: int) -> tuple[list, list]:

@@ -25,9 +25,32 @@ def python(args: list, cwd, timeout: int = 600, **env) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
+# The gap between a sampler's log-probs of its own completions and the policy's forward (mean and largest, per token),
+# and a training step's worth of change to the policy: the script of each sampler defines `sampler`, `policy`, `prompts`
+GAP = """
+def gap():
+    completions, logprobs = sampler.generate(prompts, 12, seed=1)
+    width = max(map(len, completions))
+    pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
+    mask = pad([[1.0] * len(c) for c in completions], 0.0)
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    with torch.no_grad():
+        policy_logprobs, _ = per_token_logprobs(
+            policy, batch["input_ids"], batch["attention_mask"], pad(completions, tokenizer.pad_token_id), mask, 1.0
+        )
+    difference = (pad(logprobs, 0.0) - policy_logprobs).abs() * mask
+    return (difference.sum() / mask.sum()).item(), difference.max().item()
+def change(which):  # a training step's worth of change: the embeddings (tied to the head) and MLPs, or the adapter
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if which(name):
+                parameter.add_(torch.randn_like(parameter) * 0.02)
+"""
+
 # The sampler against the policy: greedy-free sampled completions of chat prompts, their vLLM log-probs against the
 # policy's own forward (common.rollout.per_token_logprobs), before and after the policy's weights change
-SYNC = """
+SYNC = (
+    """
 import json, sys, torch
 from types import SimpleNamespace
 from accelerate import Accelerator
@@ -47,24 +70,9 @@ args = SimpleNamespace(
 sampler = VLLMSampler(args, tokenizer, policy, accelerator, max_model_len=128)
 chats = [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(4)]
 prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) for chat in chats]
-def gap():
-    completions, logprobs = sampler.generate(prompts, 12, seed=1)
-    width = max(map(len, completions))
-    pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
-    mask = pad([[1.0] * len(c) for c in completions], 0.0)
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    with torch.no_grad():
-        policy_logprobs, _ = per_token_logprobs(
-            policy, batch["input_ids"], batch["attention_mask"], pad(completions, tokenizer.pad_token_id), mask, 1.0
-        )
-    difference = (pad(logprobs, 0.0) - policy_logprobs).abs() * mask
-    return (difference.sum() / mask.sum()).item(), difference.max().item()
-def change(which):  # a training step's worth of change: the embeddings (tied to the head) and MLPs, or the adapter
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if which(name):
-                parameter.add_(torch.randn_like(parameter) * 0.02)
-out = {}
+"""
+    + GAP
+    + """out = {}
 sampler.load(policy)
 out["synced"] = gap()
 completions, _ = sampler.generate(prompts, 64, seed=2)  # long enough to end: EOS kept as the last token, once
@@ -82,6 +90,7 @@ out["lora, synced"] = gap()
 sampler.close()
 print("RESULT", json.dumps(out))
 """
+)
 
 
 @pytest.mark.slow

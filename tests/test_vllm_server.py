@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, require
-from test_vllm import python
+from test_vllm import GAP, python
 
 MODEL = "builtin:tiny-arith"
 GRPO = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
@@ -61,7 +61,8 @@ def served(url: str) -> list[str]:
 
 # The server against the policy: sampled completions of fixed prompts, the server's log-probs against the policy's own
 # forward, after a sync, after a change without one, and after a LoRA adapter's sync (merged into the pushed weights)
-SYNC = """
+SYNC = (
+    """
 import json, sys, torch
 from types import SimpleNamespace
 from accelerate import Accelerator
@@ -79,24 +80,9 @@ args = SimpleNamespace(
 )
 sampler = VLLMClient(args, tokenizer, policy, accelerator, max_model_len=128)
 prompts = [tokenizer(f"{i} + 3 =")["input_ids"] for i in range(8)]
-def gap():
-    completions, logprobs = sampler.generate(prompts, 12, seed=1)
-    width = max(map(len, completions))
-    pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
-    mask = pad([[1.0] * len(c) for c in completions], 0.0)
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    with torch.no_grad():
-        policy_logprobs, _ = per_token_logprobs(
-            policy, batch["input_ids"], batch["attention_mask"], pad(completions, tokenizer.pad_token_id), mask, 1.0
-        )
-    difference = (pad(logprobs, 0.0) - policy_logprobs).abs() * mask
-    return (difference.sum() / mask.sum()).item(), difference.max().item()
-def change(which):
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if which(name):
-                parameter.add_(torch.randn_like(parameter) * 0.02)
-out = {}
+"""
+    + GAP
+    + """out = {}
 sampler.load(policy)
 out["synced"] = gap()
 change(lambda name: "wte" in name or "mlp" in name)
@@ -110,6 +96,7 @@ sampler.load(policy)
 out["lora, synced"] = gap()
 print("RESULT", json.dumps(out))
 """
+)
 
 
 @pytest.mark.slow
