@@ -8,7 +8,7 @@ Every training process sends its prompts to the server; after each weight sync t
 weights through vLLM's weight-transfer API (/init_weight_transfer_engine once, then /start_weight_update,
 /update_weights, /finish_weight_update). The transport is a gloo group between the trainer's main process and the
 server's workers (`GlooWeightTransferEngine`, registered with vLLM's factory in each worker): it runs on CPUs as on
-GPUs, the tensors passing through host memory. vLLM's own NCCL backend is the faster path between GPUs.
+GPUs, the tensors passing through host memory. vLLM's own NCCL backend (GPU to GPU, TRL's path) is not wired in.
 
 The server starts from the model's own weights; the trainer's first sync replaces them with the policy's (LoRA merged,
 or a resumed checkpoint's), so the server samples what the trainer trains.
