@@ -34,7 +34,8 @@ def _terminate(signum, frame) -> None:
     run already ending in its exception hook (`_report`: another rank failed, and the launcher stops this one) ends as
     the hook would: the main rank still writes its line, another rank stops without a word (Terminated raised inside
     the hook would print "Error in sys.excepthook" and both tracebacks)."""
-    while frame is not None and frame.f_code is not _report.__code__:
+    hooks = (_report.__code__, getattr(sys.excepthook, "__code__", None))  # ours, or torch.distributed's around it
+    while frame is not None and frame.f_code not in hooks:
         frame = frame.f_back
     if frame is not None:  # inside the hook
         if int(os.environ.get("RANK", "0")):
@@ -46,12 +47,23 @@ def _terminate(signum, frame) -> None:
         raise Terminated()
 
 
+def _unraisable(unraisable) -> None:
+    """A stop signal whose handler ran inside a finalizer (a `__del__` or weakref callback, which garbage collection
+    runs at any moment, imports included): Python would print Terminated's traceback as "Exception ignored" and carry
+    on training, deaf to the next SIGTERM. The run ends here as its exception hook would end it (a save stopped midway
+    leaves the folder as it was: saves are atomic)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _report(type(unraisable.exc_value), unraisable.exc_value, unraisable.exc_traceback)
+    sys.__unraisablehook__(unraisable)
+
+
 def handle_signals() -> None:
     """SIGTERM (and SIGHUP: the terminal or ssh session closed) ends the run as Ctrl-C does (`_report`), with exit
     status 143 (129). A process started by a launcher (`accelerate launch`, `torchrun`) also gets SIGTERM when its
     launcher dies: accelerate's one-process launcher does not pass a SIGTERM on, and a launcher killed outright would
     otherwise leave its workers training with nobody to stop them."""
     signal.signal(signal.SIGTERM, _terminate)
+    sys.unraisablehook = _unraisable
     if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup, which ignores it on purpose
         signal.signal(signal.SIGHUP, _terminate)
     launched = any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND"))

@@ -142,6 +142,51 @@ def test_a_stop_signal_inside_the_exception_hook_ends_it_as_the_hook_would(monke
     assert ("error: --dataset-name missing.jsonl" in err) == (rank == "0") and "Traceback" not in err, err
 
 
+def test_a_stop_signal_inside_torch_distributed_s_exception_hook_is_not_raised_there(monkeypatch):
+    """torch.distributed wraps the exception hook in its own: a SIGTERM that lands in the wrapper, before it calls
+    ours, is treated as one inside ours (raised there, it printed "Error in sys.excepthook" and both tracebacks)."""
+    import signal
+
+    from common import cli
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(cli, "_TERMINATED", [])
+
+    def _distributed_excepthook(*args):  # torch's wrapper, as far as the signal is concerned
+        cli._terminate(signal.SIGTERM, sys._getframe())
+
+    monkeypatch.setattr(cli.sys, "excepthook", _distributed_excepthook)
+    _distributed_excepthook(UsageError, UsageError("a mistake"), None)  # raises nothing
+    assert cli._TERMINATED == []
+    with pytest.raises(cli.Terminated):  # outside any hook the signal still stops the run
+        cli._terminate(signal.SIGTERM, sys._getframe())
+
+
+def test_a_stop_signal_inside_a_finalizer_ends_the_run_with_its_line(tmp_path):
+    """A SIGTERM whose handler runs inside a `__del__` (garbage collection runs finalizers at any moment, imports
+    included): Python would print Terminated as "Exception ignored" and train on, deaf to the next SIGTERM; the run
+    ends with exit 143 and its one line instead."""
+    script = tmp_path / "finalizer.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from common import cli\n"
+        "sys.excepthook = cli._report\n"
+        "cli.handle_signals()\n"
+        "class Stop:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        sum(range(1000))\n"
+        "Stop()\n"
+        "time.sleep(10)\n"
+        "print('trained on')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60
+    )
+    assert result.returncode == 143 and "trained on" not in result.stdout, (result.stdout, result.stderr)
+    assert result.stderr.strip() == "interrupted: nothing was saved.", result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_an_error_under_two_processes_is_one_line_on_the_main_process(tmp_path, launcher):
