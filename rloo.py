@@ -236,8 +236,8 @@ class Args:
     vllm_enable_sleep_mode: bool = False
     """on CUDA, free vLLM's memory between rollouts (TRL's vllm_enable_sleep_mode)"""
     vllm_dtype: str = "auto"
-    """vLLM's weights and compute: auto (the policy's --dtype, so that the sampler's log-probs match the trainer's),
-    bfloat16, float16, float32"""
+    """vLLM's weights and compute: auto (bfloat16 where the hardware has it and the importance-sampling correction is
+    on, else the policy's --dtype), bfloat16, float16, float32 (the sampler's log-probs then match the trainer's)"""
     vllm_kv_cache_gib: int = 2
     """on CPU, GiB of memory for vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"""
     vllm_mode: str = "colocate"

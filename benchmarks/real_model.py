@@ -190,7 +190,7 @@ def commands(args: Args, folder: str, seed: int) -> dict[str, list[list[str]]]:
     return {
         "grpo": critic_free("grpo.py", "grpo"),
         "grpo_linear": critic_free("grpo.py", "grpo_linear", *linear),
-        "grpo_vllm": critic_free("grpo.py", "grpo_vllm", "--use-vllm"),
+        "grpo_vllm": critic_free("grpo.py", "grpo_vllm", "--use-vllm", "--vllm-dtype", "float32"),
         "grpo_vllm_bf16": critic_free("grpo.py", "grpo_vllm_bf16", "--use-vllm", "--vllm-dtype", "bfloat16"),
         **{name: critic_free("grpo.py", name, *flags) for name, flags in FEATURES.items()},
         "rloo": critic_free("rloo.py", "rloo", "--beta", "0"),
@@ -452,7 +452,7 @@ LABELS = {
     "trl_rloo": "TRL 1.16 RLOOTrainer (same settings)",
     "grpo_linear": "GRPO with TRL's learning-rate decay (grpo.py --lr-scheduler-type linear)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (rloo.py --lr-scheduler-type linear)",
-    "grpo_vllm": "GRPO sampling through vLLM (grpo.py --use-vllm)",
+    "grpo_vllm": "GRPO sampling through vLLM (grpo.py --use-vllm --vllm-dtype float32)",
     "grpo_vllm_bf16": "GRPO sampling through vLLM in bfloat16 (grpo.py --use-vllm --vllm-dtype bfloat16)",
     "grpo_entropy": "GRPO with the adaptive entropy bonus, target 1.5 nats (grpo.py --use-adaptive-entropy)",
     "grpo_dynamic": "GRPO with DAPO's dynamic sampling (grpo.py --dynamic-sampling)",

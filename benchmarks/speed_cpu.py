@@ -4,7 +4,7 @@ prompts, 8 prompts x 4 completions of 32 tokens, learning rate 1e-5, beta 0, flo
 otherwise, gradient checkpointing and bf16 off as ours have neither), each side a fresh process per run, the runs
 interleaved (ours, TRL's, TRL's, ours, ...) for `--rounds` rounds so that the machine's drift hits both alike. A run's
 step time is the median of its steps after the first; a row gives the min / median / max over the rounds and the ratio
-of the medians. With --vllm, grpo.py --use-vllm runs as a third side in the same rounds. Writes
+of the medians. With --vllm, grpo.py --use-vllm --vllm-dtype float32 runs as a third side in the same rounds. Writes
 benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is rendered.
 
     python benchmarks/speed_cpu.py                      # grpo and rloo, 3 rounds of 4 steps (about 40 minutes on 2 cores)
@@ -42,7 +42,7 @@ class Args:
     steps: int = 4
     """optimizer steps (updates) per run; the first is left out of the timing"""
     vllm: bool = False
-    """also grpo.py --use-vllm (vLLM colocated, float32), a third side in grpo's rounds"""
+    """also grpo.py --use-vllm --vllm-dtype float32 (vLLM colocated), a third side in grpo's rounds"""
     worker: str | None = None
     """internal: run one side once (JSON spec) and print its step times"""
 
@@ -123,7 +123,12 @@ if __name__ == "__main__":
             if spec["side"] == "trl":
                 times = trl(spec["algo"], spec["steps"], folder)
             else:
-                times = ours(spec["algo"], spec["steps"], folder, *(["--use-vllm"] if spec["side"] == "vllm" else []))
+                times = ours(
+                    spec["algo"],
+                    spec["steps"],
+                    folder,
+                    *(["--use-vllm", "--vllm-dtype", "float32"] if spec["side"] == "vllm" else []),
+                )
         print(json.dumps(times))
         sys.exit(0)
     import torch

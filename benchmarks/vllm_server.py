@@ -1,4 +1,4 @@
-"""grpo.py sampling through a vLLM server (`--vllm-mode server`) against a colocated engine (`--use-vllm`), on one
+"""grpo.py sampling through a vLLM server (`--vllm-mode server`) against a colocated float32 engine (`--use-vllm`), on one
 machine in one sitting: benchmarks/speed_cpu.py's real-model recipe (builtin:smollm2-135m-instruct, 8 prompts x 4
 completions of 32 tokens, float32), each side a fresh process per run, the runs interleaved for `--rounds` rounds. One
 server (`python -m common.vllm_server`, float32) serves every server-mode run; its start is timed once. A run's step
@@ -65,7 +65,7 @@ if __name__ == "__main__":
             time.sleep(1)
         started = time.time() - start
         print(f"server up in {started:.0f}s", flush=True)
-        sides = {"colocate": [], "server": ["--vllm-mode", "server", "--vllm-server-base-url", url]}
+        sides = {"colocate": ["--vllm-dtype", "float32"], "server": ["--vllm-mode", "server", "--vllm-server-base-url", url]}
         results = {side: [] for side in sides}
         for round_ in range(args.rounds):
             for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:

@@ -109,7 +109,7 @@ def real_model_table() -> str:
         "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
         "grpo_linear": "`grpo.py` with TRL's learning-rate decay to 0 (`--lr-scheduler-type linear`)",
         "rloo_linear": "`rloo.py` with TRL's learning-rate decay to 0",
-        "grpo_vllm": "`grpo.py --use-vllm` (rollouts sampled by vLLM)",
+        "grpo_vllm": "`grpo.py --use-vllm --vllm-dtype float32` (rollouts sampled by vLLM)",
     }
 
     base = r["base"]
@@ -326,7 +326,7 @@ REAL_MODEL_ROWS = {  # the docs page's labels of benchmarks/real_model.py's meth
     "trl_rloo": "TRL 1.16 `RLOOTrainer`, the same settings",
     "grpo_linear": "GRPO with TRL's learning-rate decay (`grpo.py --lr-scheduler-type linear`, the same settings)",
     "rloo_linear": "RLOO with TRL's learning-rate decay (`rloo.py --lr-scheduler-type linear`, the same settings)",
-    "grpo_vllm": "GRPO sampling through vLLM (`grpo.py --use-vllm`, float32, the same settings)",
+    "grpo_vllm": "GRPO sampling through vLLM (`grpo.py --use-vllm --vllm-dtype float32`, the same settings)",
 }
 
 
@@ -494,8 +494,9 @@ def speed_cpu() -> str:
         if "vllm" in row:  # the same rounds, a third side: grpo.py sampling through vLLM
             v = row["vllm"]
             rows.append(
-                f"| {names[algo][0]} --use-vllm against {names[algo][1]} | {v['median']:.1f} [{v['min']:.1f}, "
-                f"{v['max']:.1f}] | {theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
+                f"| {names[algo][0]} --use-vllm --vllm-dtype float32 against {names[algo][1]} | "
+                f"{v['median']:.1f} [{v['min']:.1f}, {v['max']:.1f}] | "
+                f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
                 f"**{row['vllm_ratio']:.2f}x** |"
             )
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
@@ -571,8 +572,8 @@ def vllm_speed() -> str:
     names = {
         "hf_inverse_cdf": "HF `generate`, inverse-CDF draw (the engine on CPU)",
         "hf_do_sample": "HF `generate`, `do_sample=True`",
-        "vllm_float32": "vLLM, float32 (`--use-vllm`)",
-        "vllm_bfloat16": "vLLM, bfloat16 (`--use-vllm --vllm-dtype bfloat16`)",
+        "vllm_float32": "vLLM, float32 (`--use-vllm --vllm-dtype float32`)",
+        "vllm_bfloat16": "vLLM, bfloat16 (`--use-vllm --vllm-dtype bfloat16`; grpo.py's and rloo.py's `auto` here)",
     }
     shapes = [f"{row['prompts']} x {row['new_tokens']}" for row in r["rows"]]
     lines = ["| sampler | " + " | ".join(f"{s} tokens/s" for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
@@ -591,7 +592,10 @@ def vllm_server() -> str:
     """grpo.py's step and rollout time with a vLLM server against a colocated engine (benchmarks/RESULTS-vllm-server.json,
     `python benchmarks/vllm_server.py`)."""
     r = record("RESULTS-vllm-server.json")
-    names = {"colocate": "colocated engine (`--use-vllm`)", "server": "vLLM server (`--vllm-mode server`)"}
+    names = {
+        "colocate": "colocated engine (`--use-vllm --vllm-dtype float32`)",
+        "server": "vLLM server (`--vllm-mode server`)",
+    }
     lines = ["| grpo.py sampling through | s / update | of which rollout | step time against colocated |", "|---|---|---|---|"]
     base = r["rows"]["colocate"]["step"]["median"]
     for side, label in names.items():
@@ -647,8 +651,8 @@ def vllm_learning() -> str:
     gaps = [[v for _, v in r["seeds"][s]["grpo_vllm"]["sampler_gap"]] for s in seeds]
     machines = sorted({r["seeds"][s]["grpo_vllm"]["machine"] for s in seeds})
     bf16 = r["aggregate"].get("grpo_vllm_bf16")  # vLLM in bfloat16, the trainer in float32 (the correction on)
-    samplers = [("vLLM, float32 (`--use-vllm`)", a)]
-    samplers += [("vLLM, bfloat16 (`--use-vllm --vllm-dtype bfloat16`)", bf16)] if bf16 else []
+    samplers = [("vLLM, float32 (`--use-vllm --vllm-dtype float32`)", a)]
+    samplers += [("vLLM, bfloat16 (`--use-vllm`: `auto` here)", bf16)] if bf16 else []
     rows = [
         "| sampler | seeds | greedy accuracy | sampled accuracy [min, max] | KL to the start |",
         "|---|---|---|---|---|",

@@ -4,6 +4,7 @@ ppo.py on their default models, gkd.py on two tiny built-ins, grpo.py under DDP,
 install line when vLLM is missing. vLLM runs in subprocesses: it pins the threads and the memory of the process that
 hosts it, which must not be the test process."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -115,22 +116,27 @@ def test_after_a_sync_vllm_log_probs_equal_the_policys_and_without_one_they_do_n
 @pytest.mark.slow
 def test_a_run_with_lora_and_a_tool_samples_through_vllm_and_logs_the_sampler_gap(tmp_path):
     """rloo.py on the real model with --use-vllm, a LoRA adapter (merged into vLLM's weights by each sync) and the
-    calculator (episodes turn by turn): the startup line names vLLM, the run ends on its summary with no traceback, and
-    every update logs TRL's sampler-trainer metrics, the gap within float32 noise and the applied importance ratio near
-    1. Full fine-tuning through vLLM: its weight sync on this model in the test above, whole grpo.py runs on the
-    default model under one process, DDP, FSDP2 and ZeRO-3 below."""
+    calculator (episodes turn by turn): the startup line names vLLM and the dtype `--vllm-dtype auto` picks (bfloat16
+    on a machine that computes it natively, as this one, else float32), the run ends on its summary with no traceback,
+    and every update logs TRL's sampler-trainer metrics, the gap at that dtype's rounding (float32: under 1e-4 a token;
+    bfloat16: measured 0.03-0.06 on the real-model recipe) and the applied importance ratio near 1. Full fine-tuning
+    through vLLM: its weight sync on this model in the test above, whole grpo.py runs on the default model under one
+    process, DDP, FSDP2 and ZeRO-3 below, in float32."""
     require("vllm")
+    from common.vllm_engine import native_bfloat16
+
+    dtype = "bfloat16" if native_bfloat16() else "float32"
     flags = ["--use-peft", "--tools", "calculator", "--max-prompt-length", "320", "--max-completion-length", "32"]
     flags += ["--total-prompts", "4", "--batch-size", "2", "--mini-batch-size", "4"]  # 2 updates of 2 prompts x 2
     result = python([os.path.join(ROOT, "rloo.py"), *ARITH["rloo"], *TINY_RUN, *flags], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "rollouts: vLLM, colocated (float32, weights synced every update" in result.stdout, result.stdout[-2000:]
+    assert f"rollouts: vLLM, colocated ({dtype}, weights synced every update" in result.stdout, result.stdout[-2000:]
     assert "rloo: 2 updates, 4 prompts x 2" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
     gap = read_scalars(tmp_path / "runs", "sampling/sampling_logp_difference/mean")
-    largest = read_scalars(tmp_path / "runs", "sampling/sampling_logp_difference/max")
     ratio = read_scalars(tmp_path / "runs", "sampling/importance_sampling_ratio/mean")
-    assert len(gap) == len(ratio) == 2 and max(gap) < 1e-4 and max(largest) < 1e-3, (gap, largest)
-    assert all(abs(r - 1) < 1e-2 for r in ratio), ratio
+    low, high = (1e-3, 0.2) if dtype == "bfloat16" else (0.0, 1e-4)  # bfloat16's rounding, not float32's; no drift
+    assert len(gap) == len(ratio) == 2 and low < min(gap) and max(gap) < high, gap
+    assert all(abs(r - 1) < (0.1 if dtype == "bfloat16" else 1e-2) for r in ratio), ratio
     assert read_scalars(tmp_path / "runs", "episodes/turns"), "no episode metrics"
 
 
@@ -140,7 +146,7 @@ def test_asynchronous_rollouts_sample_through_the_shared_engine(tmp_path):
     through the trainer's engine, every update trains on a rollout at most one update old, the sync after each update
     refreshes it, and the sampler's correction and metrics follow."""
     require("vllm")
-    flags = ["--use-vllm", "--total-prompts", "64", "--max-staleness", "1", "--async-rollouts"]
+    flags = ["--use-vllm", "--vllm-dtype", "float32", "--total-prompts", "64", "--max-staleness", "1", "--async-rollouts"]
     result = python([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *flags], tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "up to 1 update old, sampled ahead in a background thread" in result.stdout
@@ -246,7 +252,8 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
     from conftest import DDP_ENV, ddp_launch, fsdp_launch
     from safetensors.torch import load_file
 
-    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--vllm-dtype", "float32", "--total-prompts", "8"]
+    grpo += ["--num-generations", "4"]
     grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
     for name, launch in (("ddp", ddp_launch), ("fsdp", fsdp_launch)):
@@ -288,7 +295,8 @@ def test_grpo_with_vllm_under_deepspeed_zero3_trains_as_one_process(tmp_path):
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 2\n  zero_stage: 3\n"
         "  zero3_init_flag: true\nnum_processes: 1\nmixed_precision: 'no'\n"
     )
-    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--vllm-dtype", "float32", "--total-prompts", "8"]
+    grpo += ["--num-generations", "4"]
     grpo += ["--batch-size", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
     grpo += ["--train-size", "64", "--eval-size", "8", "--log-freq", "1"]
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(config)]
@@ -330,6 +338,30 @@ def test_bad_vllm_flags_are_one_line_before_anything_loads(tmp_path, flags, mess
     for script in ("rloo", "ppo", "gkd") if "1.5" in flags else ("rloo",):
         error = run_failing([os.path.join(ROOT, f"{script}.py"), "--use-vllm", *flags], tmp_path)
         assert error.startswith("UsageError: ") and message in error, (script, error)
+
+
+def test_vllm_dtype_auto_samples_in_bfloat16_only_where_the_gap_is_corrected_and_the_hardware_has_it(monkeypatch):
+    """--vllm-dtype auto: bfloat16 for a float32 policy in grpo.py and rloo.py (the importance-sampling correction on,
+    old log-probs recomputed) on hardware that computes bfloat16; the policy's --dtype without the correction, with the
+    sampler's log-probs as old ones, with --cast-lm-head-to-fp32, in ppo.py and gkd.py, and on other hardware. A dtype
+    given is kept."""
+    import grpo
+    import rloo
+    from common import vllm_engine
+
+    def picked(script, native=True, **changes):
+        monkeypatch.setattr(vllm_engine, "native_bfloat16", lambda: native)
+        return vllm_engine.engine_dtype(dataclasses.replace(script.Args(), **changes))
+
+    for script in (grpo, rloo):
+        assert picked(script) == "bfloat16" and picked(script, native=False) == "float32"
+        assert picked(script, importance_sampling_correction=False) == "float32"
+        assert picked(script, old_logprobs="sampler") == "float32"
+        assert picked(script, cast_lm_head_to_fp32=True) == "float32"
+        assert picked(script, dtype="float16") == "float16" and picked(script, vllm_dtype="float32") == "float32"
+    for script in ("ppo", "gkd"):
+        assert picked(__import__(script)) == "float32"
+    assert isinstance(vllm_engine.native_bfloat16(), bool)
 
 
 def test_tensor_parallel_engines_gather_their_processes_prompts_and_refuse_what_is_not_in_lockstep(tmp_path, monkeypatch):
