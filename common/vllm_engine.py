@@ -142,8 +142,9 @@ def check_vllm_args(args) -> None:
 def engine_dtype(args) -> str:
     """The engine's dtype. --vllm-dtype auto: bfloat16 for a float32 policy where the run corrects for the sampler's
     gap (grpo.py's and rloo.py's importance-sampling correction, on by default, with recomputed old log-probs) and the
-    machine computes bfloat16 natively (a CUDA GPU that has it; a CPU with AVX512-BF16 or AMX: 1.6x the samples a
-    second here, docs/vllm.md); else the policy's --dtype, so that the sampler's log-probs are the trainer's."""
+    machine computes bfloat16 natively (a CUDA GPU that has it; a CPU with AVX512-BF16 or AMX: faster, and as
+    accurate on the real-model recipe, docs/vllm.md); else the policy's --dtype, so that the sampler's log-probs are
+    the trainer's."""
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
     corrected = getattr(args, "importance_sampling_correction", False) and getattr(args, "old_logprobs", "") == "recompute"
