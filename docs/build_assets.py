@@ -507,6 +507,28 @@ def speed_cpu() -> str:
     )
 
 
+def speed_offline() -> str:
+    """The offline scripts' CPU rows (benchmarks/RESULTS-speed-offline.json, `python benchmarks/speed_cpu.py --algos dpo
+    kto sft`): each side's median step time over the interleaved rounds with its min and max, and the ratio."""
+    r = record("RESULTS-speed-offline.json")
+    names = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "sft": "SFTTrainer"}
+    rows = ["| script, SmolLM2-135M-Instruct, float32 | settings | ours, s/step | TRL 1.16, s/step | ours / TRL |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for algo, row in r["rows"].items():
+        ours, theirs = row["ours"], row["trl"]
+        rows.append(
+            f"| {algo}.py against {names[algo]} | `{r['recipe'][algo]}` | {ours['median']:.2f} [{ours['min']:.2f}, "
+            f"{ours['max']:.2f}] | {theirs['median']:.2f} [{theirs['min']:.2f}, {theirs['max']:.2f}] | "
+            f"**{row['ratio']:.2f}x** |"
+        )
+    rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
+    return "\n".join(rows) + (
+        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: raw text on both sides "
+        f"(`--no-chat-template`), each side a fresh process per run, the runs interleaved over {rounds} rounds; a run's "
+        "step time is the median of its steps after the first; median [min, max] over the rounds."
+    )
+
+
 def roofline() -> str:
     """Each phase of a grpo.py / rloo.py update, and of a ppo.py update with its separate critic, against the machine's
     matmul rate (benchmarks/RESULTS-roofline.json, `python benchmarks/roofline.py`): time, executed and useful GFLOP,
@@ -1327,6 +1349,7 @@ FIGURES = {
     "tool-calls": tool_calls,
     "offpolicy": offpolicy,
     "speed-cpu": speed_cpu,
+    "speed-offline": speed_offline,
     "roofline": roofline,
     "real-model-full-table": real_model_full_table,
     "real-model-command": real_model_command,
