@@ -4,7 +4,8 @@ prompts, 8 prompts x 4 completions of 32 tokens, learning rate 1e-5, beta 0, flo
 otherwise, gradient checkpointing and bf16 off as ours have neither), each side a fresh process per run, the runs
 interleaved (ours, TRL's, TRL's, ours, ...) for `--rounds` rounds so that the machine's drift hits both alike. A run's
 step time is the median of its steps after the first; a row gives the min / median / max over the rounds and the ratio
-of the medians. With --vllm, grpo.py --use-vllm --vllm-dtype float32 runs as a third side in the same rounds. Writes
+of the medians. With --vllm, grpo.py --use-vllm runs beside them in the same rounds twice: in float32 and with
+--vllm-dtype auto (bfloat16 where the machine computes it; the side is named by the dtype it picked). Writes
 benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is rendered.
 
     python benchmarks/speed_cpu.py                      # grpo and rloo, 3 rounds of 4 steps (about 40 minutes on 2 cores)
@@ -14,7 +15,10 @@ benchmarks/RESULTS-speed-cpu.json, from which the README's Speed table is render
 
 The offline scripts train the same model on their built-in data (dpo.py and kto.py the VADER pairs, kto.py unpaired as
 TRL does, sft.py the chatterbot dialogues) as raw text (--no-chat-template: TRL renders string data as it is), at
-OFFLINE's settings, against TRL's DPOTrainer, KTOTrainer and SFTTrainer with the same batch, length and loss.
+OFFLINE's settings, against TRL's DPOTrainer, KTOTrainer and SFTTrainer with the same batch, length and loss. Each side
+draws its batches in its own order, and a batch is as wide as its longest row: on the whole data a rare long row pads
+a whole batch, at other steps on each side. So both train on the rows whose sequences are all BAND tokens long (within
+8 tokens of each other; `banded`), where every batch has about one width.
 """
 
 import json
@@ -37,11 +41,12 @@ RECIPE = (  # benchmarks/real_model.py's settings for grpo.py and rloo.py
     "--learning-rate 1e-5 --beta 0 --eval-freq 0 --eval-samples 8 --log-freq 1000"
 ).split()
 
-OFFLINE = {  # the offline scripts' settings (TRL's trainers get the same batch, length and loss in trl_offline)
-    "dpo": "--dataset-name builtin:vader-preferences --batch-size 8 --max-length 128 --beta 0.1",
-    "kto": "--dataset-name builtin:vader-preferences --batch-size 8 --max-length 128 --beta 0.1",
-    "sft": "--dataset-name builtin:chatterbot-dialogue --batch-size 16 --max-seq-length 128",
+OFFLINE = {  # the offline scripts' data and settings (TRL's trainers get the same batch, length and loss in trl_offline)
+    "dpo": ("builtin:vader-preferences", "--batch-size 8 --max-length 128 --beta 0.1"),
+    "kto": ("builtin:vader-preferences", "--batch-size 8 --max-length 128 --beta 0.1"),
+    "sft": ("builtin:chatterbot-dialogue", "--batch-size 16 --max-seq-length 128"),
 }
+BAND = {"dpo": (16, 24), "kto": (16, 24), "sft": (24, 32)}  # tokens of a row's sequences (prompt + completion)
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Args:
     steps: int = 4
     """optimizer steps (updates) per run; the first is left out of the timing"""
     vllm: bool = False
-    """also grpo.py --use-vllm --vllm-dtype float32 (vLLM colocated), a third side in grpo's rounds"""
+    """also grpo.py --use-vllm (vLLM colocated) in float32 and with --vllm-dtype auto, two more sides in grpo's rounds"""
     worker: str | None = None
     """internal: run one side once (JSON spec) and print its step times"""
 
@@ -62,7 +67,8 @@ class Args:
 def ours(algo: str, steps: int, folder: str, *flags: str) -> list[float]:
     """`python {algo}.py` at the recipe (and `flags`) for `steps` updates (steps); its logged time/step per update."""
     if algo in OFFLINE:
-        command = [sys.executable, f"{algo}.py", "--model-name", MODEL, *OFFLINE[algo].split(), "--no-chat-template"]
+        command = [sys.executable, f"{algo}.py", "--model-name", MODEL, "--dataset-name", banded(algo, folder)]
+        command += [*OFFLINE[algo][1].split(), "--no-chat-template"]
         command += ["--max-steps", str(steps), "--seed", "1", "--eval-fraction", "0.02"]  # a short evaluation, untimed
         command += [] if algo == "sft" else ["--no-generate-during-eval"]
     else:
@@ -132,6 +138,39 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
     return times
 
 
+def auto_dtype() -> str:
+    """The dtype grpo.py's --vllm-dtype auto picks on this machine (its float32 policy, the correction on)."""
+    sys.path.insert(0, ROOT)
+    from common.vllm_engine import engine_dtype
+
+    return engine_dtype(tyro.cli(__import__("grpo").Args, args=RECIPE))
+
+
+def banded(algo: str, folder: str) -> str:
+    """OFFLINE[algo]'s built-in data, the rows whose sequences (prompt + each completion, SmolLM2's tokens) all have a
+    length within BAND[algo], written to folder/data.jsonl; its path."""
+    sys.path.insert(0, ROOT)
+    from common.loading import load_data, load_tokenizer
+
+    tokenizer, (low, high) = load_tokenizer(MODEL), BAND[algo]
+    length = lambda *texts: len(tokenizer("".join(texts))["input_ids"])  # noqa: E731
+    rows = [
+        row
+        for row in load_data(OFFLINE[algo][0], "train").to_list()
+        if all(
+            low <= n <= high
+            for n in (
+                [length(row["text"])] if algo == "sft" else [length(row["prompt"], row[c]) for c in ("chosen", "rejected")]
+            )
+        )
+    ]
+    path = os.path.join(folder, "data.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": row["text"]} if algo == "sft" else row) + "\n" for row in rows)  # (text alone:
+        # TRL would read prompt and completion columns as prompt-completion data)
+    return path
+
+
 def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
     """TRL 1.16's DPOTrainer, KTOTrainer or SFTTrainer on the data and settings of OFFLINE[algo], for `steps` steps; the
     wall time of each (a callback's clock)."""
@@ -144,9 +183,9 @@ def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
     sys.path.insert(0, ROOT)
     from common.loading import load_data, load_pretrained, load_tokenizer
 
-    ours = tyro.cli(__import__(algo).Args, args=OFFLINE[algo].split())
+    ours = tyro.cli(__import__(algo).Args, args=OFFLINE[algo][1].split())
     tokenizer = load_tokenizer(MODEL)
-    dataset = load_data(ours.dataset_name, "train")
+    dataset = load_data(banded(algo, folder), "train")
     times = []
 
     class Timer(TrainerCallback):
@@ -198,6 +237,7 @@ if __name__ == "__main__":
                     spec["steps"],
                     folder,
                     *(["--use-vllm", "--vllm-dtype", "float32"] if spec["side"] == "vllm" else []),
+                    *(["--use-vllm"] if spec["side"] == "vllm_auto" else []),
                 )
         print(json.dumps(times))
         sys.exit(0)
@@ -205,7 +245,7 @@ if __name__ == "__main__":
 
     rows = {}
     for algo in args.algos:
-        sides = ("ours", "vllm", "trl") if args.vllm and algo == "grpo" else ("ours", "trl")
+        sides = ("ours", "vllm", "vllm_auto", "trl") if args.vllm and algo == "grpo" else ("ours", "trl")
         medians = {side: [] for side in sides}
         for round_ in range(args.rounds):
             order = sides if round_ % 2 == 0 else sides[::-1]
@@ -221,6 +261,8 @@ if __name__ == "__main__":
         rows[algo]["ratio"] = rows[algo]["ours"]["median"] / rows[algo]["trl"]["median"]
         if "vllm" in rows[algo]:
             rows[algo]["vllm_ratio"] = rows[algo]["vllm"]["median"] / rows[algo]["trl"]["median"]
+            rows[algo]["vllm_auto_ratio"] = rows[algo]["vllm_auto"]["median"] / rows[algo]["trl"]["median"]
+            rows[algo]["vllm_auto_dtype"] = auto_dtype()
     for name, family in (
         ("speed-cpu", [a for a in rows if a not in OFFLINE]),
         ("speed-offline", [a for a in rows if a in OFFLINE]),
@@ -234,7 +276,8 @@ if __name__ == "__main__":
             machine=machine(),
             launcher="python",
             threads=torch.get_num_threads(),
-            recipe=" ".join(RECIPE) if name == "speed-cpu" else {a: OFFLINE[a] for a in family},
+            recipe=" ".join(RECIPE) if name == "speed-cpu" else {a: OFFLINE[a][1] for a in family},
+            **({} if name == "speed-cpu" else {"data": {a: dict(source=OFFLINE[a][0], band=BAND[a]) for a in family}}),
             rows={a: rows[a] for a in family},
         )
         with open(os.path.join(HERE, f"RESULTS-{name}.json"), "w") as f:

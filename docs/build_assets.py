@@ -499,6 +499,14 @@ def speed_cpu() -> str:
                 f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
                 f"**{row['vllm_ratio']:.2f}x** |"
             )
+        if "vllm_auto" in row:  # and with --vllm-dtype auto: the dtype it picked on the record's machine
+            v = row["vllm_auto"]
+            rows.append(
+                f"| {names[algo][0]} --use-vllm ({row['vllm_auto_dtype']}: `auto` there) against {names[algo][1]} | "
+                f"{v['median']:.1f} [{v['min']:.1f}, {v['max']:.1f}] | "
+                f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
+                f"**{row['vllm_auto_ratio']:.2f}x** |"
+            )
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
     return "\n".join(rows) + (
         f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: each side a fresh process per "
@@ -517,7 +525,8 @@ def speed_offline() -> str:
     for algo, row in r["rows"].items():
         ours, theirs = row["ours"], row["trl"]
         rows.append(
-            f"| {algo}.py against {names[algo]} | `{r['recipe'][algo]}` | {ours['median']:.2f} [{ours['min']:.2f}, "
+            f"| {algo}.py against {names[algo]} | `{r['recipe'][algo]}`, {r['data'][algo]['source']} rows of "
+            f"{r['data'][algo]['band'][0]}-{r['data'][algo]['band'][1]} tokens | {ours['median']:.2f} [{ours['min']:.2f}, "
             f"{ours['max']:.2f}] | {theirs['median']:.2f} [{theirs['min']:.2f}, {theirs['max']:.2f}] | "
             f"**{row['ratio']:.2f}x** |"
         )
