@@ -83,13 +83,28 @@ def ours(algo: str, steps: int, folder: str, *flags: str) -> list[float]:
     return [e.value for e in accumulator.Scalars("time/step")]
 
 
+def step_timer(times: list):
+    """A TrainerCallback that appends each optimizer step's wall time to `times`."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.time()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.time() - self.start)
+
+    return Timer()
+
+
 def trl(algo: str, steps: int, folder: str) -> list[float]:
     """TRL 1.16's trainer at the same settings for `steps` steps; the wall time of each (a callback's clock)."""
-    import time
 
     import trl as library
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, ROOT)
     from common.loading import load_pretrained, load_tokenizer
@@ -100,13 +115,6 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
     train, _, _ = load_task(task_args, tokenizer, "prompt", task_args.max_prompt_length)
     rows = [dict(prompt=r["prompt"], answer=r["answer"], rg_entry=r["rg_entry"]) for r in train]
     times = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.start = time.time()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.time() - self.start)
 
     kind = algo.upper()
     config = getattr(library, f"{kind}Config")(
@@ -133,7 +141,7 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[step_timer(times)],
     ).train()
     return times
 
@@ -174,10 +182,9 @@ def banded(algo: str, folder: str) -> str:
 def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
     """TRL 1.16's DPOTrainer, KTOTrainer or SFTTrainer on the data and settings of OFFLINE[algo], for `steps` steps; the
     wall time of each (a callback's clock)."""
-    import time
 
     import trl as library
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl.data_utils import unpair_preference_dataset
 
     sys.path.insert(0, ROOT)
@@ -187,13 +194,6 @@ def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
     tokenizer = load_tokenizer(MODEL)
     dataset = load_data(banded(algo, folder), "train")
     times = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.start = time.time()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.time() - self.start)
 
     common = dict(
         output_dir=os.path.join(folder, "trl"),
@@ -219,7 +219,7 @@ def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Timer()],
+        callbacks=[step_timer(times)],
     ).train()
     return times
 
