@@ -83,6 +83,22 @@ def ours(algo: str, steps: int, folder: str, *flags: str) -> list[float]:
     return [e.value for e in accumulator.Scalars("time/step")]
 
 
+def trl_settings(folder: str, steps: int) -> dict:
+    """What every TRL side shares: `steps` steps on the CPU in float32 without gradient checkpointing (ours have
+    neither), nothing reported or saved, seed 1."""
+    return dict(
+        output_dir=os.path.join(folder, "trl"),
+        max_steps=steps,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+    )
+
+
 def step_timer(times: list):
     """A TrainerCallback that appends each optimizer step's wall time to `times`."""
     import time
@@ -101,7 +117,6 @@ def step_timer(times: list):
 
 def trl(algo: str, steps: int, folder: str) -> list[float]:
     """TRL 1.16's trainer at the same settings for `steps` steps; the wall time of each (a callback's clock)."""
-
     import trl as library
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -118,7 +133,6 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
 
     kind = algo.upper()
     config = getattr(library, f"{kind}Config")(
-        output_dir=os.path.join(folder, "trl"),
         per_device_train_batch_size=8,
         gradient_accumulation_steps=4,
         num_generations=4,
@@ -126,14 +140,7 @@ def trl(algo: str, steps: int, folder: str) -> list[float]:
         temperature=1.0,
         learning_rate=1e-5,
         beta=0.0,
-        max_steps=steps,
-        gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,
+        **trl_settings(folder, steps),
     )
     getattr(library, f"{kind}Trainer")(
         model=load_pretrained(MODEL, AutoModelForCausalLM),
@@ -195,18 +202,7 @@ def trl_offline(algo: str, steps: int, folder: str) -> list[float]:
     dataset = load_data(banded(algo, folder), "train")
     times = []
 
-    common = dict(
-        output_dir=os.path.join(folder, "trl"),
-        per_device_train_batch_size=ours.batch_size,
-        max_steps=steps,
-        gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,
-    )
+    common = dict(per_device_train_batch_size=ours.batch_size, **trl_settings(folder, steps))
     if algo == "sft":
         config = library.SFTConfig(max_length=ours.max_seq_length, dataset_text_field=ours.text_column, **common)
     else:

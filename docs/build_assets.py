@@ -478,6 +478,11 @@ def real_model_command() -> str:
     return "```bash\n" + "\n".join(lines + [line]) + f"\n```\n\n{run['updates']} updates of 8 prompts x 4 completions: {when}."
 
 
+def spread(side: dict, digits: int = 1) -> str:
+    """A side's step time over the rounds: "median [min, max]"."""
+    return f"{side['median']:.{digits}f} [{side['min']:.{digits}f}, {side['max']:.{digits}f}]"
+
+
 def speed_cpu() -> str:
     """The CPU Speed rows (benchmarks/RESULTS-speed-cpu.json, `python benchmarks/speed_cpu.py`): each side's median step
     time over the interleaved rounds with its min and max, and the ratio of the medians."""
@@ -488,24 +493,19 @@ def speed_cpu() -> str:
     for algo, row in r["rows"].items():
         ours, theirs = row["ours"], row["trl"]
         rows.append(
-            f"| {names[algo][0]} against {names[algo][1]} | {ours['median']:.1f} [{ours['min']:.1f}, {ours['max']:.1f}] | "
-            f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | **{row['ratio']:.2f}x** |"
+            f"| {names[algo][0]} against {names[algo][1]} | {spread(ours)} | {spread(theirs)} | **{row['ratio']:.2f}x** |"
         )
         if "vllm" in row:  # the same rounds, a third side: grpo.py sampling through vLLM
             v = row["vllm"]
             rows.append(
-                f"| {names[algo][0]} --use-vllm --vllm-dtype float32 against {names[algo][1]} | "
-                f"{v['median']:.1f} [{v['min']:.1f}, {v['max']:.1f}] | "
-                f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
-                f"**{row['vllm_ratio']:.2f}x** |"
+                f"| {names[algo][0]} --use-vllm --vllm-dtype float32 against {names[algo][1]} | {spread(v)} | "
+                f"{spread(theirs)} | **{row['vllm_ratio']:.2f}x** |"
             )
         if "vllm_auto" in row:  # and with --vllm-dtype auto: the dtype it picked on the record's machine
             v = row["vllm_auto"]
             rows.append(
                 f"| {names[algo][0]} --use-vllm ({row['vllm_auto_dtype']}: `auto` there) against {names[algo][1]} | "
-                f"{v['median']:.1f} [{v['min']:.1f}, {v['max']:.1f}] | "
-                f"{theirs['median']:.1f} [{theirs['min']:.1f}, {theirs['max']:.1f}] | "
-                f"**{row['vllm_auto_ratio']:.2f}x** |"
+                f"{spread(v)} | {spread(theirs)} | **{row['vllm_auto_ratio']:.2f}x** |"
             )
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
     return "\n".join(rows) + (
@@ -526,8 +526,7 @@ def speed_offline() -> str:
         ours, theirs = row["ours"], row["trl"]
         rows.append(
             f"| {algo}.py against {names[algo]} | `{r['recipe'][algo]}`, {r['data'][algo]['source']} rows of "
-            f"{r['data'][algo]['band'][0]}-{r['data'][algo]['band'][1]} tokens | {ours['median']:.2f} [{ours['min']:.2f}, "
-            f"{ours['max']:.2f}] | {theirs['median']:.2f} [{theirs['min']:.2f}, {theirs['max']:.2f}] | "
+            f"{r['data'][algo]['band'][0]}-{r['data'][algo]['band'][1]} tokens | {spread(ours, 2)} | {spread(theirs, 2)} | "
             f"**{row['ratio']:.2f}x** |"
         )
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
