@@ -21,7 +21,8 @@ from common.outputs import RUN, release_outputs
 
 def machine() -> str:
     """The machine a run measured on, as every results file and notebook names it: the GPU's model and count where
-    there is one, else the CPU's model name; and the cores."""
+    there is one, else the CPU's model name with the vector instructions torch's kernels use (one model name covers
+    CPUs with and without AVX-512, whose kernels round differently and run at different speeds); and the cores."""
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores"
     try:
@@ -29,7 +30,7 @@ def machine() -> str:
             name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         name = platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
 
 
 def check_launch(accelerator: Accelerator, args=None) -> None:

@@ -697,17 +697,18 @@ def test_separate_critic_flags_are_checked_before_loading(tmp_path):
 def test_separate_critic_learns_the_values_and_the_policy_learns_from_them(tmp_path):
     """`python ppo.py --value-model-path policy --critic-learning-rate 5e-4`: the default task (builtin:tiny-chat against
     builtin:tiny-chat-rm, 60 updates) with a critic of its own, a copy of the policy with a zero value head, so that it
-    explains none of the returns' variance at the start. Over the last 10 updates it explains more than a fifth of it
-    (0.39 on 1 thread; with its values detached in the loss, no gradient reaching it, it stays at exactly 0 and this test
-    fails), and the held-out reward rises by more than half the initial policy's standard deviation (-0.83 -> 0.41,
-    initial std 0.95), inside the KL budget (with the advantages' sign flipped the reward falls and this test fails)."""
+    explains none of the returns' variance at the start. Over the last 10 updates it explains more than a tenth of it
+    (0.39 on 1 thread with AVX-512 kernels, 0.17 with AVX2's; with its values detached in the loss, no gradient reaching
+    it, it stays at exactly 0 and this test fails), and the held-out reward rises by more than half the initial policy's
+    standard deviation (-0.83 -> 0.41, initial std 0.95), inside the KL budget (with the advantages' sign flipped the
+    reward falls and this test fails)."""
     out = run_script([PPO, "--value-model-path", "policy", "--critic-learning-rate", "5e-4"], tmp_path)
     assert "critic: a separate value model from policy" in out
     summary = out.split("eval reward ")[1]
     first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
     initial_std = float(summary.split("initial std ")[1].split(")")[0])
     explained = read_scalars(str(tmp_path / "runs"), "ppo/val/var_explained")
-    assert abs(explained[0]) < 0.05 and statistics.mean(explained[-10:]) > 0.2, explained
+    assert abs(explained[0]) < 0.05 and statistics.mean(explained[-10:]) > 0.1, explained
     assert last - first > 0.5 * initial_std and float(summary.split("KL ")[1].split(";")[0]) < 2 * 6.0, out[-1500:]
     assert "warning:" not in out, out[-1500:]
 

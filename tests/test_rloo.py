@@ -307,7 +307,8 @@ def test_gdpo_scores_then_normalised_advantages_equal_trls_gdpo():
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(tmp_path):
     """rloo.py --dynamic-sampling (grpo.py's, common.rollout.dynamic_sampling; conftest.check_dynamic_sampling says what
-    is checked), and with stale rollouts it is one line."""
-    check_dynamic_sampling([RLOO, *ARITH, *TINY], tmp_path)
+    is checked), and with stale rollouts it is one line. At --beta 0: with a KL penalty frac_reward_zero_std reads the
+    penalised rewards (TRL's RLOO), in which a topped-up group whose answers all scored alike is not flat."""
+    check_dynamic_sampling([RLOO, *ARITH, *TINY, "--beta", "0"], tmp_path)
     error = run_failing([RLOO, *ARITH, *TINY, "--dynamic-sampling", "--max-staleness", "1"], tmp_path)
     assert "--dynamic-sampling with --max-staleness" in error
