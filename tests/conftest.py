@@ -102,6 +102,18 @@ def pytest_collection_modifyitems(config, items):
     )
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test starts without the accelerate state that an earlier test of its worker left behind (as run_in_process
+    does for each run): a test that makes an Accelerator of its own settings (bf16 mixed precision) would otherwise
+    fail or pass by the order the tests ran in."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def pytest_configure(config):
     """`-m "not slow"` is the fast tier a forker runs after a change; CI runs everything."""
     config.addinivalue_line(

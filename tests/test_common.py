@@ -962,13 +962,10 @@ def test_held_out_samples_measure_the_kl_to_the_reference_on_the_policys_own_rep
     import copy
 
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
     from common.loading import load_tokenizer
     from common.sampling import held_out_samples
 
-    AcceleratorState._reset_state(reset_partial_state=True)  # no mixed precision left by an earlier test's Accelerator
-    GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
     tokenizer = load_tokenizer("builtin:tiny-gpt2", padding_side="left")
     reference = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).eval()
