@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from accelerate import Accelerator  # noqa: E402
+from records import trl_settings  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import grpo  # noqa: E402
@@ -435,7 +436,6 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
             print(f"trl step {len(times)}: {times[-1]:.1f}s", flush=True)
 
     config = trl.GRPOConfig(
-        output_dir=folder + "_tmp",
         per_device_train_batch_size=16,
         gradient_accumulation_steps=1,
         num_generations=4,
@@ -443,14 +443,7 @@ def trl_grpo(args: Args, warm_start: str, folder: str) -> float:
         temperature=1.0,
         learning_rate=1e-5,
         beta=0.0,
-        max_steps=args.rl_updates,
-        gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,
+        **trl_settings(folder, args.rl_updates) | dict(output_dir=folder + "_tmp"),
     )
     trainer = trl.GRPOTrainer(
         model=load_pretrained(warm_start, AutoModelForCausalLM),

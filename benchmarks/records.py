@@ -65,3 +65,19 @@ def write(path: str, record: dict) -> None:
         json.dump(record, f, indent=1)
         f.write("\n")
     print(f"wrote benchmarks/{os.path.basename(path)}")
+
+
+def trl_settings(folder: str, steps: int) -> dict:
+    """What every TRL side shares: `steps` steps on the CPU in float32 without gradient checkpointing (ours have
+    neither), nothing reported or saved, seed 1."""
+    return dict(
+        output_dir=os.path.join(folder, "trl"),
+        max_steps=steps,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=1,
+    )

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import tyro
-from records import machine
+from records import machine, trl_settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -81,22 +81,6 @@ def ours(algo: str, steps: int, folder: str, *flags: str) -> list[float]:
     accumulator = EventAccumulator(run)
     accumulator.Reload()
     return [e.value for e in accumulator.Scalars("time/step")]
-
-
-def trl_settings(folder: str, steps: int) -> dict:
-    """What every TRL side shares: `steps` steps on the CPU in float32 without gradient checkpointing (ours have
-    neither), nothing reported or saved, seed 1."""
-    return dict(
-        output_dir=os.path.join(folder, "trl"),
-        max_steps=steps,
-        gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=1,
-    )
 
 
 def step_timer(times: list):

@@ -507,11 +507,16 @@ def speed_cpu() -> str:
                 f"| {names[algo][0]} --use-vllm ({row['vllm_auto_dtype']}: `auto` there) against {names[algo][1]} | "
                 f"{spread(v)} | {spread(theirs)} | **{row['vllm_auto_ratio']:.2f}x** |"
             )
+    return "\n".join(rows) + interleaved(r)
+
+
+def interleaved(r: dict, sides: str = "") -> str:
+    """The line under a speed_cpu.py table: machine, launcher, threads, command, and how its rows were timed."""
     rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
-    return "\n".join(rows) + (
-        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: each side a fresh process per "
-        f"run, the runs interleaved over {rounds} rounds; a run's step time is the median of its steps after the first; "
-        "median [min, max] over the rounds."
+    return (
+        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: {sides}each side a fresh "
+        f"process per run, the runs interleaved over {rounds} rounds; a run's step time is the median of its steps after "
+        "the first; median [min, max] over the rounds."
     )
 
 
@@ -529,12 +534,7 @@ def speed_offline() -> str:
             f"{r['data'][algo]['band'][0]}-{r['data'][algo]['band'][1]} tokens | {spread(ours, 2)} | {spread(theirs, 2)} | "
             f"**{row['ratio']:.2f}x** |"
         )
-    rounds = len(next(iter(r["rows"].values()))["ours"]["runs"])
-    return "\n".join(rows) + (
-        f"\n\n{r['machine']}, `{r['launcher']}`, {r['threads']} threads; `{r['command']}`: raw text on both sides "
-        f"(`--no-chat-template`), each side a fresh process per run, the runs interleaved over {rounds} rounds; a run's "
-        "step time is the median of its steps after the first; median [min, max] over the rounds."
-    )
+    return "\n".join(rows) + interleaved(r, "raw text on both sides (`--no-chat-template`), ")
 
 
 def roofline() -> str:
