@@ -31,8 +31,11 @@ def folder(name: str) -> str:
 
 
 def tokenizer(name: str):
-    """A built-in model's tokenizer: a pretrained one's own (from its folder), else GPT-2's with a distinct pad token."""
-    if name in pretrained.OWN_TOKENIZER:
+    """A built-in model's tokenizer: SmolLM2's own (from its folder), tiny-chat's (also tiny-chat-rm's and tiny-arith's;
+    cached on its own, no model built), else GPT-2's with a distinct pad token."""
+    if name in pretrained.CHAT_MODELS:
+        return pretrained.chat_tokenizer()
+    if name in pretrained.FOLDERS:
         return AutoTokenizer.from_pretrained(folder(name))
     return tiny.gpt2_tokenizer()
 

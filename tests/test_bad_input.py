@@ -228,7 +228,7 @@ def test_cheap_checks_come_before_building_a_preset(tmp_path):
         command = [SCRIPTS[script], *model, "--dataset-name", "missing.jsonl"]
         _, error = run_in_process(command, tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))  # exit 2: tests below
         assert isinstance(error, UsageError) and "no such file" in str(error), error
-        assert not (tmp_path / "cache" / "rlhf-builtin" / "tiny-chat-v2").exists(), script
+        assert not (tmp_path / "cache" / "rlhf-builtin" / "tiny-chat-v3").exists(), script
 
 
 def test_degenerate_input_is_refused_before_training(tmp_path):

@@ -11,9 +11,25 @@ from common.loading import load_pretrained
 from gkd import generalized_jsd_loss, reverse_kl_pg_loss
 
 GKD = os.path.join(ROOT, "gkd.py")
-# the student is a random tiny GPT-2, the teacher builtin:tiny-arith (the same tokenizer): it knows the task
-TINY = ["--model-name", "builtin:tiny-gpt2", "--teacher-name", "builtin:tiny-arith", "--max-new-tokens", "8"]
-TINY += ["--batch-size", "8", "--eval-samples", "16", "--eval-size", "16", "--train-size", "200", "--log-freq", "100"]
+SIZES = ["--max-new-tokens", "8", "--batch-size", "8", "--eval-samples", "16", "--eval-size", "16", "--train-size", "200"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    """gkd.py's tiny setting: a random student of builtin:tiny-gpt2's sizes on builtin:tiny-arith's tokenizer, saved in a
+    folder, and builtin:tiny-arith, which knows the task, as its teacher."""
+    import presets
+    from common.loading import load_tokenizer
+
+    folder = str(tmp_path_factory.mktemp("tiny-student"))
+    tokenizer = load_tokenizer("builtin:tiny-arith")
+    special = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = presets.random_model(
+        "builtin:tiny-gpt2", AutoModelForCausalLM, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **special
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return ["--model-name", folder, "--teacher-name", "builtin:tiny-arith", *SIZES, "--log-freq", "100"]
 
 
 def by_hand(student: list[float], teacher: list[float], beta: float) -> float:
@@ -71,8 +87,8 @@ def test_reverse_kl_policy_gradient():
     assert student.grad[0].tolist() == pytest.approx([-advantages[0] / 2, -advantages[1] / 2, 0.0])
 
 
-def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama):
-    out = run_script([GKD, *TINY, "--total-steps", "4", "--lmbda", "0.5", "--beta", "0.9", "--seq-kd"], tmp_path)
+def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama, tiny):
+    out = run_script([GKD, *tiny, "--total-steps", "4", "--lmbda", "0.5", "--beta", "0.9", "--seq-kd"], tmp_path)
     assert "gkd: 4 steps" in out and "held-out accuracy: student" in out and "held-out KL to the teacher per token" in out
     on_policy = read_scalars(str(tmp_path / "runs"), "train/on_policy")
     assert len(on_policy) == 4 and 0 < sum(on_policy) < 4  # lmbda 0.5: some batches the student's, some the teacher's
@@ -80,22 +96,22 @@ def test_gkd_runs_saves_and_refuses_mismatched_vocabularies(tmp_path, chat_llama
     # (the old metric) gave -15.3 on the first of these batches
     kl = read_scalars(str(tmp_path / "runs"), "train/kl_to_teacher")
     assert len(kl) == 4 and min(kl) > 0, kl
-    check_model_card(tmp_path / "outputs" / "gkd", "gkd")
+    check_model_card(tmp_path / "outputs" / "gkd", "gkd", base=tiny[1])
     thinking = ["--chat-template-kwargs", '{"enable_thinking": false}']  # TRL's chat_template_kwargs, as grpo.py's
-    run_script([GKD, *TINY, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg", *thinking], tmp_path)
+    run_script([GKD, *tiny, "--total-steps", "2", "--objective", "reverse_kl_pg", "--output-dir", "pg", *thinking], tmp_path)
     assert "--chat-template-kwargs '[1]': give a JSON object" in run_failing(
-        [GKD, *TINY, "--chat-template-kwargs", "[1]"], tmp_path
+        [GKD, *tiny, "--chat-template-kwargs", "[1]"], tmp_path
     )
     assert "different vocabularies" in run_failing(
-        [GKD, *TINY, "--teacher-name", chat_llama, "--overwrite"], tmp_path
-    )  # 2 more tokens
+        [GKD, *tiny, "--teacher-name", chat_llama, "--overwrite"], tmp_path
+    )  # GPT-2's whole vocabulary
     assert "needs --lmbda 1" in run_failing(
-        [GKD, *TINY, "--objective", "reverse_kl_pg", "--lmbda", "0.5", "--overwrite"], tmp_path
+        [GKD, *tiny, "--objective", "reverse_kl_pg", "--lmbda", "0.5", "--overwrite"], tmp_path
     )
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_trains_the_same_and_the_teacher_takes_its_options(tmp_path):
+def test_gradient_checkpointing_trains_the_same_and_the_teacher_takes_its_options(tmp_path, tiny):
     """--gradient-checkpointing recomputes the student's activations: the same weights as without (to float rounding);
     --teacher-model-init-kwargs reaches the teacher's from_pretrained (TRL's teacher_model_init_kwargs), and anything
     but a JSON object is one line before anything loads."""
@@ -103,12 +119,12 @@ def test_gradient_checkpointing_trains_the_same_and_the_teacher_takes_its_option
 
     from gkd import Args, check, teacher_options
 
-    flags = [GKD, *TINY, "--total-steps", "3", "--lmbda", "0.5"]
+    flags = [GKD, *tiny, "--total-steps", "3", "--lmbda", "0.5"]
     run_script([*flags, "--output-dir", "plain", "--log-dir", "plain_runs"], tmp_path)
     run_script([*flags, "--gradient-checkpointing", "--output-dir", "ckpt", "--log-dir", "ckpt_runs"], tmp_path)
     plain, ckpt = (load_file(tmp_path / d / "model.safetensors") for d in ("plain", "ckpt"))
     assert all(torch.allclose(plain[k], ckpt[k], atol=1e-6) for k in plain)
-    start = load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).state_dict()  # the student as loaded
+    start = load_pretrained(tiny[1], AutoModelForCausalLM).state_dict()  # the student as loaded
     assert any(not torch.allclose(plain[k], start[k], atol=1e-4) for k in plain if k in start)  # it trained
     options = teacher_options(Args(teacher_model_init_kwargs='{"dtype": "bfloat16"}'))
     teacher = load_pretrained("builtin:tiny-arith", AutoModelForCausalLM, **options)
@@ -149,12 +165,12 @@ def test_top_k_and_top_p_reach_the_sampler():
 
 
 @pytest.mark.slow
-def test_gkd_student_moves_towards_a_fixed_teacher(tmp_path):
+def test_gkd_student_moves_towards_a_fixed_teacher(tmp_path, tiny):
     """On-policy GKD pulls a random tiny student towards builtin:tiny-arith: the per-token KL to the teacher on the
     student's own samples falls by more than half in 45 steps. Forward KL (beta 0): between distributions this far apart
     the JSD sits at its ceiling ln 2 and its gradient vanishes (the README's note)."""
     flags = ["--total-steps", "45", "--beta", "0", "--learning-rate", "3e-3", "--eval-freq", "0"]
-    run_script([GKD, *TINY, *flags], tmp_path)
+    run_script([GKD, *tiny, *flags], tmp_path)
     kl = read_scalars(str(tmp_path / "runs"), "train/kl_to_teacher")
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
     assert last < 0.5 * first, (first, last)
