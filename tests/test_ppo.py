@@ -579,10 +579,10 @@ def test_default_run_ends_on_the_readmes_line_and_learns_inside_its_kl_budget(tm
     the line the README renders): it ends on that line, but for the time. The pretrained builtin:tiny-chat policy
     against builtin:tiny-chat-rm raises the held-out reward by more than half a standard deviation of the initial
     policy's held-out rewards, with the final KL within 2x the controller's target and varied responses (no reward
-    hacking). With a flipped policy-gradient sign the policy runs from the reference (KL 81, one token 38% of the
-    responses, eval -0.81 -> -1.00, two threads): this test fails it on the reward, the KL and the collapse. At a
-    learning rate of 1e-3 the replies collapse into an immediate EOS (one token 100% of the responses, eval -0.81 ->
-    -0.97, the health warning printed): this test fails it on the reward and the collapse."""
+    hacking). With a flipped policy-gradient sign the policy runs from the reference (KL 110, one token 91% of the
+    responses, eval -0.60 -> -1.92, two threads): this test fails it on the reward, the KL and the collapse. At a
+    learning rate of 1e-3 the replies collapse into a token or two (";", " is"; one token 35% of the responses, eval
+    -0.60 -> -0.28, the health warning printed): this test fails it on the reward and the collapse."""
     import json
 
     record = json.load(open(os.path.join(ROOT, "benchmarks", "RESULTS-first-run.json")))
@@ -696,19 +696,19 @@ def test_separate_critic_flags_are_checked_before_loading(tmp_path):
 @pytest.mark.slow
 def test_separate_critic_learns_the_values_and_the_policy_learns_from_them(tmp_path):
     """`python ppo.py --value-model-path policy --critic-learning-rate 5e-4`: the default task (builtin:tiny-chat against
-    builtin:tiny-chat-rm, 60 updates) with a critic of its own, a copy of the policy with a zero value head, so that it
-    explains none of the returns' variance at the start. Over the last 10 updates it explains more than a tenth of it
-    (0.39 on 1 thread with AVX-512 kernels, 0.17 with AVX2's; with its values detached in the loss, no gradient reaching
-    it, it stays at exactly 0 and this test fails), and the held-out reward rises by more than half the initial policy's
-    standard deviation (-0.83 -> 0.41, initial std 0.95), inside the KL budget (with the advantages' sign flipped the
-    reward falls and this test fails)."""
+    builtin:tiny-chat-rm, 60 updates) with a critic of its own, a copy of the policy with a zero value head: over the
+    first update it explains under a tenth of the returns' variance (0.04 on 1 thread with AVX2 kernels: that update's
+    mini-batches already train it), over the last 10 more than a tenth (0.20; with its values detached in the loss, no
+    gradient reaching it, it stays at exactly 0 and this test fails), and the held-out reward rises by more than half
+    the initial policy's standard deviation (-0.60 -> 0.42, initial std 1.59), inside the KL budget (with the
+    advantages' sign flipped the reward falls and this test fails)."""
     out = run_script([PPO, "--value-model-path", "policy", "--critic-learning-rate", "5e-4"], tmp_path)
     assert "critic: a separate value model from policy" in out
     summary = out.split("eval reward ")[1]
     first, last = (float(x) for x in summary.split(" (")[0].split(" -> "))
     initial_std = float(summary.split("initial std ")[1].split(")")[0])
     explained = read_scalars(str(tmp_path / "runs"), "ppo/val/var_explained")
-    assert abs(explained[0]) < 0.05 and statistics.mean(explained[-10:]) > 0.1, explained
+    assert abs(explained[0]) < 0.1 and statistics.mean(explained[-10:]) > 0.1, explained
     assert last - first > 0.5 * initial_std and float(summary.split("KL ")[1].split(";")[0]) < 2 * 6.0, out[-1500:]
     assert "warning:" not in out, out[-1500:]
 
