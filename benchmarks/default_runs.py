@@ -81,7 +81,7 @@ def check(args: Args, results: dict) -> None:
     here, differ = [machine(), torch.get_num_threads(), torch.__version__], []
     for key in (f"{script}-{seed}" for script in args.scripts for seed in args.seeds):
         run = results["runs"].get(key)
-        if run is None or [results.get(k) for k in ("machine", "threads", "torch")] != here:
+        if run is None or [run.get(k, results.get(k)) for k in ("machine", "threads", "torch")] != here:
             print(f"{key}: not checked (no record, or recorded on another CPU kind, thread count or torch)")
             continue
         with tempfile.TemporaryDirectory(prefix=f"rlhf-{key}-") as folder:
@@ -208,8 +208,9 @@ if __name__ == "__main__":
         for seed in args.seeds:
             key = f"{script}-{seed}"
             if not args.final_only:
-                results["runs"][key] = train(script, seed, args.out)
-                results |= dict(machine=machine(), launcher="python", threads=torch.get_num_threads(), torch=torch.__version__)
+                # each run names its own machine (the record's fields name the runs recorded before runs did)
+                kind = dict(machine=machine(), launcher="python", threads=torch.get_num_threads(), torch=torch.__version__)
+                results["runs"][key] = train(script, seed, args.out) | kind
                 print(f"{script} seed {seed}: {results['runs'][key]['summary']}", flush=True)
             run = results["runs"].get(key)
             if run is not None and script in VERIFIED and not ("final" in run and args.final_only):

@@ -259,8 +259,18 @@ def every_default_run() -> str:
             f"| `{script}.py` | {metric}{'' if higher else ' (lower is better)'} | {seeds} | {change} | "
             f"{minutes:.1f} | {verdict} |"
         )
+    kinds = {}  # machine, launcher, threads -> the scripts run there (a run names its own; older ones, the record's)
+    for key, run in sorted(r["runs"].items()):
+        kind, script = tuple(run.get(k, r[k]) for k in ("machine", "launcher", "threads")), key.rsplit("-", 1)[0]
+        if script not in kinds.setdefault(kind, []):
+            kinds[kind].append(script)
+    machines = "; ".join(
+        f"{machine}, `{launcher}`, {threads} threads"
+        + (f" ({', '.join(f'`{s}.py`' for s in scripts)})" if len(kinds) > 1 else "")
+        for (machine, launcher, threads), scripts in kinds.items()
+    )
     where = (
-        f"{r['machine']}, `{r['launcher']}`, {r['threads']} threads; each run `python SCRIPT.py --seed N` in a folder of "
+        f"{machines}; each run `python SCRIPT.py --seed N` in a folder of "
         "its own (`python benchmarks/default_runs.py --scripts ...`), its metric read off its summary line; the change "
         "is the improvement (for a loss or a KL, its fall), its mean over the seeds beside two standard errors of that "
         "mean."

