@@ -142,13 +142,8 @@ class ServeArgs:
 def serve_command(args: ServeArgs) -> list[str]:
     """vLLM's server command line for `args`: the RL endpoints' weight transfer over gloo, its engine registered by the
     worker extension, log-probs after the temperature (as the trainer's log_softmax(logits / T), TRL's setting)."""
-    from common.loading import is_random_builtin, resolve
+    from common.loading import resolve
 
-    if is_random_builtin(args.model_name):
-        fail(
-            f"--model-name {args.model_name}: a random built-in has no folder to serve; serve a pretrained built-in "
-            "(builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
-        )
     folder = resolve(args.model_name)  # a pretrained built-in's cached folder (built on first use)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
     command += ["--served-model-name", args.model_name, "--host", args.host, "--port", str(args.port)]
@@ -181,11 +176,22 @@ def main() -> None:
 
 
 def check_servable(model_name: str) -> None:
-    """One line, before vLLM starts, for vLLM missing and for a model vLLM's CPU backend cannot run (its attention's head
-    sizes)."""
+    """One line, before vLLM starts: a random built-in (no folder to serve; checked first, before vLLM is imported),
+    vLLM missing, or a model vLLM's CPU backend cannot run (its attention's head sizes)."""
+    from common.core import UsageError
+    from common.loading import is_random_builtin
+
+    try:
+        random = is_random_builtin(model_name)
+    except UsageError as error:  # an unknown built-in
+        fail(str(error))
+    if random:
+        fail(
+            f"--model-name {model_name}: a random built-in has no folder to serve; serve a pretrained built-in "
+            "(builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"
+        )
     if torch.cuda.is_available():
         return
-    from common.core import UsageError
     from common.vllm_engine import check_cpu_attention, check_vllm
 
     try:

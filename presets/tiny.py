@@ -8,6 +8,7 @@ builtin:tiny-sd    a Stable Diffusion pipeline: 32x32 images, a (32, 64)-channel
                    encoder with a character-level tokenizer, SD's DDIM schedule
 """
 
+import functools
 import os
 import shutil
 import tempfile
@@ -73,16 +74,22 @@ def cached_tokenizer(name: str, owner: str, build) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(cache)
 
 
+@functools.cache
+def gpt2_sizes() -> tuple[int, int, int]:
+    """GPT-2's tokenizer's size, EOS and pad ids, as a config needs them: read once a process (loading the 50k-token
+    tokenizer takes 0.4 s, and a run builds its config twice)."""
+    tokenizer = gpt2_tokenizer()
+    return len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+
+
 def config(name: str, **kwargs):
     """The config of a random preset (kwargs override its sizes)."""
-    tokenizer = gpt2_tokenizer()
-    special = dict(
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    vocab_size, eos, pad = gpt2_sizes()
+    special = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
     if name == "builtin:tiny-gpt2":  # kwargs override the preset's sizes
         return GPT2Config(
             **dict(
-                vocab_size=len(tokenizer),
+                vocab_size=vocab_size,
                 n_positions=256,
                 n_embd=64,
                 n_layer=2,
@@ -95,13 +102,13 @@ def config(name: str, **kwargs):
     if name == "builtin:tiny-t5":
         return T5Config(
             **dict(
-                vocab_size=len(tokenizer),
+                vocab_size=vocab_size,
                 d_model=64,
                 d_kv=16,
                 d_ff=128,
                 num_layers=2,
                 num_heads=4,
-                decoder_start_token_id=tokenizer.pad_token_id,
+                decoder_start_token_id=pad,
                 tie_word_embeddings=False,
                 **special,
             )

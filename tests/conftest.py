@@ -298,6 +298,25 @@ def fsdp_launch() -> list[str]:
     return ["-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port", free_port()]
 
 
+def shared_run(tmp_path_factory, key: str, make):
+    """A folder that `make(folder)` fills once in a test session, for whichever test of whichever worker asks first (the
+    others wait on its lock, then read it): one launched run that two tests check from two sides, paid for once. A
+    `make` that fails leaves no mark, so each test that asks runs it again and fails with its own output."""
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{key}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".done").touch()
+    return folder
+
+
 # Tests of the machinery run on the random tiny preset (fast); the pretrained defaults have tests of their own
 RANDOM_MODEL = ["--model-name", "builtin:tiny-gpt2"]
 

@@ -143,6 +143,8 @@ def test_chunked_loss_is_the_models_own_loss(tmp_path, loss_type):
                 "32",
                 "--num-sample-generations",
                 "0",
+                "--eval-fraction",
+                "0.01",
                 "--log-dir",
                 str(tmp_path / flag),
             ],

@@ -243,30 +243,50 @@ def test_under_fsdp2_every_rank_sends_vllm_the_whole_weights(tmp_path):
     assert "rank 0: 21 tensors gathered whole" in result.stdout and "rank 1: 21 tensors" in result.stdout, result.stdout
 
 
+# grpo.py's 2 updates of 2 prompts x 4 on builtin:tiny-arith with a vLLM engine per process, the batch statistics
+# pooled over the ranks: the run under DDP x2 here, FSDP2 x2 and tensor parallel too, and against a vLLM server
+# (tests/test_vllm_server.py)
+GRPO = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
+GRPO += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
+GRPO += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
+
+
+def colocated_ddp(tmp_path_factory):
+    """A folder holding `ddp/` and `ddp_runs/`: GRPO under DDP x2 with an engine in each process, in float32 (the
+    server's dtype), launched once for the two test files that compare against it."""
+    from conftest import DDP_ENV, ddp_launch, shared_run
+
+    def launch(folder):
+        run = [*ddp_launch(), *GRPO, "--vllm-dtype", "float32", "--output-dir", "ddp", "--log-dir", "ddp_runs"]
+        result = python(run, folder, **DDP_ENV)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert "rollouts: vLLM, colocated" in result.stdout and "grpo: 2 updates" in result.stdout, result.stdout[-2000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+    require("vllm")
+    return shared_run(tmp_path_factory, "grpo-vllm-ddp", launch)
+
+
 @pytest.mark.slow
-def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path):
+def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path, tmp_path_factory):
     """Two processes, a vLLM engine in each (external_launcher on the trainer's gloo group): DDP x2 and FSDP2 x2 sample
     the same completions and train the same model, as without vLLM (tests/test_launchers.py); under FSDP2 the second
     update's rollout comes from weights gathered whole on each rank, so this checks the sharded sync with real engines."""
-    require("vllm")
     from conftest import DDP_ENV, ddp_launch, fsdp_launch
     from safetensors.torch import load_file
 
-    grpo = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--vllm-dtype", "float32", "--total-prompts", "8"]
-    grpo += ["--num-generations", "4"]
-    grpo += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
-    grpo += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
-    for name, launch in (("ddp", ddp_launch), ("fsdp", fsdp_launch)):
-        result = python([*launch(), *grpo, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        assert "rollouts: vLLM, colocated" in result.stdout and "grpo: 2 updates" in result.stdout, result.stdout[-2000:]
+    runs = {"ddp": colocated_ddp(tmp_path_factory), "fsdp": tmp_path}
+    grpo = [*GRPO, "--vllm-dtype", "float32"]
+    result = python([*fsdp_launch(), *grpo, "--output-dir", "fsdp", "--log-dir", "fsdp_runs"], tmp_path, **DDP_ENV)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "rollouts: vLLM, colocated" in result.stdout and "grpo: 2 updates" in result.stdout, result.stdout[-2000:]
     for tag in ("reward", "entropy", "grad_norm"):
-        ddp, fsdp = (read_scalars(tmp_path / f"{name}_runs", tag) for name in ("ddp", "fsdp"))
+        ddp, fsdp = (read_scalars(runs[name] / f"{name}_runs", tag) for name in ("ddp", "fsdp"))
         assert len(ddp) == 2 and ddp == pytest.approx(fsdp, rel=1e-5), (tag, ddp, fsdp)
     for name in ("ddp", "fsdp"):  # sampler and trainer agree to float32 rounding in both updates (a mean gap of 3e-7)
-        gap = read_scalars(tmp_path / f"{name}_runs", "sampling/sampling_logp_difference/max")
+        gap = read_scalars(runs[name] / f"{name}_runs", "sampling/sampling_logp_difference/max")
         assert len(gap) == 2 and max(gap) < 1e-5, (name, gap)
-    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
+    a, b = (load_file(runs[name] / name / "model.safetensors") for name in ("ddp", "fsdp"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
     # one engine over both processes (tensor parallel 2, TRL's colocate mode): each process's prompts gathered with its
     # peer's, sampled together, and its own completions handed back; a completion given to the wrong process would

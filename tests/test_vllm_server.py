@@ -13,12 +13,9 @@ import time
 
 import pytest
 from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, read_scalars, require
-from test_vllm import GAP, python
+from test_vllm import GAP, GRPO, colocated_ddp, python
 
 MODEL = "builtin:tiny-arith"
-GRPO = [os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], "--use-vllm", "--total-prompts", "8", "--num-generations", "4"]
-GRPO += ["--batch-size", "2", "--mini-batch-size", "4", "--gradient-accumulation-steps", "2", "--eval-samples", "8"]
-GRPO += ["--train-size", "64", "--eval-size", "8", "--scale-rewards", "batch", "--log-freq", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -117,28 +114,28 @@ def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_th
 
 
 @pytest.mark.slow
-def test_grpo_under_ddp_and_fsdp2_against_one_server_trains_what_colocated_engines_train(server, tmp_path):
+def test_grpo_under_ddp_and_fsdp2_against_one_server_trains_what_colocated_engines_train(server, tmp_path, tmp_path_factory):
     """Two processes, each sending its own prompts to one server with its own seeds, and the main one pushing the
     weights (under FSDP2 gathered whole by both ranks first, a collective): the completions, rewards and trained weights
-    are those of DDP x2 with an engine in each process (request i draws from seed + i in both modes), within the
-    colocated DDP test's tolerance; the second update's rollout comes from the pushed weights (the sampler gap at
-    float32 rounding)."""
+    are those of DDP x2 with an engine in each process, in float32 (the server's dtype; request i draws from seed + i in
+    both modes; the run tests/test_vllm.py compares FSDP2 with), within the colocated DDP test's tolerance; the second
+    update's rollout comes from the pushed weights (the sampler gap at float32 rounding)."""
     from safetensors.torch import load_file
 
-    colocated = ["--vllm-dtype", "float32"]  # the server's dtype (grpo.py's auto would pick bfloat16 where native)
-    runs = (("colocate", ddp_launch, colocated), ("server", ddp_launch, served(server)), ("fsdp", fsdp_launch, served(server)))
-    for name, launch, flags in runs:
-        result = python([*launch(), *GRPO, *flags, "--output-dir", name, "--log-dir", f"{name}_runs"], tmp_path, **DDP_ENV)
+    colocated = colocated_ddp(tmp_path_factory) / "ddp"
+    for name, launch in (("server", ddp_launch), ("fsdp", fsdp_launch)):
+        run = [*launch(), *GRPO, *served(server), "--output-dir", name, "--log-dir", f"{name}_runs"]
+        result = python(run, tmp_path, **DDP_ENV)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         assert "grpo: 2 updates" in result.stdout and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert ("the vLLM server at" in result.stdout) == (name != "colocate"), result.stdout[-2000:]
+        assert "the vLLM server at" in result.stdout, result.stdout[-2000:]
     for name in ("server", "fsdp"):
         for tag in ("reward", "entropy", "grad_norm", "completions/mean_length"):
-            colocate, served_ = (read_scalars(tmp_path / f"{run}_runs", tag) for run in ("colocate", name))
+            colocate, served_ = (read_scalars(folder, tag) for folder in (f"{colocated}_runs", tmp_path / f"{name}_runs"))
             assert len(colocate) == 2 and colocate == pytest.approx(served_, rel=1e-5), (name, tag, colocate, served_)
         gap = read_scalars(tmp_path / f"{name}_runs", "sampling/sampling_logp_difference/max")
         assert len(gap) == 2 and max(gap) < 1e-5, gap
-        a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("colocate", name))
+        a, b = (load_file(folder / "model.safetensors") for folder in (colocated, tmp_path / name))
         assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4 / 4
     assert max(read_scalars(tmp_path / "server_runs", "grad_norm")) > 0  # it trained: the comparison is not of zeros
 
@@ -259,10 +256,16 @@ def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
 
 @pytest.mark.slow
 def test_the_serve_command_refuses_what_it_cannot_serve_in_one_line(tmp_path):
-    """A random built-in (no folder of weights) and a model whose head size vLLM's CPU attention cannot run stop the
-    serve command with one line each, exit status 2, before vLLM starts."""
+    """A random built-in (no folder of weights; refused before vLLM is imported) and a folder whose head size vLLM's CPU
+    attention cannot run (builtin:tiny-gpt2's 16) stop the serve command with one line each, exit status 2, before
+    vLLM starts."""
     require("vllm")
-    for model, says in (("builtin:tiny-gpt2", "CPU attention runs head sizes"), ("builtin:tiny-t5", "no folder to serve")):
+    from transformers import AutoModelForCausalLM
+
+    from common.loading import load_pretrained
+
+    load_pretrained("builtin:tiny-gpt2", AutoModelForCausalLM).save_pretrained(tmp_path / "heads-16")
+    for model, says in ((str(tmp_path / "heads-16"), "CPU attention runs head sizes"), ("builtin:tiny-t5", "no folder")):
         result = python(["-m", "common.vllm_server", "--model-name", model, "--port", free_port()], ROOT)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
         assert result.stderr.startswith("error: ") and says in result.stderr, result.stderr
