@@ -67,8 +67,8 @@ _share_builtins()
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, the longest of them first (by the durations benchmarks/test_times.py recorded), else each
     file's order kept: `pytest -n 2` hands tests out in this order, and pytest.ini's worksteal lets a worker that runs
-    out take half of the other's queue, so no long run is left to one worker at the end (15.2 minutes in file order,
-    14.7 this way, on 2 cores). The tests of a file that share a fixture of its scope (a vLLM server, a notebook kernel)
+    out take half of the other's queue, so no long run is left to one worker at the end (file order left the longest
+    runs to the last minutes). The tests of a file that share a fixture of its scope (a vLLM server, a notebook kernel)
     stay together, ranked by their sum: pytest tears such a fixture down as soon as a worker turns to another file, and
     interleaved with other files' tests the server started 4 times in one run (35 s each)."""
     import json

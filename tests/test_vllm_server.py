@@ -244,14 +244,18 @@ def test_a_model_mismatch_and_a_server_dying_mid_run_are_one_line_each(server, t
 
 
 def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
-    """No server on the port: the run stops before anything loads with one line naming the command that starts one
-    (no vLLM needed on the trainer's side for that)."""
+    """No server on the port: the run stops before anything loads with a usage error naming the command that starts
+    one (no vLLM needed on the trainer's side for that; in this process)."""
+    from conftest import run_in_process
+
+    from common.core import UsageError
+
     port = free_port()
     flags = ["--use-vllm", "--vllm-mode", "server", "--vllm-server-port", port, "--vllm-server-timeout", "0"]
-    result = python([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *flags], tmp_path)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert f"no vLLM server answers at http://127.0.0.1:{port}" in result.stderr, result.stderr
-    assert f"python -m common.vllm_server --model-name {MODEL} --port {port}" in result.stderr, result.stderr
+    output, error = run_in_process([os.path.join(ROOT, "grpo.py"), *ARITH["grpo"], *flags], tmp_path)
+    assert isinstance(error, UsageError) and "\n" not in str(error), output[-3000:]
+    assert f"no vLLM server answers at http://127.0.0.1:{port}" in str(error), error
+    assert f"python -m common.vllm_server --model-name {MODEL} --port {port}" in str(error), error
 
 
 @pytest.mark.slow
