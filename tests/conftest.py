@@ -21,30 +21,12 @@ import pytest  # noqa: E402
 
 
 def _share_builtins() -> None:
-    """The in-process runs of a worker load each built-in's tokenizer once (about 0.3 s of JSON parsing, 40% of a tiny
-    run), and build each random built-in model once per seed and dtype (0.4 s of initialisation for builtin:tiny-gpt2);
-    each run gets a deep copy, as independent as a fresh load and equal to it (a seeded build). Tokenizers are keyed by
-    name, cache folder and the state of its files: a test with a cache of its own builds its own, and a changed or
-    damaged file is loaded (and checked) again."""
+    """The in-process runs of a worker build each random built-in model once per seed and dtype (0.4 s of
+    initialisation for builtin:tiny-gpt2); each run gets a deep copy, as independent as a fresh build and equal to it
+    (a seeded build). (Each built-in's tokenizer is parsed once a process by presets/ itself.)"""
     import copy
-    import glob
 
     import presets
-
-    made, load = {}, presets.tokenizer
-
-    def tokenizer(name: str):
-        root = presets.cache.cache_root()
-        stats = []
-        for f in sorted(glob.glob(os.path.join(root, "*", "*"))):
-            try:
-                stats.append((f, os.stat(f).st_mtime_ns, os.path.getsize(f)))
-            except FileNotFoundError:  # a build's temporary file, gone since the listing
-                continue
-        key = (name, root, tuple(stats))
-        if key not in made:
-            made[key] = load(name)
-        return copy.deepcopy(made[key])
 
     models, build = {}, presets.random_model
 
@@ -58,10 +40,7 @@ def _share_builtins() -> None:
             models[key] = build(name, auto_class, seed, **kwargs)
         return copy.deepcopy(models[key])
 
-    presets.tokenizer, presets.random_model = tokenizer, random_model
-
-
-_share_builtins()
+    presets.random_model = random_model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -115,7 +94,10 @@ def _fresh_accelerate_state():
 
 
 def pytest_configure(config):
-    """`-m "not slow"` is the fast tier a forker runs after a change; CI runs everything."""
+    """`-m "not slow"` is the fast tier a forker runs after a change; CI runs everything. The processes that run tests
+    share their built-ins; `pytest -n 2`'s controller, which only hands tests out, imports no model library (6 s)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        _share_builtins()
     config.addinivalue_line(
         "markers", "slow: learning tests, launchers, notebooks and other long runs (left out by -m 'not slow')"
     )
