@@ -1,6 +1,7 @@
 """The wall time of the fast test tier (`-m "not slow"`) and of the whole suite, as the README and docs/forking.md give
 them: each run once with `-n 2`, one after the other, on this machine with every built-in cached. Writes
-benchmarks/RESULTS-tests.json, from which docs/build_assets.py renders the figures, with the 60 slowest tests of each.
+benchmarks/RESULTS-tests.json, from which docs/build_assets.py renders the figures, with the 60 slowest tests of each
+and pytest's warnings summary.
 
     python benchmarks/test_times.py
 """
@@ -30,11 +31,18 @@ def run(extra: list[str]) -> dict:
     summary = lines[-1]
     print(summary, flush=True)
     slowest = [line for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line)]
+    warned = done.stdout.split("= warnings summary =")[1].split("-- Docs:")[0] if "= warnings summary =" in done.stdout else ""
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|error|deselected)", summary)}
     if done.returncode or counts.get("failed") or counts.get("error"):
         failures = done.stdout.split("= FAILURES =")[-1].split("slowest 60 durations")[0]  # the tracebacks, not the timings
         sys.exit(f"the suite failed:\n{failures[-20000:]}\n{summary}")
-    return dict(seconds=seconds, passed=counts.get("passed", 0), deselected=counts.get("deselected", 0), slowest=slowest[:60])
+    return dict(
+        seconds=seconds,
+        passed=counts.get("passed", 0),
+        deselected=counts.get("deselected", 0),
+        warnings=warned.strip().splitlines()[:40],  # pytest's warnings summary: each test that warned, and the warning
+        slowest=slowest[:60],
+    )
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 from conftest import RANDOM_MODEL, ROOT, free_port, run_failing, run_script
 
 SFT = os.path.join(ROOT, "sft.py")
-TINY_SFT = [SFT, *RANDOM_MODEL, "--max-seq-length", "32", "--eval-steps", "1000"]
+TINY_SFT = [SFT, *RANDOM_MODEL, "--max-seq-length", "32", "--eval-steps", "1000", "--eval-fraction", "0.01"]
 
 # Runs a script as __main__ with every save into a `.tmp-<name>-` folder paused for a minute once its model is written,
 # after touching the file $PAUSED: a test can then interrupt the run in the middle of that save, every time

@@ -194,7 +194,7 @@ def test_a_bf16_checkpoint_trains_in_float32_unless_asked(tmp_path):
         out = tmp_path / f"out_{dtype}"
         run_script(
             [SFT, "--model-name", str(tmp_path / "bf16"), "--max-steps", "2", "--num-sample-generations", "0"]
-            + ["--output-dir", str(out), *flags],
+            + ["--eval-fraction", "0.01", "--output-dir", str(out), *flags],
             tmp_path,
         )
         assert {w.dtype for w in load_file(out / "model.safetensors").values()} == {dtype}
@@ -209,6 +209,7 @@ def test_regionally_compiled_runs_save_plain_models(tmp_path):
     from safetensors.torch import load_file
 
     flags = ["--max-steps", "2", "--save-steps", "2", "--num-sample-generations", "0", "--eval-steps", "1000"]
+    flags += ["--eval-fraction", "0.01"]
     compiled = dict(ACCELERATE_DYNAMO_BACKEND="eager", ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="true")
     for name, env in [("plain", {}), ("compiled", compiled)]:
         run_script([SFT, *flags, "--output-dir", str(tmp_path / name)], tmp_path, **env)
