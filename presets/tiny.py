@@ -9,16 +9,14 @@ builtin:tiny-sd    a Stable Diffusion pipeline: 32x32 images, a (32, 64)-channel
 """
 
 import functools
-import glob
 import os
-import pickle
 import shutil
 import tempfile
 
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
+from transformers import GPT2Config, GPT2TokenizerFast, PreTrainedTokenizerBase, T5Config
 
-from presets.cache import CacheError, cache_root, damage, write_manifest
+from presets.cache import CacheError, cache_root, damage, loaded_tokenizer, write_manifest
 
 MODELS = ("builtin:tiny-gpt2", "builtin:tiny-t5")
 
@@ -42,23 +40,6 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
         return tokenizer
 
     return cached_tokenizer("gpt2", "builtin:tiny-gpt2", build)
-
-
-# The tokenizers this process loaded, pickled, by folder and the times their files were written
-LOADED: dict[tuple, bytes] = {}
-
-
-def loaded_tokenizer(folder: str) -> PreTrainedTokenizerBase:
-    """`AutoTokenizer.from_pretrained(folder)`, parsed once a process while its files stay as they are: each call gets
-    a copy of its own, unpickled in 0.15 s where GPT-2's tokenizer takes 0.37 s to load (transformers parses its 3.5 MB
-    tokenizer.json in Python, several times)."""
-    files = sorted(glob.glob(os.path.join(folder, "*.json")) + glob.glob(os.path.join(folder, "*.txt")))
-    key = (folder, *((f, os.stat(f).st_mtime_ns) for f in files))
-    if key in LOADED:
-        return pickle.loads(LOADED[key])
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    LOADED[key] = pickle.dumps(tokenizer)
-    return tokenizer
 
 
 def cached_tokenizer(name: str, owner: str, build) -> PreTrainedTokenizerBase:
