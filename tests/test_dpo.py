@@ -333,6 +333,7 @@ def test_tokenize_pair_truncation_modes():
 
 def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, pairs_file):
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "4"]
+    common += ["--no-generate-during-eval"]  # (the held-out samples do not enter what is compared)
     out_live = run_script([*common, "--output-dir", "live"], tmp_path)
     out_pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs"], tmp_path)
     summaries = [out.split("eval reward accuracy ")[1].split("; model")[0] for out in (out_live, out_pre)]
@@ -444,6 +445,7 @@ def test_a_reference_free_loss_trains_without_a_reference_model(tmp_path, pairs_
     made, create = [], common.models.create_reference_model
     monkeypatch.setattr(common.models, "create_reference_model", lambda model: made.append(model) or create(model))
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"]
+    common += ["--no-generate-during-eval"]  # (the held-out samples do not enter what is compared)
     out = run_script([*common, "--loss-type", "simpo", "--learning-rate", "1e-3"], tmp_path)
     assert "dpo: 2 steps" in out and not made
     run_script([*common, "--loss-type", "sigmoid", "--output-dir", "with_ref"], tmp_path)
@@ -477,6 +479,7 @@ def test_tr_dpo_with_alpha_1_makes_the_reference_the_policy(tmp_path, pairs_file
     implicit rewards, beta * (log pi - log pi_ref), are 0 (a frozen reference leaves them moved); with LoRA there is
     no copy to move: one line."""
     common = [DPO, *RANDOM_MODEL, "--dataset-name", pairs_file, "--batch-size", "4", "--max-steps", "2"]
+    common += ["--no-generate-during-eval"]  # (the held-out samples do not enter what is compared)
     common += ["--learning-rate", "1e-3"]
     synced = run_script([*common, "--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"], tmp_path)
     frozen = run_script([*common, "--output-dir", "frozen"], tmp_path)

@@ -259,7 +259,7 @@ def test_precomputed_reference_log_probs_match_on_the_fly(tmp_path, feedback_fil
     assert batch["reference_logps"].tolist() == [-1.0, -3.0] and batch["KL_reference_logps"].tolist() == [-2.0, -4.0]
 
     common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "4"]
-    common += ["--train-sampling-strategy", "sequential", "--learning-rate", "1e-3"]
+    common += ["--train-sampling-strategy", "sequential", "--learning-rate", "1e-3", "--no-generate-during-eval"]
     live = run_script([*common, "--output-dir", "live"], tmp_path)
     pre = run_script([*common, "--output-dir", "pre", "--precompute-ref-log-probs", "--log-dir", "pre_runs"], tmp_path)
     summary = r"kto: 4 steps in \S+ (eval reward margin [^;]*);"  # the freed reference samples no replies
@@ -279,7 +279,7 @@ def test_tr_dpo_reference_with_alpha_1_becomes_the_policy(tmp_path, feedback_fil
     import re
 
     common = [KTO, *RANDOM_MODEL, "--dataset-name", feedback_file, "--batch-size", "4", "--max-steps", "2"]
-    common += ["--learning-rate", "1e-3"]
+    common += ["--learning-rate", "1e-3", "--no-generate-during-eval"]  # (the held-out samples are not compared)
     synced = run_script([*common, "--sync-ref-model", "--ref-model-sync-steps", "1", "--ref-model-mixup-alpha", "1"], tmp_path)
     frozen = run_script([*common, "--output-dir", "frozen", "--log-dir", "frozen_runs"], tmp_path)
     margin = r"eval reward margin ([-\d.]+) -> ([-\d.]+) \(desirable ([-\d.]+), undesirable ([-\d.]+)\)"
