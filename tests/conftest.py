@@ -287,11 +287,11 @@ def shared_run(tmp_path_factory, key: str, make):
     `make` that fails leaves no mark, so each test that asks runs it again and fails with its own output."""
     import shutil
 
-    from filelock import FileLock
+    from presets.cache import file_lock
 
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"shared-{key}"
-    with FileLock(f"{folder}.lock"):
+    with file_lock(f"{folder}.lock"):
         if not (folder / ".done").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
