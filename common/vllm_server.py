@@ -182,10 +182,10 @@ def check_servable(model_name: str) -> None:
     from common.loading import is_random_builtin
 
     try:
-        random = is_random_builtin(model_name)
+        no_folder = is_random_builtin(model_name)
     except UsageError as error:  # an unknown built-in
         fail(str(error))
-    if random:
+    if no_folder:
         fail(
             f"--model-name {model_name}: a random built-in has no folder to serve; serve a pretrained built-in "
             "(builtin:tiny-arith, builtin:smollm2-135m-instruct) or a folder"

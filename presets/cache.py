@@ -83,7 +83,7 @@ def damage(folder: str, required: tuple[str, ...] = ("config.json",)) -> str | N
     return None
 
 
-# The tokenizers this process loaded, pickled, by folder and the times their files were written
+# The tokenizers this process loaded, pickled, by folder and the times its files were written
 LOADED: dict[tuple, bytes] = {}
 
 
@@ -91,8 +91,7 @@ def loaded_tokenizer(folder: str) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained(folder)`, parsed once a process while its files stay as they are: each call gets
     a copy of its own, unpickled in 0.15 s where GPT-2's tokenizer takes 0.37 s to load (transformers parses its 3.5 MB
     tokenizer.json in Python, several times)."""
-    files = sorted(glob.glob(os.path.join(folder, "*.json")) + glob.glob(os.path.join(folder, "*.txt")))
-    key = (folder, *((f, os.stat(f).st_mtime_ns) for f in files))
+    key = (folder, *((f, os.stat(os.path.join(folder, f)).st_mtime_ns) for f in sorted(os.listdir(folder))))
     if key in LOADED:
         return pickle.loads(LOADED[key])
     tokenizer = AutoTokenizer.from_pretrained(folder)
