@@ -102,8 +102,8 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
     environment (the object behind a toolbox's methods) comes back after each call, by pickle, so that the next call
     and get_reward() see what the calls did."""
     results = [[None] * len(c) for c in calls]
-    waiting = {e: time.monotonic() for e, c in enumerate(calls) if c}  # episode -> when its current call started
-    if not waiting:
+    episodes = [e for e, c in enumerate(calls) if c]
+    if not episodes:
         return results
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
@@ -114,17 +114,27 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
     send.close()
     stop = lambda: _stop_group(worker.pid)  # noqa: E731 - the worker and every process its tools started
     try:
+        # the clocks start once the worker runs: forking a large process on a loaded machine is not the tools' time
+        try:
+            ready = receive.poll(WORKER_START_S) and receive.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        for e in episodes if not ready else ():
+            results[e][0] = _failure(calls[e][0], f"the tool process did not start within {WORKER_START_S} s")
+        waiting = dict.fromkeys(episodes if ready else (), time.monotonic())  # episode -> when its current call started
+        late = set()  # episodes whose call ran past its timeout by the worker's own clock
         while waiting:  # until every episode's calls are done, or stuck in a call past its timeout
             now = time.monotonic()
-            running = [e for e, started in waiting.items() if now - started <= timeout]
-            if not running:
-                break
-            if not receive.poll(max(0.0, min(waiting[e] for e in running) + timeout - now)):
+            running = [e for e, started in waiting.items() if e not in late and now - started <= timeout]
+            # a result sent in time may wait in the pipe for a run that was slow to wake: it is read before giving up
+            if not receive.poll(max(0.0, min(waiting[e] for e in running) + timeout - now) if running else 0):
+                if not running:
+                    break
                 continue
             watchdog = threading.Timer(timeout, stop)  # a message cut off midway by a hung worker: stop it, read EOF
             watchdog.start()
             try:
-                e, k, name, text, failed, state = receive.recv()
+                e, k, name, text, failed, state, took = receive.recv()
             except (EOFError, OSError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as error:
                 # the pipe broke: a tool ended the process (os._exit, a crash), closed or wrote into the pipe
                 stop()
@@ -138,6 +148,9 @@ def run_calls(calls: list[list[dict]], toolboxes: list[dict], timeout: float) ->
                 break
             finally:
                 watchdog.cancel()
+            if e in late or took > timeout:  # what it did after its timeout never reaches the episode
+                late.add(e)
+                continue
             results[e][k] = name, text, failed
             _restore(toolboxes[e], state)
             waiting[e] = time.monotonic()
@@ -182,10 +195,13 @@ def _call_worker(calls: list[list[dict]], toolboxes: list[dict], connection) -> 
     if sys.platform == "linux":
         die_with_parent(signal.SIGTERM)
     lock = threading.Lock()
+    connection.send("ready")  # the run's clocks for the calls start here
 
     def episode(e: int) -> None:
         for k, call in enumerate(calls[e]):
+            start = time.monotonic()
             name, text, failed = _call(call, toolboxes[e])
+            took = time.monotonic() - start
             try:
                 state = pickle.dumps(_environments(toolboxes[e]))
             except Exception as error:  # noqa: BLE001 - whatever pickling the user's class raises
@@ -194,7 +210,7 @@ def _call_worker(calls: list[list[dict]], toolboxes: list[dict], connection) -> 
                     "its state in plain attributes (tool calls run in a separate process; the state comes back by pickle)"
                 )
             with lock:
-                connection.send((e, k, name, text, failed, state))
+                connection.send((e, k, name, text, failed, state, took))
 
     threads = [threading.Thread(target=episode, args=(e,), daemon=True) for e in range(len(calls)) if calls[e]]
     try:
@@ -260,6 +276,8 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 # ================================ what a run's tool flags set up ================================
+WORKER_START_S = 60  # how long a round's forked process may take to start before its calls fail
+
 TOOLS = {"calculator": "presets.agents:calculator"}  # the built-ins, imported when named (presets/ is deletable)
 ENVIRONMENTS = {"guess_number": "presets.agents:GuessTheNumber", "guess_range": "presets.agents:GuessInRange"}
 
