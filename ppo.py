@@ -12,12 +12,9 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py --model-name gpt2 --reward-model outputs/reward_model
 """
 
-import copy
-import json
 import os
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
@@ -27,9 +24,8 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
-from transformers import AutoModel, AutoModelForCausalLM, get_scheduler
+from transformers import get_scheduler
 
 from common.chat import render, text_of, use_chat
 from common.checkpoints import save_checkpoint, save_policy
@@ -60,28 +56,24 @@ from common.loading import (
     context_length,
     load_config,
     load_data,
-    load_pretrained,
     load_tokenizer,
     quantization_kwargs,
     train_eval_split,
 )
 from common.models import (
-    REWARD_NORMALIZATION_FILE,
-    VALUE_HEAD_FILE,
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
-    Critic,
     PolicyAndCritic,
     check_lora_targets,
     create_reference_model,
     disable_dropout,
-    load_reward_model,
+    load_critic,
     peft_model_of,
     place_frozen,
     reference_context,
 )
 from common.outputs import check_finite
-from common.rewards import RewardModel, distinct_bigrams, load_rewards, load_task, score_completions
+from common.rewards import RewardAdapter, RewardModel, distinct_bigrams, load_rewards, load_task, score_completions
 from common.rollout import resume
 from common.run import end_run, start_run
 from common.sampling import Sampler, check_sampling_args, sampler_gap
@@ -1029,7 +1021,8 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
     )
     if args.value_model_path:  # the policy's own value head is dropped: the separate critic gives the values
-        critic = load_critic(args, model, scorer, tokenizer)
+        rm = scorer.reward_model
+        critic = load_critic(args.value_model_path, model, rm, tokenizer, args.dtype, args.value_head_init, args.reward_label)
         if args.disable_dropout:
             disable_dropout(critic)
         model = PolicyAndCritic(model.pretrained_model, critic)
@@ -1042,38 +1035,6 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         fix = "lower --max-query-length (with --truncate-queries) or --max-new-tokens"
         scorer.reward_model.check_context(train_rows + eval_rows, tokenizer, args.max_new_tokens, fix)
     return model, ref_model, scorer
-
-
-def load_critic(args: Args, policy, scorer, tokenizer) -> Critic:
-    """The critic of --value-model-path: the trunk of the policy, of the reward model (its reward logit becomes the value
-    head, as OpenRLHF starts its critic from the reward model), of a critic ppo.py saved, or of any causal LM (with a
-    fresh value head)."""
-    source = args.value_model_path
-    if source == "auto":
-        reward_model = scorer.reward_model
-        same_tokens = reward_model is not None and reward_model.tokenizer.get_vocab() == tokenizer.get_vocab()
-        source = reward_model.model if same_tokens else policy.pretrained_model
-    elif source == "policy":
-        source = policy.pretrained_model
-    elif os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):  # a critic saved by ppo.py: its trunk and head
-        source = load_pretrained(source, AutoModel, dtype=args.dtype), load_file(os.path.join(source, VALUE_HEAD_FILE))
-    elif any(a.endswith("ForSequenceClassification") for a in load_config(source).architectures or []):
-        source = load_reward_model(source, args.reward_label, args.dtype)[0]
-    else:
-        source = load_pretrained(source, AutoModelForCausalLM, dtype=args.dtype)
-    trunk, head = source if isinstance(source, tuple) else (copy.deepcopy(source.base_model), None)
-    critic = Critic(trunk.requires_grad_(True), init=args.value_head_init)
-    if head is not None:
-        critic.v_head.load_state_dict(head)
-    elif getattr(source, "score", None) is not None:  # a reward model: its reward logit starts the values
-        index = scorer.reward_model.index if scorer.reward_model and source is scorer.reward_model.model else 0
-        critic.v_head.summary.weight.data.copy_(source.score.weight[index : index + 1])
-    if trunk.config.vocab_size != policy.config.vocab_size:
-        raise UsageError(
-            f"--value-model-path {args.value_model_path}: its vocabulary ({trunk.config.vocab_size} tokens) is not the "
-            f"policy's ({policy.config.vocab_size}); the critic reads the policy's tokens: pass a model of its tokenizer."
-        )
-    return critic
 
 
 class Sampling:
@@ -1171,63 +1132,6 @@ class Rewards:
         pair = torch.stack([scores[scored], gold[scored, 0].float()])
         metrics[f"{prefix}/gold/correlation"] = torch.corrcoef(pair)[0, 1].item() if scored.sum() > 1 else float("nan")
         return metrics
-
-
-class RewardAdapter(RewardModel):
-    """TRL's multi-adapter RL: the LoRA reward adapter and score head that `reward_modeling.py --use-peft` saves, loaded
-    as a second, frozen adapter of the peft policy, so one copy of the base weights serves policy, reference (adapters
-    off) and reward model; it scores as a `RewardModel` does. Load it before the model is wrapped for distributed
-    training, and `place` it with the prepared policy."""
-
-    def __init__(self, model, path: str, base_model_name: str, chat: bool = True, batch_size: int = 64, name="reward"):
-        peft_model = peft_model_of(model)
-        if peft_model is None:
-            raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            base = json.load(f)["base_model_name_or_path"]
-        canonical = lambda name: os.path.realpath(name) if os.path.exists(name) else name  # noqa: E731 - a folder's real path
-        if canonical(base) != canonical(base_model_name):
-            raise UsageError(
-                f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
-                "they must share the base model (or use --reward-model with a full reward model)."
-            )
-        peft_model.load_adapter(path, name, is_trainable=False)
-        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
-        score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
-        if "weight" not in score:
-            raise UsageError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
-        self.score = torch.nn.Linear(score["weight"].shape[1], 1, bias="bias" in score).to(score["weight"])
-        self.score.load_state_dict(score)
-        self.score.requires_grad_(False)
-        self.gain, self.bias = 1.0, 0.0
-        normalization = os.path.join(path, REWARD_NORMALIZATION_FILE)  # reward_modeling.py --normalize-reward
-        if os.path.isfile(normalization):
-            with open(normalization) as f:
-                stats = json.load(f)
-            self.gain, self.bias = stats["gain"], stats["bias"]
-        self.name, self.policy_adapter, self.policy = name, peft_model.active_adapter, model
-        self.chat, self.batch_size, self.accelerator, self.index = chat, batch_size, None, 0
-        self.tokenizer = load_tokenizer(base_model_name, padding_side="right")
-        self.model = lambda **batch: SimpleNamespace(logits=self.forward(self.policy, **batch))  # RewardModel.scores'
-
-    def place(self, accelerator, policy) -> None:
-        self.accelerator, self.policy, self.score = accelerator, policy, self.score.to(accelerator.device)
-
-    @torch.no_grad()
-    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Scores [B, 1] at each sequence's last real token, with the reward adapter on for this pass only (TRL's
-        `compute_reward_score`)."""
-        peft_model = peft_model_of(model)
-        peft_model.set_adapter(self.name)
-        try:
-            hidden = peft_model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
-            ).hidden_states[-1]
-        finally:
-            peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
-        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
-        scores = self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype))
-        return scores * self.gain + self.bias
 
 
 @torch.no_grad()

@@ -10,10 +10,10 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
 from common.core import UsageError
-from common.loading import is_random_builtin, load_pretrained, load_tokenizer
+from common.loading import is_random_builtin, load_config, load_pretrained, load_tokenizer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_NORMALIZATION_FILE = "reward_normalization.json"
@@ -112,6 +112,38 @@ class Critic(AutoModelForCausalLMWithValueHead):
 
     def forward(self, logits_to_keep=None, **inputs) -> torch.Tensor:
         return self.v_head(self.pretrained_model(**inputs, use_cache=False).last_hidden_state)
+
+
+def load_critic(source: str, policy, reward_model, tokenizer, dtype: str, init: str, label=None) -> Critic:
+    """ppo.py's --value-model-path: a `Critic` on the trunk of the policy (`policy`), of the run's reward model (`auto`,
+    when it reads the policy's tokens: its reward logit becomes the value head, as OpenRLHF starts its critic from the
+    reward model; else the policy), of a critic ppo.py saved (its trunk and head), of a sequence classifier (its
+    `label` logit), or of any causal LM (a fresh value head, `init`). `reward_model`: the run's `RewardModel`, or None."""
+    named, index = source, 0  # the logit of a reward model that starts the values
+    if source == "auto":
+        same_tokens = reward_model is not None and reward_model.tokenizer.get_vocab() == tokenizer.get_vocab()
+        source = reward_model.model if same_tokens else policy.pretrained_model
+    elif source == "policy":
+        source = policy.pretrained_model
+    elif os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):  # a critic saved by ppo.py: its trunk and head
+        source = load_pretrained(source, AutoModel, dtype=dtype), load_file(os.path.join(source, VALUE_HEAD_FILE))
+    elif any(a.endswith("ForSequenceClassification") for a in load_config(source).architectures or []):
+        source, _, index = load_reward_model(source, label, dtype)
+    else:
+        source = load_pretrained(source, AutoModelForCausalLM, dtype=dtype)
+    trunk, head = source if isinstance(source, tuple) else (copy.deepcopy(source.base_model), None)
+    critic = Critic(trunk.requires_grad_(True), init=init)
+    if head is not None:
+        critic.v_head.load_state_dict(head)
+    elif getattr(source, "score", None) is not None:  # a reward model: its reward logit starts the values
+        index = reward_model.index if reward_model and source is reward_model.model else index
+        critic.v_head.summary.weight.data.copy_(source.score.weight[index : index + 1])
+    if trunk.config.vocab_size != policy.config.vocab_size:
+        raise UsageError(
+            f"--value-model-path {named}: its vocabulary ({trunk.config.vocab_size} tokens) is not the policy's "
+            f"({policy.config.vocab_size}); the critic reads the policy's tokens: pass a model of its tokenizer."
+        )
+    return critic
 
 
 class PolicyAndCritic(AutoModelForCausalLMWithValueHead):

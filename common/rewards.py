@@ -14,10 +14,13 @@ import contextlib
 import json
 import math
 import numbers
+import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from common.chat import is_conversation, render, text_of, use_chat
 from common.core import UsageError
@@ -27,11 +30,12 @@ from common.loading import (
     context_length,
     load_data,
     load_function,
+    load_tokenizer,
     plugin_error,
     reward_model_text,
     train_eval_split,
 )
-from common.models import load_reward_model, place_frozen
+from common.models import REWARD_NORMALIZATION_FILE, load_reward_model, peft_model_of, place_frozen
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -141,6 +145,63 @@ class RewardModel:
 
     def __call__(self, prompts, completions, ended, **columns) -> list[float]:
         return self.scores(prompts, [text_of(c) for c in completions], ended).tolist()
+
+
+class RewardAdapter(RewardModel):
+    """TRL's multi-adapter RL: the LoRA reward adapter and score head that `reward_modeling.py --use-peft` saves, loaded
+    as a second, frozen adapter of the peft policy, so one copy of the base weights serves policy, reference (adapters
+    off) and reward model; it scores as a `RewardModel` does. Load it before the model is wrapped for distributed
+    training, and `place` it with the prepared policy."""
+
+    def __init__(self, model, path: str, base_model_name: str, chat: bool = True, batch_size: int = 64, name="reward"):
+        peft_model = peft_model_of(model)
+        if peft_model is None:
+            raise UsageError("A reward adapter is loaded onto the policy's LoRA base model: add --use-peft.")
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = json.load(f)["base_model_name_or_path"]
+        canonical = lambda name: os.path.realpath(name) if os.path.exists(name) else name  # noqa: E731 - a folder's real path
+        if canonical(base) != canonical(base_model_name):
+            raise UsageError(
+                f"The reward adapter {path} was trained on {base}, the policy is {base_model_name}: "
+                "they must share the base model (or use --reward-model with a full reward model)."
+            )
+        peft_model.load_adapter(path, name, is_trainable=False)
+        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+        score = {k.rsplit(".", 1)[1]: v for k, v in weights.items() if ".score." in k}
+        if "weight" not in score:
+            raise UsageError(f"{path} holds no score head: save the reward adapter with task_type SEQ_CLS.")
+        self.score = torch.nn.Linear(score["weight"].shape[1], 1, bias="bias" in score).to(score["weight"])
+        self.score.load_state_dict(score)
+        self.score.requires_grad_(False)
+        self.gain, self.bias = 1.0, 0.0
+        normalization = os.path.join(path, REWARD_NORMALIZATION_FILE)  # reward_modeling.py --normalize-reward
+        if os.path.isfile(normalization):
+            with open(normalization) as f:
+                stats = json.load(f)
+            self.gain, self.bias = stats["gain"], stats["bias"]
+        self.name, self.policy_adapter, self.policy = name, peft_model.active_adapter, model
+        self.chat, self.batch_size, self.accelerator, self.index = chat, batch_size, None, 0
+        self.tokenizer = load_tokenizer(base_model_name, padding_side="right")
+        self.model = lambda **batch: SimpleNamespace(logits=self.forward(self.policy, **batch))  # RewardModel.scores'
+
+    def place(self, accelerator, policy) -> None:
+        self.accelerator, self.policy, self.score = accelerator, policy, self.score.to(accelerator.device)
+
+    @torch.no_grad()
+    def forward(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Scores [B, 1] at each sequence's last real token, with the reward adapter on for this pass only (TRL's
+        `compute_reward_score`)."""
+        peft_model = peft_model_of(model)
+        peft_model.set_adapter(self.name)
+        try:
+            hidden = peft_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
+            ).hidden_states[-1]
+        finally:
+            peft_model.set_adapter(self.policy_adapter)  # also makes the policy adapter the trainable one again
+        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * attention_mask).argmax(1)
+        scores = self.score(hidden[torch.arange(len(hidden)), last].to(self.score.weight.dtype))
+        return scores * self.gain + self.bias
 
 
 def check_rewards(values, n: int, name: str) -> list[float]:

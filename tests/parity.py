@@ -31,6 +31,24 @@ from conftest import ARITH  # noqa: E402 - grpo.py's and rloo.py's tiny setting 
 # A few updates of each script from its offline default (the pretrained presets where the script starts from them)
 RUNS = {
     "ppo": ["--total-episodes", "32", "--eval-samples", "8"],
+    # ppo.py's other paths: a separate critic started from the reward model, with the KL as a loss and 2 samples a
+    # query; verifiable rewards on reasoning-gym with a watched gold function and the logged reference responses
+    "ppo-critic": ["--total-episodes", "32", "--eval-samples", "8", "--value-model-path", "auto"]
+    + ["--freezing-actor-steps", "1", "--use-kl-loss", "--kl-penalty", "k3", "--n-samples-per-prompt", "2"],
+    "ppo-funcs": ["--model-name", "builtin:tiny-arith", "--dataset-name", "reasoning-gym:chain_sum", "--reward-funcs"]
+    + ["verifier", "format", "--reward-weights", "1", "0.1", "--gold-reward-funcs", "verifier", "--total-episodes", "32"]
+    + [
+        "--eval-samples",
+        "8",
+        "--log-freq",
+        "1",
+        "--log-ref-responses",
+        "--save-best",
+        "--min-new-tokens",
+        "4",
+        "--max-new-tokens",
+        "8",
+    ],
     "dpo": ["--max-steps", "4"],
     "kto": ["--max-steps", "4"],
     "grpo": [*ARITH["grpo"], "--total-prompts", "32", "--eval-samples", "16"],
@@ -63,24 +81,25 @@ class Args:
     record: bool = False
     """run the scripts and keep their weights in `folder` (on the code before your change)"""
     scripts: list[str] = field(default_factory=lambda: list(RUNS))
-    """which scripts to run"""
+    """which runs: scripts, or a script's variant (ppo-critic)"""
 
 
-def run(script: str, folder: str) -> None:
-    """`python {script}.py` with its fixed flags, the model saved to {folder}/{script}."""
+def run(name: str, folder: str) -> None:
+    """`python {script}.py` with the fixed flags of the run `name` ({script} or {script}-{variant}), the model saved
+    to {folder}/{name}."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
     command = [
         sys.executable,
-        f"{script}.py",
-        *RUNS[script],
+        f"{name.split('-')[0]}.py",
+        *RUNS[name],
         "--output-dir",
-        os.path.join(folder, script),
+        os.path.join(folder, name),
         "--log-dir",
         os.path.join(folder, "runs"),
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"{script}.py failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        sys.exit(f"{name} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
 
 
 def weights(folder: str) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ def test_no_import_cycle():
 # controllers, log-prob and masking utilities), and load_pipeline, ddpo.py's way through the one door to the built-ins
 DESIGN_LIST = {
     "ValueHead", "AutoModelForCausalLMWithValueHead", "AutoModelForSeq2SeqLMWithValueHead", "Critic", "PolicyAndCritic",
-    "create_reference_model",
+    "load_critic", "RewardAdapter", "create_reference_model",
     "reference_context", "AdaptiveKLController", "FixedKLController", "kl_estimate", "logprobs_from_logits",
     "entropy_from_logprobs", "masked_mean", "masked_var", "masked_whiten", "LogitMask", "RunningMoments", "nanstd",
     "pad_right", "load_pipeline",

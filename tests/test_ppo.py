@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from common.core import LogitMask, RunningMoments, UsageError, logprobs_from_logits
 from common.models import AutoModelForCausalLMWithValueHead
+from common.rewards import RewardAdapter
 from ppo import (
-    RewardAdapter,
     Rewards,
     aggregate,
     compute_advantages,
