@@ -554,13 +554,13 @@ def main(args: Args) -> None:
     run_name, logger = start_run(args, accelerator)
     tokenizer = load_tokenizer(args.model_name, padding_side="left")
     train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
-    model, ref_model, scorer = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
+    model, ref_model, scoring = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
     longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
     sampling = Sampling(args, tokenizer, model, accelerator, quantization, longest)
     model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
-    scorer.ready(unwrapped)
+    scoring.ready(unwrapped)
     kl_ctl, running = FixedKLController(args.init_kl_coef), RunningMoments()
     if args.adap_kl_ctrl:  # Ziegler et al. 2019: the coefficient moves the KL towards --target
         kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
@@ -570,7 +570,7 @@ def main(args: Args) -> None:
         running.__dict__.update(state["running_moments"])
     start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
 
-    first_eval = evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, start_update)
+    first_eval = evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, start_update)
     first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
     reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
     explained_history = state.get("explained_history", [])  # the critic's explained variance, update by update
@@ -596,7 +596,7 @@ def main(args: Args) -> None:
 
         # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
         responses_text, response_ids = sampling.texts(responses, response_mask)
-        raw_scores = scorer(rows, responses_text, response_ids, ended.tolist()).to(device)  # [B]
+        raw_scores = scoring(rows, responses_text, response_ids, ended.tolist()).to(device)  # [B]
         scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
         marks.append(clock(device))
         if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
@@ -671,7 +671,7 @@ def main(args: Args) -> None:
         # ================================ bookkeeping: plumbing from here on ================================
         phases = dict(stats=all_stats, kls=kls, old_logprobs=old_logprobs, mask=mask, non_score_rewards=non_score_rewards)
         batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
-        watched = scorer.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
+        watched = scoring.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
         metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
         if sampler_logprobs is not None:  # vLLM: how far its log-probs lie from the trainer's (TRL 1.16's sampling/*)
             metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampler_logprobs, mask)])
@@ -682,9 +682,9 @@ def main(args: Args) -> None:
         progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
         if (update + 1) % args.log_freq == 0:
             sampled = (rows, responses_text, raw_scores, queries, query_mask, max_new_tokens)
-            log_samples(args, sampling, scorer, logger, unwrapped, ref_model, sampled, update + 1)
+            log_samples(args, sampling, scoring, logger, unwrapped, ref_model, sampled, update + 1)
         if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
-            evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, update + 1)
+            evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, update + 1)
         if args.save_freq and (update + 1) % args.save_freq == 0:
             folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
             # the run's first evaluation and histories too: the summary and the health line compare with its start
@@ -694,7 +694,7 @@ def main(args: Args) -> None:
             save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
 
     # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
-    last_eval = evaluate(args, sampling, scorer, unwrapped, eval_rows, logger, args.num_updates)
+    last_eval = evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, args.num_updates)
     accelerator.wait_for_everyone()
     save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
     histories = (reward_history, kl_history, explained_history)
@@ -1013,7 +1013,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         )
         model.pretrained_model = get_peft_model(model.pretrained_model, lora)
     ref_model = create_reference_model(model, num_shared_layers=args.num_shared_layers)  # None with peft
-    scorer = Rewards(args, model, accelerator, chat, train_rows)
+    scoring = Rewards(args, model, accelerator, chat, train_rows)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accelerator.print(
         f"policy {args.model_name}: {n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} "
@@ -1021,7 +1021,7 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
         f"{f', {args.num_shared_layers} shared blocks' if args.num_shared_layers else ''}"
     )
     if args.value_model_path:  # the policy's own value head is dropped: the separate critic gives the values
-        rm = scorer.reward_model
+        rm = scoring.reward_model
         critic = load_critic(args.value_model_path, model, rm, tokenizer, args.dtype, args.value_head_init, args.reward_label)
         if args.disable_dropout:
             disable_dropout(critic)
@@ -1031,10 +1031,10 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
             f"({sum(p.numel() for p in critic.parameters()):,} parameters, learning rate "
             f"{args.critic_learning_rate or args.learning_rate:g})"
         )
-    if scorer.reward_model is not None:  # "query response<eos>" must fit the reward model too
+    if scoring.reward_model is not None:  # "query response<eos>" must fit the reward model too
         fix = "lower --max-query-length (with --truncate-queries) or --max-new-tokens"
-        scorer.reward_model.check_context(train_rows + eval_rows, tokenizer, args.max_new_tokens, fix)
-    return model, ref_model, scorer
+        scoring.reward_model.check_context(train_rows + eval_rows, tokenizer, args.max_new_tokens, fix)
+    return model, ref_model, scoring
 
 
 class Sampling:
@@ -1136,7 +1136,7 @@ class Rewards:
 
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows, logger, update: int) -> dict[str, float]:
+def evaluate(args: Args, sampling: Sampling, scoring: Rewards, policy, eval_rows, logger, update: int) -> dict[str, float]:
     """Sample on the held-out prompts and report reward and `metric_fn` metrics over every process's samples."""
     accelerator = sampling.accelerator
     torch.manual_seed(args.seed + accelerator.process_index)
@@ -1144,7 +1144,7 @@ def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows,
     policy.eval()
     responses, response_mask, ended, _ = sampling.generate(queries, query_mask, args.max_new_tokens)
     responses_text, response_ids = sampling.texts(responses, response_mask)
-    scores = scorer(eval_rows, responses_text, response_ids, ended.tolist())
+    scores = scoring(eval_rows, responses_text, response_ids, ended.tolist())
     queries_text = [text_of(r["prompt"]) for r in eval_rows]
     extra = metric_fn(queries_text, responses_text)  # per-sample values; every process scores as many samples
     metrics = pooled(accelerator, [{f"eval/{k}": torch.tensor(v).float().mean() for k, v in extra.items()}])
@@ -1155,20 +1155,20 @@ def evaluate(args: Args, sampling: Sampling, scorer: Rewards, policy, eval_rows,
         "eval/top_token_share": top_token_share(gather_object(responses[response_mask.bool()].tolist())),
         "eval/distinct_2": distinct_bigrams(gather_object(responses_text)),
     }
-    metrics |= scorer.watch(eval_rows, responses_text, response_ids, ended.tolist(), scores, "eval")
+    metrics |= scoring.watch(eval_rows, responses_text, response_ids, ended.tolist(), scores, "eval")
     logger.log(metrics, update)
     columns = {"query": queries_text, "response": responses_text, "score": scores.tolist()}
     logger.samples("eval samples", columns, update, console=update in (0, args.num_updates))  # between: TensorBoard only
     return metrics
 
 
-def log_samples(args: Args, sampling: Sampling, scorer: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
+def log_samples(args: Args, sampling: Sampling, scoring: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
     """The update's sample table (query, response, score), with the reference model's responses to the same queries
     and their scores beside them (and env/ref_reward_mean) with --log-ref-responses."""
     rows, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
     columns = {"query": [text_of(r["prompt"]) for r in rows], "response": responses_text, "score": raw_scores.tolist()}
     if args.log_ref_responses:
-        columns |= ref_responses(sampling, scorer, policy, ref_model, rows, queries, query_mask, max_new_tokens)
+        columns |= ref_responses(sampling, scoring, policy, ref_model, rows, queries, query_mask, max_new_tokens)
         ref_mean = pooled(sampling.accelerator, [{"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}])
         logger.log(ref_mean, step)
     logger.samples("samples", columns, step)
@@ -1176,12 +1176,12 @@ def log_samples(args: Args, sampling: Sampling, scorer: Rewards, logger, policy,
 
 @torch.no_grad()
 @torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
-def ref_responses(sampling: Sampling, scorer: Rewards, policy, ref_model, rows, queries, query_mask, max_new_tokens):
+def ref_responses(sampling: Sampling, scoring: Rewards, policy, ref_model, rows, queries, query_mask, max_new_tokens):
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
         responses, mask, ended, _ = sampling.generate(queries, query_mask, max_new_tokens, model=ref_model or policy)
     responses_text, ids = sampling.texts(responses, mask)
-    return {"ref response": responses_text, "ref score": scorer(rows, responses_text, ids, ended.tolist()).tolist()}
+    return {"ref response": responses_text, "ref score": scoring(rows, responses_text, ids, ended.tolist()).tolist()}
 
 
 def save_best(args: Args, accelerator, policy, tokenizer, raw_scores, best_reward: float, update: int, run_name: str) -> float:

@@ -140,11 +140,11 @@ def ppo_phases(repeats: int, rate: float) -> dict:
     step_size = ppo.batch_sizes(run, accelerator)
     tokenizer = load_tokenizer(run.model_name, padding_side="left")
     train_rows, eval_rows, chat = ppo.load_queries(run, tokenizer, accelerator)
-    model, ref_model, scorer = ppo.load_models(run, accelerator, tokenizer, {}, chat, train_rows, eval_rows)
+    model, ref_model, scoring = ppo.load_models(run, accelerator, tokenizer, {}, chat, train_rows, eval_rows)
     sampling = ppo.Sampling(run, tokenizer, model, accelerator, {}, max(len(r["prompt_ids"]) for r in train_rows))
     model, optimizer, _ = ppo.prepare_training(run, accelerator, model, step_size)
     policy = accelerator.unwrap_model(model)
-    scorer.ready(policy)
+    scoring.ready(policy)
     rows = [row for row in train_rows[: run.batch_size // run.n_samples_per_prompt] for _ in range(run.n_samples_per_prompt)]
     queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in rows])
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def ppo_phases(repeats: int, rate: float) -> dict:
     lm, trunk = useful_flops(config, prompts, completions), useful_flops(config, prompts, completions, head=False)
     phases = {
         "rollout": (generate, lm),
-        "score": (lambda: scorer(rows, texts, ids, ended.tolist()), 0.0),
+        "score": (lambda: scoring(rows, texts, ids, ended.tolist()), 0.0),
         "old log-probs and values, reference log-probs": (forwards, 2 * lm + trunk),
         "train (policy and critic: forward, backward, Adam)": (train, 3 * (lm + trunk)),
     }  # fmt: skip

@@ -422,15 +422,15 @@ def test_gold_rewards_are_watched_beside_the_trained_reward():
         return grades
 
     accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)  # one process: gather is the identity
-    scorer = SimpleNamespace(gold=[("file.py:gold", gold)], accelerator=accelerator)
+    scoring = SimpleNamespace(gold=[("file.py:gold", gold)], accelerator=accelerator)
     rows = [{"prompt": "q"}] * 5
     scores = torch.tensor([2.0, 1.0, 9.0, 0.5, 1.5])
-    metrics = Rewards.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval")
+    metrics = Rewards.watch(scoring, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval")
     x, y = [2.0, 1.0, 0.5, 1.5], [1.0, 0.0, 1.0, 0.0]
     assert metrics["eval/gold/gold"] == pytest.approx(0.5)
     assert metrics["eval/gold/correlation"] == pytest.approx(statistics.correlation(x, y), abs=1e-6)
-    scorer.gold = []
-    assert Rewards.watch(scorer, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
+    scoring.gold = []
+    assert Rewards.watch(scoring, rows, ["a"] * 5, [[1]] * 5, [True] * 5, scores, "eval") == {}
 
 
 def test_a_bad_gold_reward_is_a_one_line_error_before_any_model_loads(tmp_path):
