@@ -215,16 +215,17 @@ def trl_common(spec: dict, tmp: str) -> dict:
 
 
 def random_model(name: str, tokenizer):
-    """A randomly initialised policy of the named shape on GPT-2's tokenizer (generation.py builds the same ones):
-    tiny (builtin:tiny-gpt2, 2 layers x 64), gpt2-124m (GPT2Config's defaults are GPT-2 small: 12 layers, 768 wide,
-    12 heads) or qwen2-0.5b (Qwen2-0.5B's shape; GPT-2's token ids are a subset of its vocabulary)."""
+    """A randomly initialised policy of the named shape for the built-in tokenizer (generation.py builds the same
+    ones): tiny (builtin:tiny-gpt2, 2 layers x 64, its 6,818-token vocabulary), gpt2-124m (GPT2Config's defaults are
+    GPT-2 small: 12 layers, 768 wide, 12 heads, GPT-2's vocabulary and a pad token) or qwen2-0.5b (Qwen2-0.5B's
+    shape); the built-in tokenizer's ids, GPT-2's cut, are a subset of both vocabularies."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from common.loading import load_pretrained
 
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if name == "gpt2-124m":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), **special))
+        return GPT2LMHeadModel(GPT2Config(vocab_size=50258, **special))  # GPT-2 small's output layer, as GPT-2 has it
     if name == "qwen2-0.5b":
         config = Qwen2Config(
             vocab_size=151936,
@@ -242,7 +243,7 @@ def random_model(name: str, tokenizer):
 
 
 def save_random_model(name: str, folder: str) -> None:
-    """`random_model(name)` and GPT-2's tokenizer saved to `folder`, for the GPU scripts (gpu_profile.sh and its kin)."""
+    """`random_model(name)` and the built-in tokenizer saved to `folder`, for the GPU scripts (gpu_profile.sh and its kin)."""
     from common.loading import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
@@ -972,7 +973,7 @@ def main(args: Args) -> None:
 
 
 MODEL_TEXT = {
-    "tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, GPT-2's 50257-token vocabulary)",
+    "tiny": "builtin:tiny-gpt2 (2 layers, 64 wide, the built-in models' 6818-token vocabulary)",
     "gpt2-124m": "a randomly initialised GPT-2-small-sized model (12 layers, 768 wide, 124M parameters)",
     "qwen2-0.5b": "a randomly initialised Qwen2-0.5B-shaped model (24 layers, 896 wide, 14 / 2 heads, "
     "151936-token vocabulary, 494M parameters)",

@@ -29,13 +29,11 @@ def folder(name: str) -> str:
 
 
 def tokenizer(name: str):
-    """A built-in model's tokenizer: SmolLM2's own (from its folder), tiny-chat's (also tiny-chat-rm's and tiny-arith's;
-    cached on its own, no model built), else GPT-2's with a distinct pad token."""
-    if name in pretrained.CHAT_MODELS:
-        return pretrained.chat_tokenizer()
-    if name in pretrained.FOLDERS:
+    """A built-in model's tokenizer: SmolLM2's own (from its folder), else the one every other built-in model shares
+    (GPT-2's cut to the built-in texts' tokens, with a distinct pad token; cached on its own, no model built)."""
+    if name in pretrained.FOLDERS and name not in pretrained.CHAT_MODELS:
         return cache.loaded_tokenizer(folder(name))
-    return tiny.gpt2_tokenizer()
+    return tiny.chat_tokenizer()
 
 
 config = tiny.config  # the config of a random built-in model

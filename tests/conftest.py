@@ -399,7 +399,7 @@ CHATML = (
 @pytest.fixture(scope="session")
 def chat_llama(tmp_path_factory) -> str:
     """A folder holding a tiny random Llama with a real chat template, built in a second: SmolLM2's ChatML template
-    (with a default system prompt) on GPT-2's tokenizer, whose EOS and pad token are both <|im_end|>, as SmolLM2's."""
+    (with a default system prompt) on the built-in tokenizer, whose EOS and pad token are both <|im_end|>, as SmolLM2's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

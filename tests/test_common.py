@@ -406,7 +406,7 @@ def test_value_head_round_trip(tmp_path):
     ).eval()
     input_ids = torch.tensor([[10, 20, 30, 40]])
     logits, values = model(input_ids=input_ids)
-    assert logits.shape == (1, 4, 50258) and values.shape == (1, 4) and values.abs().sum() > 0
+    assert logits.shape == (1, 4, 6818) and values.shape == (1, 4) and values.abs().sum() > 0
     model.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path)  # the LM alone loads with plain transformers
     assert torch.allclose(plain(input_ids=input_ids).logits, logits, atol=1e-5)
@@ -419,7 +419,9 @@ def test_value_head_round_trip(tmp_path):
 
 def test_seq2seq_value_head():
     model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained("builtin:tiny-t5")
-    logits, values = model(input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[50257, 8]]))
+    logits, values = model(
+        input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[6817, 8]])
+    )  # the decoder starts at pad
     assert logits.shape[:2] == (1, 2) and values.shape == (1, 2)
 
 
@@ -472,7 +474,7 @@ def test_builtin_presets_are_seeded_and_offline():
     b = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     tokenizer = load_tokenizer("builtin:tiny-gpt2")
-    assert tokenizer.pad_token_id != tokenizer.eos_token_id and len(tokenizer) == 50258
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id and len(tokenizer) == 6818
     assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
 
 
@@ -557,12 +559,12 @@ def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_
     for damage in ("truncate tokenizer.json", "delete tokenizer_config.json"):
         action, name = damage.split()
         if action == "truncate":
-            (cache / "gpt2" / name).write_text((cache / "gpt2" / name).read_text()[:1000])
+            (cache / "tiny-chat-tokenizer-v1" / name).write_text((cache / "tiny-chat-tokenizer-v1" / name).read_text()[:1000])
         else:
-            (cache / "gpt2" / name).unlink()
+            (cache / "tiny-chat-tokenizer-v1" / name).unlink()
         capsys.readouterr()
         tokenizer = load_tokenizer("builtin:tiny-gpt2")
-        assert f"the cached tokenizer {cache / 'gpt2'} is damaged ({name}" in capsys.readouterr().out
+        assert f"the cached tokenizer {cache / 'tiny-chat-tokenizer-v1'} is damaged ({name}" in capsys.readouterr().out
         assert tokenizer.pad_token_id == reference.pad_token_id and len(tokenizer) == len(reference)
     folder = cache / "tiny-chat-v3"
     assert resolve("builtin:tiny-chat") == str(folder)
@@ -573,7 +575,7 @@ def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_
     assert "builtin:tiny-chat: the cached folder" in capsys.readouterr().out  # rebuilt (deterministically: same bytes)
     AutoModelForCausalLM.from_pretrained(folder)
     (folder / "config.json").unlink()
-    (cache / "gpt2" / "tokenizer.json").write_text("{")
+    (cache / "tiny-chat-tokenizer-v1" / "tokenizer.json").write_text("{")
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -582,7 +584,9 @@ def test_a_damaged_builtin_cache_is_rebuilt_with_a_line_or_named_when_it_cannot_
     monkeypatch.setattr(tiny.tempfile, "mkdtemp", read_only)
     with pytest.raises(UsageError, match=r"tiny-chat-v3 is damaged \(config.json is missing\) and cannot be rebuilt"):
         resolve("builtin:tiny-chat")
-    with pytest.raises(UsageError, match=r"gpt2 is damaged \(tokenizer.json has 1 bytes, not \d+\) .*delete that folder"):
+    with pytest.raises(
+        UsageError, match=r"tiny-chat-tokenizer-v1 is damaged \(tokenizer.json has 1 bytes, not \d+\) .*delete that folder"
+    ):
         load_tokenizer("builtin:tiny-gpt2")
 
 
@@ -632,8 +636,7 @@ def test_tiny_chats_tokenizer_gives_the_builtin_texts_gpt2s_tokens():
     GPT-2's tokens, from a seventh of GPT-2's vocabulary with a pad token apart from EOS, and text from elsewhere still
     comes back whole, in smaller pieces."""
     from presets.data import chatterbot_conversations
-    from presets.pretrained import chat_tokenizer
-    from presets.tiny import gpt2_tokenizer
+    from presets.tiny import chat_tokenizer, gpt2_tokenizer
 
     chat, gpt2 = chat_tokenizer(), gpt2_tokenizer()
     texts = [turn for turns in chatterbot_conversations() for turn in turns]

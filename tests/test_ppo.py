@@ -154,7 +154,7 @@ def test_left_padding_gives_the_same_logprobs():
     model = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2").eval()
     short, long = torch.tensor([[11, 12]]), torch.tensor([[21, 22, 23, 24, 25]])
     responses = torch.tensor([[31, 32, 33], [41, 42, 43]])
-    pad = 50257
+    pad = 6817  # the built-in tokenizer's pad token
     queries = torch.cat([torch.cat([torch.full((1, 3), pad), short], 1), long])
     query_mask = (queries != pad).long()
     with torch.no_grad():
