@@ -7,7 +7,8 @@ reaches every reward function by name. A reward function follows TRL 1.x's contr
 be scored). For conversational prompts, prompts are message lists and each completion is
 [{"role": "assistant", "content": text}], as TRL's GRPOTrainer passes them; otherwise both are text. `ended` (the
 completion ended with EOS) comes too. A reward function is a built-in (`verifier`, `format`, `r1_format`), a function
-in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`RewardModel`).
+in your own file (`my_rewards.py:brevity`), or a trained sequence classifier (`RewardModel`; ppo.py's
+`RewardAdapter`: a LoRA reward adapter on the policy's own base model).
 """
 
 import contextlib

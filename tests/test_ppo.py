@@ -606,6 +606,27 @@ def test_length_adaptive_lam_by_hand():
     close(length_adaptive_lam(mask, 0.05), [0.0, 1 - 1 / 2.0, 1 - 1 / 50.0])
 
 
+def test_a_critic_from_a_classifier_starts_from_its_reward_labels_logit(tmp_path):
+    """--value-model-path with a sequence classifier of several labels: the critic's value head starts as the logit
+    --reward-label names (OpenRLHF starts its critic from the reward model), on the classifier's trunk."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.loading import load_pretrained, load_tokenizer
+    from common.models import load_critic
+
+    classifier = load_pretrained("builtin:tiny-gpt2", AutoModelForSequenceClassification, num_labels=2, seed=3)
+    classifier.config.id2label, classifier.config.label2id = {0: "NEGATIVE", 1: "POSITIVE"}, {"NEGATIVE": 0, "POSITIVE": 1}
+    classifier.save_pretrained(tmp_path / "classifier")
+    tokenizer = load_tokenizer("builtin:tiny-gpt2")
+    tokenizer.save_pretrained(tmp_path / "classifier")
+    policy = AutoModelForCausalLMWithValueHead.from_pretrained("builtin:tiny-gpt2")
+    critic = load_critic(str(tmp_path / "classifier"), policy, None, tokenizer, "float32", "zero", label="POSITIVE")
+    assert torch.equal(critic.v_head.summary.weight, classifier.score.weight[1:2])
+    assert not torch.equal(classifier.score.weight[0], classifier.score.weight[1])
+    trunk = dict(classifier.transformer.named_parameters())
+    assert all(torch.equal(p, trunk[name]) for name, p in critic.pretrained_model.named_parameters())
+
+
 def test_decoupled_gae_gives_the_critic_monte_carlo_returns():
     """VC-PPO's decoupled GAE: the critic's targets at lambda 1 are the rewards-to-go (gamma 1), whatever the values; the
     policy's advantages are those of compute_advantages at its own lambda."""
