@@ -40,6 +40,7 @@ def save_checkpoint(
         shards = [os.path.join(os.path.dirname(os.path.realpath(path)), f".tmp-state-{RUN['id']}")]
         shards = broadcast_object_list(shards)[0]  # the main process's name (each rank's run id has its own time)
         accelerator.save_state(shards)
+        accelerator.wait_for_everyone()  # every rank's part written (its RNG state last) before the folder is moved
     if accelerator.is_main_process:
         with atomic_directory(path) as tmp:
             if model is not None:
