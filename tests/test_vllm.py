@@ -62,6 +62,7 @@ from common.rollout import per_token_logprobs
 from common.vllm_engine import VLLMSampler
 
 accelerator, name = Accelerator(), sys.argv[1]
+torch.manual_seed(0)  # the LoRA adapter's init and the changes below: the same gaps at every run
 tokenizer = load_tokenizer(name, padding_side="left")
 policy = load_pretrained(name, AutoModelForCausalLM, dtype="float32")
 args = SimpleNamespace(
@@ -109,7 +110,7 @@ def test_after_a_sync_vllm_log_probs_equal_the_policys_and_without_one_they_do_n
         mean, largest = gaps[when]
         assert mean < 2e-5 and largest < 2e-4, gaps
     for when in ("full, not synced", "lora, not synced"):  # the sampler kept the old weights: the policy's moved
-        assert gaps[when][0] > 1e-2, gaps
+        assert gaps[when][0] > 1e-2, gaps  # seeded: measured 0.07 (LoRA) and 0.57 (full)
     assert gaps["ended"] and all(gaps["ended"]), gaps  # a reply that stops ends with its EOS token
 
 

@@ -70,6 +70,7 @@ from common.rollout import per_token_logprobs
 from common.vllm_engine import VLLMClient
 
 accelerator, name = Accelerator(), "builtin:tiny-arith"
+torch.manual_seed(0)  # the LoRA adapter's init and the changes below: the same gaps at every run
 tokenizer = load_tokenizer(name, padding_side="left")
 policy = load_pretrained(name, AutoModelForCausalLM, dtype="float32")
 args = SimpleNamespace(
@@ -110,7 +111,7 @@ def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_th
     for when in ("synced", "full, synced", "lora, synced"):
         assert gaps[when][0] < 2e-5 and gaps[when][1] < 2e-4, gaps
     for when in ("full, not synced", "lora, not synced"):
-        assert gaps[when][0] > 1e-2, gaps
+        assert gaps[when][0] > 1e-2, gaps  # seeded: measured 0.036 (LoRA) and 0.16 (full)
 
 
 @pytest.mark.slow
