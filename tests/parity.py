@@ -37,18 +37,8 @@ RUNS = {
     + ["--freezing-actor-steps", "1", "--use-kl-loss", "--kl-penalty", "k3", "--n-samples-per-prompt", "2"],
     "ppo-funcs": ["--model-name", "builtin:tiny-arith", "--dataset-name", "reasoning-gym:chain_sum", "--reward-funcs"]
     + ["verifier", "format", "--reward-weights", "1", "0.1", "--gold-reward-funcs", "verifier", "--total-episodes", "32"]
-    + [
-        "--eval-samples",
-        "8",
-        "--log-freq",
-        "1",
-        "--log-ref-responses",
-        "--save-best",
-        "--min-new-tokens",
-        "4",
-        "--max-new-tokens",
-        "8",
-    ],
+    + ["--eval-samples", "8", "--log-freq", "1", "--log-ref-responses", "--save-best", "--min-new-tokens", "4"]
+    + ["--max-new-tokens", "8"],
     "dpo": ["--max-steps", "4"],
     "kto": ["--max-steps", "4"],
     "grpo": [*ARITH["grpo"], "--total-prompts", "32", "--eval-samples", "16"],
