@@ -185,7 +185,8 @@ SHORT_TOOLS = """\
 
 class Proxy:
     """A TCP relay to the server that goes away, closing every connection, once it has passed `after` weight syncs
-    (/finish_weight_update calls): to the trainer, the server died mid-run."""
+    (/finish_weight_update calls, each closed on its answer, so that the shared server is left with no weight update
+    open): to the trainer, the server died mid-run."""
 
     def __init__(self, target: str, after: int):
         self.target, self.after, self.seen, self.sockets = ("127.0.0.1", int(target.rsplit(":", 1)[1])), after, 0, []
@@ -201,17 +202,21 @@ class Proxy:
                 return
             upstream = socket.create_connection(self.target)
             self.sockets += [client, upstream]
-            threading.Thread(target=self.relay, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self.relay, args=(upstream, client, False), daemon=True).start()
+            finishing = []  # this connection's /finish_weight_update calls not answered yet
+            threading.Thread(target=self.relay, args=(client, upstream, True, finishing), daemon=True).start()
+            threading.Thread(target=self.relay, args=(upstream, client, False, finishing), daemon=True).start()
 
-    def relay(self, source, sink, from_trainer: bool):
+    def relay(self, source, sink, from_trainer: bool, finishing: list):
         try:
             while data := source.recv(65536):
                 if from_trainer:
-                    self.seen += data.count(b"POST /finish_weight_update")
+                    finishing += [True] * data.count(b"POST /finish_weight_update")
                 sink.sendall(data)
-                if self.seen >= self.after and not from_trainer:
-                    self.close()
+                if not from_trainer and finishing:  # the server answered a finished sync
+                    finishing.pop()
+                    self.seen += 1
+                    if self.seen >= self.after:
+                        self.close()
         except OSError:
             pass
 
