@@ -419,9 +419,8 @@ def test_value_head_round_trip(tmp_path):
 
 def test_seq2seq_value_head():
     model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained("builtin:tiny-t5")
-    logits, values = model(
-        input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[6817, 8]])
-    )  # the decoder starts at pad
+    pad = model.pretrained_model.config.decoder_start_token_id  # the decoder starts at the pad token
+    logits, values = model(input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[pad, 8]]))
     assert logits.shape[:2] == (1, 2) and values.shape == (1, 2)
 
 
