@@ -197,7 +197,8 @@ def run_in_process(args: list[str], cwd: str, **env_overrides) -> tuple[str, Exc
 def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -> str:
     """Run a script through its real CLI (like CleanRL's tests); fail with its output when it fails.
 
-    `python script.py ...` runs in-process; a launcher (`-m accelerate.commands.launch ...`) in a subprocess.
+    `python script.py ...` runs in-process; `-m accelerate.commands.launch ...` forks its ranks from a process that
+    imported the libraries once (tests/launching.py); any other command in a subprocess.
     """
     if str(args[0]).endswith(".py"):
         output, error = run_in_process(args, cwd, **env_overrides)
@@ -208,6 +209,13 @@ def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -
             pytest.fail(f"{' '.join(map(str, args))} failed\n{output[-4000:]}\n{trace[-6000:]}")
         return output
     env = dict(os.environ, PYTHONPATH=ROOT, **env_overrides)
+    if args[:2] == ["-m", "accelerate.commands.launch"]:
+        from launching import launch
+
+        status, output = launch(args, cwd, env, timeout)
+        if status != 0:
+            pytest.fail(f"{' '.join(map(str, args))} exited {status}\n{output[-10000:]}")
+        return output
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         pytest.fail(f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
