@@ -31,6 +31,7 @@ PPO_EVAL = ("reward_mean", "reward_std", "vader_sentiment", "distinct_2", "top_t
 KTO_EVAL = ("rewards/margins", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen", "logps/rejected", "loss")
 KTO_EVAL += ("samples/kl", "samples/length", "samples/distinct")
 GKD_EVAL = ("accuracy", "kl_to_teacher", "completion_length", "top_answer_share")
+SMOL = "builtin:smollm2-135m-instruct"
 PIPELINE_STAGES = {"sft": "sft: ", "reward_model": "reward model: ", "ppo": "ppo: ", "dpo": "dpo: ", "kto": "kto: "}
 
 
@@ -134,6 +135,23 @@ RUNS = {
         {"on-policy": "gkd.py", "mixed": "gkd.py --lmbda 0.5", "sequence-level": "gkd.py --lmbda 0 --seq-kd"},
         {"line": "gkd: ", "step_s": "time/step", "eval": GKD_EVAL, "teacher_accuracy": "teacher/accuracy"},
     ),
+    "real-model-scripts": Entry(  # docs/real-model.md's commands, word for word, one after the other (~20 min)
+        "real-model-scripts",
+        "docs/real-model.md",
+        {
+            "sft.py": f"sft.py --model-name {SMOL} --dataset-name builtin:chatterbot-chat --assistant-only-loss "
+            "--max-steps 30 --batch-size 8 --learning-rate 1e-5 --output-dir outputs/smol/sft",
+            "reward_modeling.py": f"reward_modeling.py --model-name {SMOL} --dataset-name builtin:vader-preferences-chat "
+            "--max-steps 30 --batch-size 8 --learning-rate 1e-5 --output-dir outputs/smol/rm",
+            "dpo.py": f"dpo.py --model-name {SMOL} --dataset-name builtin:vader-preferences-chat --max-steps 20 "
+            "--batch-size 8 --learning-rate 5e-6 --output-dir outputs/smol/dpo",
+            "ppo.py": f"ppo.py --model-name {SMOL} --reward-model outputs/smol/rm --dataset-name "
+            "builtin:vader-preferences-chat --total-episodes 96 --max-new-tokens 32 --eval-samples 32 "
+            "--output-dir outputs/smol/ppo",
+        },
+        {"line": None},
+        shared=True,
+    ),
     "pipeline": Entry(
         "pipeline",
         "docs/pipeline.md",
@@ -141,7 +159,8 @@ RUNS = {
         {"line": "pipeline: ", "pipeline": "outputs/pipeline/results.json"},
     ),
 }
-PREFIX = {"reward_modeling": "reward model: "}  # a script whose summary line does not start with its own name
+# a run whose summary line does not start with its own name (a script's, less ".py")
+PREFIX = {"reward_modeling": "reward model: ", "reward_modeling.py": "reward model: "}
 
 
 def run(entry: Entry, name: str, folder: str) -> dict:
@@ -152,7 +171,7 @@ def run(entry: Entry, name: str, folder: str) -> dict:
     lines, kept = stdout.splitlines(), {"command": f"python {entry.runs[name]}", "seconds": seconds}
     for what, argument in entry.keep_for.get(name, entry.keep).items():
         if what == "line" and argument is None:
-            argument = PREFIX.get(name, f"{name}: ")
+            argument = PREFIX.get(name, f"{name.removesuffix('.py')}: ")
         kept |= KEEP[what](argument, lines, logs, folder)
     return kept
 

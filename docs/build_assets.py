@@ -1056,8 +1056,8 @@ def bench_cpu() -> str:
 
 
 def real_model_scripts() -> str:
-    """Each script on the real model (benchmarks/RESULTS-real-model-scripts.json, `python
-    benchmarks/real_model_scripts.py`): the command, its data, its wall time and its summary line."""
+    """Each script on the real model (benchmarks/RESULTS-real-model-scripts.json, `python benchmarks/runs.py
+    real-model-scripts`): the command, its data, its wall time and its summary line."""
     r = record("RESULTS-real-model-scripts.json")
     data = {
         "sft.py": "`builtin:chatterbot-chat`: whole conversations (`messages`), loss on the assistant turns",

@@ -201,4 +201,5 @@ def test_each_recorded_run_is_an_entry_of_the_runner():
         assert set(entry.keep) | set().union(*entry.keep_for.values()) <= set(KEEP), name
         assert os.path.exists(os.path.join(ROOT, entry.page.split(",")[0])), entry.page
     drivers = {"kto_default", "ppo_default", "pipeline_runs", "ppo_learned_reward", "gkd_variants", "default_lines"}
+    drivers |= {"real_model_scripts"}
     assert not {d for d in drivers if os.path.exists(os.path.join(ROOT, "benchmarks", f"{d}.py"))}
