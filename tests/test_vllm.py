@@ -21,8 +21,15 @@ TINY_RUN = [
 ]  # fmt: skip
 
 
-def python(args: list, cwd, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+def python(args: list, cwd, timeout: int = 600, real_launcher: bool = False, **env) -> subprocess.CompletedProcess:
+    """`python ARGS` in `cwd`; an `accelerate launch` forks its ranks from the tests' preloaded server
+    (tests/launching.py; its output is both stdout and stderr) unless `real_launcher`."""
     environment = dict(os.environ, **({"PYTHONPATH": ROOT} | env))
+    if args[:2] == ["-m", "accelerate.commands.launch"] and not real_launcher:
+        from launching import launch
+
+        status, output = launch(args, str(cwd), environment, timeout)
+        return subprocess.CompletedProcess(args, status, output, output)
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
@@ -293,7 +300,8 @@ def test_grpo_with_vllm_is_the_same_under_ddp_and_fsdp2(tmp_path, tmp_path_facto
     # peer's, sampled together, and its own completions handed back; a completion given to the wrong process would
     # leave the trainer's log-probs of it far from the sampler's (prompts differ), not at float32 rounding
     shared = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None  # (Linux: vLLM's CPU shared memory)
-    result = python([*ddp_launch(), *grpo, "--vllm-tensor-parallel-size", "2", "--log-dir", "tp_runs"], tmp_path, **DDP_ENV)
+    tp = [*ddp_launch(), *grpo, "--vllm-tensor-parallel-size", "2", "--log-dir", "tp_runs"]
+    result = python(tp, tmp_path, real_launcher=True, **DDP_ENV)  # the launcher's own stderr: resource_tracker
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "float32, tensor-parallel over 2 processes" in result.stdout and "weights identical on 2 ranks" in result.stdout
     gap = read_scalars(tmp_path / "tp_runs", "sampling/sampling_logp_difference/max")
