@@ -210,12 +210,12 @@ def run_script(args: list[str], cwd: str, timeout: int = 600, **env_overrides) -
         return output
     env = dict(os.environ, PYTHONPATH=ROOT, **env_overrides)
     if args[:2] == ["-m", "accelerate.commands.launch"]:
-        from launching import launch
+        from launching import run
 
-        status, output = launch(args, cwd, env, timeout)
+        status, stdout, stderr = run(args, cwd, env, timeout)
         if status != 0:
-            pytest.fail(f"{' '.join(map(str, args))} exited {status}\n{output[-10000:]}")
-        return output
+            pytest.fail(f"{' '.join(map(str, args))} exited {status}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+        return stdout + stderr
     result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         pytest.fail(f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")

@@ -22,14 +22,13 @@ TINY_RUN = [
 
 
 def python(args: list, cwd, timeout: int = 600, real_launcher: bool = False, **env) -> subprocess.CompletedProcess:
-    """`python ARGS` in `cwd`; an `accelerate launch` forks its ranks from the tests' preloaded server
-    (tests/launching.py; its output is both stdout and stderr) unless `real_launcher`."""
-    environment = dict(os.environ, **({"PYTHONPATH": ROOT} | env))
-    if args[:2] == ["-m", "accelerate.commands.launch"] and not real_launcher:
-        from launching import launch
+    """`python ARGS` in `cwd`, in a process of its own: a script or an `accelerate launch` forked from the tests'
+    preloaded server (tests/launching.py) unless `real_launcher`, else a subprocess."""
+    from launching import forks, run
 
-        status, output = launch(args, str(cwd), environment, timeout)
-        return subprocess.CompletedProcess(args, status, output, output)
+    environment = dict(os.environ, **({"PYTHONPATH": ROOT} | env))
+    if forks(args, environment) and not real_launcher:
+        return subprocess.CompletedProcess(args, *run(args, str(cwd), environment, timeout))
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
