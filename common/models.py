@@ -128,7 +128,7 @@ def load_critic(source: str, policy, reward_model, tokenizer, dtype: str, init: 
     elif os.path.isfile(os.path.join(source, VALUE_HEAD_FILE)):  # a critic saved by ppo.py: its trunk and head
         source = load_pretrained(source, AutoModel, dtype=dtype), load_file(os.path.join(source, VALUE_HEAD_FILE))
     elif any(a.endswith("ForSequenceClassification") for a in load_config(source).architectures or []):
-        source, _, index = load_reward_model(source, label, dtype)
+        source, _, index = load_reward_model(source, label, dtype, flag="--value-model-path")
     else:
         source = load_pretrained(source, AutoModelForCausalLM, dtype=dtype)
     trunk, head = source if isinstance(source, tuple) else (copy.deepcopy(source.base_model), None)
@@ -302,20 +302,21 @@ def classifier_pad(tokenizer, model) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def load_reward_model(name: str, label: str | None = None, dtype: str = "float32"):
+def load_reward_model(name: str, label: str | None = None, dtype: str = "float32", flag: str = "--reward-model"):
     """A trained sequence classifier in `dtype`, its tokenizer (right padding, a pad distinct from EOS: `classifier_pad`)
     and the index of the logit that is the reward (`label`: a name or an index; None: the single logit of a one-label
     head). A folder whose classification head would be freshly initialised
-    (a causal LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real."""
+    (a causal LM such as outputs/sft, a random built-in) is an error: RL against a random head learns nothing real.
+    `flag`: the option that named `name`, for the error lines."""
     if is_random_builtin(name):
         raise UsageError(
-            f"--reward-model {name} is a randomly initialised preset: pass a trained reward model "
+            f"{flag} {name} is a randomly initialised preset: pass a trained reward model "
             "(builtin:tiny-chat-rm, or a folder written by reward_modeling.py)."
         )
     model, info = load_pretrained(name, AutoModelForSequenceClassification, dtype=dtype, output_loading_info=True)
     if info["missing_keys"]:
         raise UsageError(
-            f"--reward-model {name} has no trained classification head (its checkpoint lacks "
+            f"{flag} {name} has no trained classification head (its checkpoint lacks "
             f"{sorted(info['missing_keys'])[:4]}): pass a sequence classifier, e.g. a folder written by "
             "reward_modeling.py."
         )
@@ -325,7 +326,7 @@ def load_reward_model(name: str, label: str | None = None, dtype: str = "float32
     if label is None:
         if model.config.num_labels != 1:
             raise UsageError(
-                f"--reward-model {name} has {model.config.num_labels} labels {list(labels.values())}: "
+                f"{flag} {name} has {model.config.num_labels} labels {list(labels.values())}: "
                 "pass --reward-label with the one to maximise (a name or an index)."
             )
         return model.eval(), tokenizer, 0

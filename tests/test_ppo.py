@@ -625,6 +625,8 @@ def test_a_critic_from_a_classifier_starts_from_its_reward_labels_logit(tmp_path
     assert not torch.equal(classifier.score.weight[0], classifier.score.weight[1])
     trunk = dict(classifier.transformer.named_parameters())
     assert all(torch.equal(p, trunk[name]) for name, p in critic.pretrained_model.named_parameters())
+    with pytest.raises(UsageError, match=r"^--value-model-path .*classifier has 2 labels .*pass --reward-label"):
+        load_critic(str(tmp_path / "classifier"), policy, None, tokenizer, "float32", "zero")  # which logit: the flag's
 
 
 def test_decoupled_gae_gives_the_critic_monte_carlo_returns():
