@@ -223,3 +223,21 @@ def test_ppo_with_a_separate_critic_is_the_same_under_ddp_fsdp_and_deepspeed_zer
         for name in pair:
             assert "critic: a separate value model from policy" in launch(name, [*ppo, *warmup], tmp_path / pair[0])
         assert_equal_runs(tmp_path / pair[0], list(pair), "ppo/loss/total", lr=1e-4, files=files)
+
+
+@pytest.mark.slow
+def test_the_tests_launcher_ends_on_the_first_failing_rank(tmp_path):
+    """tests/launching.py, which forks these tests' ranks, ends a launch as torchrun does: on the first rank that fails,
+    with its exit status and its traceback in the output; a script's one-line error keeps its exit status 2 and its one
+    line (the script's excepthook, as in a fresh process)."""
+    from launching import run
+
+    (tmp_path / "boom.py").write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n    raise RuntimeError('rank 1 fails')\ndist.barrier()\n"
+    )
+    env = dict(os.environ, **DDP_ENV)
+    status, _, stderr = run([*ddp_launch(), "boom.py"], tmp_path, env, timeout=120)
+    assert status == 1 and "RuntimeError: rank 1 fails" in stderr, stderr[-2000:]
+    status, _, stderr = run([*ddp_launch(), SFT, "--model-name", "builtin:tiny-gpt2", "--batch-size", "0"], tmp_path, env, 120)
+    assert status == 2 and stderr.count("error: --batch-size 0") == 1 and "Traceback" not in stderr, stderr[-2000:]
