@@ -78,7 +78,12 @@ def launch_env(launch_args: list[str], script: list[str]) -> tuple[dict[str, str
         env = prepare_multi_gpu_env(args)
     else:
         raise ValueError(f"tests launch DDP, FSDP or DeepSpeed runs only: {' '.join(launch_args)}")
-    return env, int(args.nproc_per_node or args.num_processes), str(args.master_port or args.main_process_port)
+    port = str(args.master_port or args.main_process_port)
+    if getattr(args, "standalone", False):  # the port was taken meanwhile: torchrun would rendezvous on a free one
+        from accelerate.utils.other import get_free_port
+
+        port = str(get_free_port())
+    return env, int(args.nproc_per_node or args.num_processes), port
 
 
 def forks(args: list[str], env: dict[str, str]) -> bool:
