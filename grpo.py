@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from common.chat import text_of
 from common.checkpoints import save_policy
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, check_adam, masked_mean, nanstd, pooled
+from common.core import EntropyBonus, UsageError, check_adam, clock, masked_mean, nanstd, pooled
 from common.models import sync_reference
 from common.rollout import (
     Engine,
@@ -695,12 +695,10 @@ def main(args: Args) -> None:
         #    log-probs are the training forward's own, detached (TRL skips this pass too)
         #    (--old-logprobs sampler: the sampler's own, and no forward)
         recompute = args.old_logprobs == "recompute" and (args.num_iterations > 1 or step_size < len(rows))
-        forward_start = time.time()
+        forward_start = clock(device)
         old_logprobs, ref_logprobs = sampling_logprobs(args, accelerator, policy, ref_model, rollout, recompute, args.beta > 0)
         old_logprobs = sampled if args.old_logprobs == "sampler" else old_logprobs
-        if device.type == "cuda":  # the forwards' own time, not only their launch's
-            torch.cuda.synchronize()
-        forward_time = time.time() - forward_start
+        forward_time = clock(device) - forward_start  # the forwards' own time, not only their launch's
 
         # 5. optimise: num_iterations passes of the clipped objective over shuffled mini-batches
         model.train()

@@ -38,6 +38,7 @@ from common.core import (
     RunningMoments,
     UsageError,
     check_args,
+    clock,
     entropy_from_logprobs,
     epoch_rows,
     exact_div,
@@ -76,7 +77,7 @@ from common.outputs import check_finite
 from common.rewards import RewardAdapter, RewardModel, distinct_bigrams, load_rewards, load_task, score_completions
 from common.rollout import resume
 from common.run import end_run, start_run
-from common.sampling import Sampler, check_sampling_args, sampler_gap
+from common.sampling import Sampler, check_sampling_args, decode, sampler_gap
 
 
 @dataclass
@@ -545,316 +546,7 @@ def forward(model, queries, query_mask, responses, response_mask, temperature, d
     return (logit_mask.apply(logits, previous) if logit_mask is not None else logits), values
 
 
-def main(args: Args) -> None:
-    """The run: setup (the helpers below the loop), then the loop in its numbered phases, then the final save."""
-    check(args)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
-    device, step_size = accelerator.device, batch_sizes(args, accelerator)  # sets args.world_size and num_updates
-    run_name, logger = start_run(args, accelerator)
-    tokenizer = load_tokenizer(args.model_name, padding_side="left")
-    train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
-    model, ref_model, scoring = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
-    longest = max(len(r["prompt_ids"]) for r in train_rows + eval_rows)
-    sampling = Sampling(args, tokenizer, model, accelerator, quantization, longest)
-    model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
-    scoring.ready(unwrapped)
-    kl_ctl, running = FixedKLController(args.init_kl_coef), RunningMoments()
-    if args.adap_kl_ctrl:  # Ziegler et al. 2019: the coefficient moves the KL towards --target
-        kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
-    state = resume(args, accelerator, args.num_updates, "--total-episodes")  # {} without --resume-from
-    if state:  # the KL coefficient and the running score moments go on as they were
-        kl_ctl.value = state["kl_coef"]
-        running.__dict__.update(state["running_moments"])
-    start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
-
-    first_eval = evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, start_update)
-    first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
-    reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
-    explained_history = state.get("explained_history", [])  # the critic's explained variance, update by update
-    clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
-    clipping |= dict(loss_agg_mode=args.loss_agg_mode)
-    actor = [p for p in unwrapped.pretrained_model.parameters() if p.requires_grad] if args.freezing_actor_steps else []
-    start_time = time.time()
-    progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
-    for update in progress:
-        # ================================ the algorithm: phases 1-6 ================================
-        marks = [clock(device)]  # phase boundaries, for time/* (bookkeeping below)
-
-        # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
-        n = args.n_samples_per_prompt  # each query answered n times (OpenRLHF's n_samples_per_prompt)
-        rows = epoch_rows(train_rows, args.batch_size // n, update, args.seed, accelerator)  # seeded reshuffle per epoch
-        rows = [row for row in rows for _ in range(n)]
-        queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in rows])
-        max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
-        unwrapped.eval()
-        responses, response_mask, ended, sampler_logprobs = sampling.generate(queries, query_mask, max_new_tokens)
-        mask = response_mask.float()
-        marks.append(clock(device))
-
-        # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
-        responses_text, response_ids = sampling.texts(responses, response_mask)
-        raw_scores = scoring(rows, responses_text, response_ids, ended.tolist()).to(device)  # [B]
-        scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
-        marks.append(clock(device))
-        if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
-            best_reward = save_best(args, accelerator, unwrapped, tokenizer, raw_scores, best_reward, update, run_name)
-        marks.append(clock(device))  # saving the best weights is not part of the step time
-
-        # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
-        #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
-        old_logprobs, ref_logprobs, values, kl_inputs = sampling_forwards(
-            args, accelerator, unwrapped, ref_model, sampling, queries, query_mask, responses, response_mask
-        )
-        with torch.no_grad():
-            # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
-            #    (with --use-kl-loss the KL leaves the reward for the policy loss: r_t is the score alone)
-            kl_coef = 0.0 if args.use_kl_loss else kl_ctl.value
-            rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_coef, args.kl_penalty)
-            del kl_inputs
-
-            # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
-            #    (compute_advantages), then whitened; returns = A + V are the value head's targets
-            #    (gae_targets: the critic's targets may take their own lambda, VC-PPO's decoupled GAE; the policy's
-            #    lambda may adapt to each response's length, VAPO's)
-            lam = length_adaptive_lam(mask, args.lam_length_alpha) if args.lam_length_alpha else args.lam
-            critic_lam = args.lam if args.critic_lam is None else args.critic_lam
-            values, advantages, returns = gae_targets(values, rewards, mask, args.gamma, lam, critic_lam, args.whiten_rewards)
-            # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
-            # loss then shows up as exploding ratios instead of passing silently
-            old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
-        marks.append(clock(device))
-
-        # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss);
-        #    for the first --freezing-actor-steps updates only the critic learns (VC-PPO's value pretraining)
-        frozen = update < args.freezing_actor_steps
-        model.train()
-        all_stats, epochs_done, grad_norms = [], 0, []
-        for _ in range(args.ppo_epochs):
-            for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
-                with accelerator.accumulate(model):
-                    logits, vpreds = forward(
-                        model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **sampling.forward_kwargs
-                    )
-                    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V], once: the log-probs and the entropy
-                    logprobs = torch.gather(logp, -1, responses[mb].unsqueeze(-1)).squeeze(-1)
-                    old, value, adv, ret = old_logprobs[mb], values[mb], advantages[mb], returns[mb]
-                    pg_loss, vf_loss, stats = ppo_loss(
-                        old, value, logprobs, vpreds, mask[mb], adv, ret, vf_coef=args.vf_coef, **clipping
-                    )
-                    loss = pg_loss * (not frozen) + vf_loss  # frozen: 0 x the policy loss keeps every rank's graph alike
-                    if args.use_kl_loss:  # OpenRLHF's use_kl_loss: kl_coef x the mean per-token estimate
-                        kl = aggregate(kl_estimate(logprobs, ref_logprobs[mb], args.kl_penalty), mask[mb], args.loss_agg_mode)
-                        loss, stats["ppo/policy/kl_loss"] = loss + kl_ctl.value * kl * (not frozen), kl.detach()
-                    accelerator.backward(loss)
-                    if args.max_grad_norm is not None and accelerator.sync_gradients:
-                        grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    for p in actor if frozen and accelerator.sync_gradients else ():
-                        p.grad = None  # Adam skips the policy: its weights and moments stay as they are
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                with torch.no_grad():
-                    stats["ppo/policy/entropy"] = entropy_from_logprobs(logp[mask[mb].bool()]).mean()  # response tokens
-                all_stats.append(stats)
-            epochs_done += 1
-            if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks
-                policykl = accelerator.reduce(stats["ppo/policy/policykl"].to(device), "mean").item()
-                if policykl > 1.5 * args.target_kl:
-                    optimizer.zero_grad()
-                    break
-        sampling.sampler.sync(unwrapped)  # vLLM's copy of the weights (a no-op otherwise): the next rollout is on-policy
-        marks.append(clock(device))
-
-        # ================================ bookkeeping: plumbing from here on ================================
-        phases = dict(stats=all_stats, kls=kls, old_logprobs=old_logprobs, mask=mask, non_score_rewards=non_score_rewards)
-        batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
-        watched = scoring.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
-        metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
-        if sampler_logprobs is not None:  # vLLM: how far its log-probs lie from the trainer's (TRL 1.16's sampling/*)
-            metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampler_logprobs, mask)])
-        logger.log(metrics, update + 1)
-        reward_history.append(metrics["env/reward_mean"])
-        kl_history.append(metrics["objective/kl"])
-        explained_history.append(metrics["ppo/val/var_explained"])
-        progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
-        if (update + 1) % args.log_freq == 0:
-            sampled = (rows, responses_text, raw_scores, queries, query_mask, max_new_tokens)
-            log_samples(args, sampling, scoring, logger, unwrapped, ref_model, sampled, update + 1)
-        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
-            evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, update + 1)
-        if args.save_freq and (update + 1) % args.save_freq == 0:
-            folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
-            # the run's first evaluation and histories too: the summary and the health line compare with its start
-            state = dict(update=update + 1, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
-            state |= dict(first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
-            state |= dict(explained_history=explained_history)
-            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
-
-    # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
-    last_eval = evaluate(args, sampling, scoring, unwrapped, eval_rows, logger, args.num_updates)
-    accelerator.wait_for_everyone()
-    save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
-    histories = (reward_history, kl_history, explained_history)
-    summary(args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward)
-    sampling.sampler.close()  # vLLM shut down while the process group exists
-    end_run(accelerator, logger)  # every rank leaves together
-
-
-# ================================ plumbing: what the loop above calls ================================
-
-
-def batch_sizes(args: Args, accelerator: Accelerator) -> int:
-    """The batch arithmetic checked against the process count (one line on a mismatch): sets args.world_size and
-    args.num_updates, returns the samples of one optimizer step (mini_batch_size x gradient_accumulation_steps)."""
-    args.world_size = accelerator.num_processes
-    step_size = args.mini_batch_size * args.gradient_accumulation_steps
-    exact_div(
-        args.batch_size, step_size, sizes(args, "batch_size"), sizes(args, "mini_batch_size", "gradient_accumulation_steps")
-    )
-    args.num_updates = exact_div(
-        args.total_episodes,
-        args.batch_size * args.world_size,
-        sizes(args, "total_episodes"),
-        sizes(args, "batch_size", processes=args.world_size),
-    )
-    if args.generation_batch_size:
-        exact_div(args.batch_size, args.generation_batch_size, sizes(args, "batch_size"), sizes(args, "generation_batch_size"))
-    return step_size
-
-
-def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int):
-    """The model prepared with its Adam optimizer (fused: one kernel over all parameters, several times faster than the
-    per-tensor update; a separate critic is a parameter group of its own) and a constant or linearly annealed learning
-    rate."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    critic = [p for p in getattr(model, "critic", torch.nn.Module()).parameters() if p.requires_grad]
-    if critic:  # the separate critic: a parameter group of its own (its learning rate, its own Adam moments)
-        ids = {id(p) for p in critic}
-        critic_lr = args.critic_learning_rate or args.learning_rate
-        trainable = [{"params": [p for p in trainable if id(p) not in ids]}, {"params": critic, "lr": critic_lr}]
-    betas = (args.adam_beta1, args.adam_beta2)
-    optimizer = torch.optim.Adam(trainable, lr=args.learning_rate, betas=betas, eps=args.adam_eps, fused=True)
-    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
-    # accelerate's prepared scheduler steps once per process per optimizer step
-    scheduler = get_scheduler(
-        "linear" if args.lr_anneal else "constant",
-        optimizer,
-        num_warmup_steps=0,
-        num_training_steps=optimizer_steps * args.world_size,
-    )
-    return accelerator.prepare(model, optimizer, scheduler)
-
-
-def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_ctl, scheduler, update: int) -> dict:
-    """An update's metrics (TRL 0.8's names), averaged over the processes: the PPO statistics of every mini-batch, the
-    objective's KL, entropy and non-score reward, the scores, lengths, the gradient norm, each phase's time, the
-    throughput; then the adaptive KL coefficient moves towards its target (Ziegler et al. 2019)."""
-    mask, stats = values["mask"], values["stats"]
-    with torch.no_grad():
-        metrics = {k: torch.stack([s[k].float() for s in stats]).mean() for k in stats[0]}
-        metrics["ppo/val/var_explained"] = torch.stack([s["ppo/val/var_explained"] for s in stats]).nanmean()
-        metrics |= {
-            "objective/kl": values["kls"].sum(1).mean(),
-            "objective/entropy": (-values["old_logprobs"] * mask).sum(1).mean(),
-            "objective/non_score_reward": values["non_score_rewards"].sum(1).mean(),
-            "env/reward_mean": values["raw_scores"].mean(),
-            "env/reward_std": values["raw_scores"].std(),
-            "env/score_mean": values["scores"].mean(),
-            "env/contains_eos": values["ended"].float().mean(),
-            "tokens/query_len": values["query_mask"].sum(1).float().mean(),
-            "tokens/response_len": mask.sum(1).mean(),
-            "ppo/epochs_done": torch.tensor(float(values["epochs_done"])),
-        }
-        metrics = pooled(accelerator, [metrics])
-    norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
-    if norms:
-        metrics["ppo/grad_norm"] = sum(norms) / len(norms)
-    check_finite(update + 1, {k: metrics[k] for k in ("ppo/loss/total", "ppo/grad_norm") if k in metrics})
-    metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
-    kl_ctl.update(metrics["objective/kl"], args.batch_size * args.world_size)  # towards its target KL
-    phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
-    times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
-    step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
-    per_update = args.batch_size * args.world_size
-    return (
-        metrics
-        | {f"time/{phase}": t for phase, t in times.items()}
-        | {
-            "throughput/episodes_per_s": per_update / step_time,
-            "throughput/tokens_per_s": per_update * tokens / step_time,
-            "charts/learning_rate": scheduler.get_last_lr()[0],
-            "charts/episodes": (update + 1) * per_update,
-        }
-    )
-
-
-@torch.no_grad()
-def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, sampling, queries, query_mask, responses, response_mask):
-    """Phase 3's forward passes without gradients, by mini-batches: the policy's log-probs and values at sampling time
-    ("old") and the reference's log-probs, logits / temperature as in sampling (Huang et al. 2023, detail 8); and what
-    the KL penalty reads (the full distributions [B, T, V] for --kl-penalty full, else the two log-probs)."""
-    full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
-    old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
-    for i in range(0, args.batch_size, args.mini_batch_size):
-        mb = slice(i, i + args.mini_batch_size)
-        inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
-        logits, value = forward(unwrapped, *inputs, **sampling.forward_kwargs)
-        with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
-            ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **sampling.forward_kwargs)
-        old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
-        ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
-        values.append(value)
-        if full:
-            full_logprobs.append(torch.log_softmax(logits.float(), -1))
-            full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
-    old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
-    kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
-    return old_logprobs, ref_logprobs, values, kl_inputs
-
-
-def summary(args: Args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward):
-    """The run's last lines: what it did and what moved, then the health line (a reward that rose while the policy
-    left its reference is reward hacking, not learning)."""
-    per_update, (reward_history, kl_history, explained_history) = args.batch_size * args.world_size, histories
-    window = max(1, len(reward_history) // 10)
-    final_kl = float(np.mean(kl_history[-window:]))
-    accelerator.print(
-        f"ppo: {args.num_updates - start_update} updates, {(args.num_updates - start_update) * per_update} episodes in "
-        f"{time.time() - start_time:.0f}s; train reward {np.mean(reward_history[:window]):.3f} -> "
-        f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
-        f"{last_eval['eval/reward_mean']:.3f} (initial std {first_eval['eval/reward_std']:.3f}); "
-        + "".join(f"{k[5:]} {first_eval[k]:.3f} -> {v:.3f}; " for k, v in last_eval.items() if k.startswith("eval/gold/"))
-        + f"KL {final_kl:.2f}; "
-        f"model saved to {args.output_dir}"
-        + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else "")
-    )
-    # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
-    golds = [k for k in last_eval if k.startswith("eval/gold/") and k != "eval/gold/correlation"]
-    # verifiable rewards (--reward-funcs) are their own gold: replies that agree on a checked answer are no hacking
-    verified = ("+".join(args.reward_funcs), first_eval["eval/reward_mean"], last_eval["eval/reward_mean"])
-    verified = verified if args.reward_funcs else None
-    health, warning = health_check(
-        final_kl,
-        args.target,
-        last_eval["eval/top_token_share"],
-        last_eval["eval/distinct_words"],
-        last_eval["eval/distinct_2"],
-        first_eval["eval/distinct_2"],
-        first_eval["eval/top_token_share"],
-        (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else verified,
-    )
-    accelerator.print(health + (f"\n{warning}" if warning else ""))
-    explained = [x for x in explained_history[-window:] if np.isfinite(x)]  # NaN: returns that did not vary
-    explained = float(np.mean(explained)) if explained else float("nan")  # the critic explains the returns, or not
-    if explained < 0.05:  # near zero: the values are no better than their mean
-        fix = "--critic-learning-rate, or warm it up with --freezing-actor-steps" if args.value_model_path else "--vf-coef"
-        accelerator.print(
-            f"warning: the critic does not learn (it explains {explained:.2f} of the returns' variance over the last "
-            f"updates): its advantages are the raw returns' noise; raise {fix}"
-        )
+# ================================ plumbing: what the loop in main() calls ================================
 
 
 def check(args: Args) -> None:
@@ -920,6 +612,25 @@ def check(args: Args) -> None:
         raise UsageError(
             f"{len(args.reward_weights)} --reward-weights for {len(args.reward_funcs)} --reward-funcs: give one each."
         )
+
+
+def batch_sizes(args: Args, accelerator: Accelerator) -> int:
+    """The batch arithmetic checked against the process count (one line on a mismatch): sets args.world_size and
+    args.num_updates, returns the samples of one optimizer step (mini_batch_size x gradient_accumulation_steps)."""
+    args.world_size = accelerator.num_processes
+    step_size = args.mini_batch_size * args.gradient_accumulation_steps
+    exact_div(
+        args.batch_size, step_size, sizes(args, "batch_size"), sizes(args, "mini_batch_size", "gradient_accumulation_steps")
+    )
+    args.num_updates = exact_div(
+        args.total_episodes,
+        args.batch_size * args.world_size,
+        sizes(args, "total_episodes"),
+        sizes(args, "batch_size", processes=args.world_size),
+    )
+    if args.generation_batch_size:
+        exact_div(args.batch_size, args.generation_batch_size, sizes(args, "batch_size"), sizes(args, "generation_batch_size"))
+    return step_size
 
 
 def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[dict], list[dict], bool]:
@@ -1037,44 +748,6 @@ def load_models(args: Args, accelerator: Accelerator, tokenizer, quantization: d
     return model, ref_model, scoring
 
 
-class Sampling:
-    """The policy's responses to left-padded queries through the shared `Sampler` (common/sampling.py: HF `generate`
-    with the inverse-CDF draw, on CUDA `FastGenerator`, or with --use-vllm a vLLM engine in this process, synced after
-    each update), cut after the first EOS or stop sequence; `forward_kwargs` are the sampling-time settings
-    (temperature, decoder start, logit mask) that every forward pass must see too."""
-
-    def __init__(self, args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, longest: int):
-        self.args, self.tokenizer, self.accelerator = args, tokenizer, accelerator
-        # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
-        self.decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
-        logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
-        self.forward_kwargs = dict(
-            temperature=args.temperature, decoder_start_token_id=self.decoder_start, logit_mask=logit_mask
-        )
-        # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw; the fast path
-        # serves the policy as prepare moves and wraps its parameters in place, but not a quantized one
-        processors = [logit_mask] if logit_mask is not None else []
-        length = longest + args.max_new_tokens  # vLLM's context: the longest query and the longest response
-        stops = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
-        batch, fast = args.generation_batch_size or args.batch_size, not quantization
-        self.sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast, stops, batch_size=batch)
-        accelerator.print(f"rollouts: {self.sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
-
-    def texts(self, responses, response_mask):
-        """What the rewards and the sample tables read: the responses' text, and each response's token ids."""
-        ids = [row[m.bool()].tolist() for row, m in zip(responses, response_mask)]
-        return self.tokenizer.batch_decode(responses, skip_special_tokens=True), ids
-
-    def generate(self, queries, query_mask, max_new_tokens: int, model=None):
-        """Responses (in batches of --generation-batch-size): (responses [B, T], mask [B, T] long, ended [B]), and the
-        sampler's log-probs [B, T] when it keeps them (else None). `model`: another model's responses (the reference)."""
-        if model is None:
-            responses, mask, ended, sampled = self.sampler.generate(queries, query_mask, max_new_tokens)
-        else:
-            (responses, mask, ended), sampled = self.sampler.generate_with(model, queries, query_mask, max_new_tokens), None
-        return responses, mask.long(), ended, sampled
-
-
 class Rewards:
     """One score per (query, response) from the first of: the verifiable rewards of --reward-funcs (grpo.py's semantics,
     weighted by --reward-weights; an unscorable response gets 0), a `RewardAdapter` on the policy's base, a `RewardModel`
@@ -1134,16 +807,125 @@ class Rewards:
         return metrics
 
 
+def load_sampler(args: Args, tokenizer, model, accelerator: Accelerator, quantization: dict, rows: list[dict]):
+    """The policy's responses through the shared `Sampler` (common/sampling.py: HF `generate` with the inverse-CDF
+    draw, on CUDA `FastGenerator`, or with --use-vllm vLLM, synced after each update), cut after the first EOS or stop
+    sequence; and the sampling-time settings (temperature, decoder start, logit mask) every forward pass must see."""
+    # seq2seq: the decoder starts from this token (passed explicitly: a DDP wrapper has no .config)
+    decoder_start = model.config.decoder_start_token_id if model.config.is_encoder_decoder else None
+    logit_mask = LogitMask.from_file(args.logit_mask, model.config.vocab_size) if args.logit_mask else None
+    settings = dict(temperature=args.temperature, decoder_start_token_id=decoder_start, logit_mask=logit_mask)
+    # forbidden transitions are masked before the temperature / top-k / top-p warpers and the draw; the fast path
+    # serves the policy as prepare moves and wraps its parameters in place, but not a quantized one
+    processors = [logit_mask] if logit_mask is not None else []
+    length = max(len(r["prompt_ids"]) for r in rows) + args.max_new_tokens  # vLLM's context: the longest of each
+    stops = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in args.stop_sequences]
+    batch, fast = args.generation_batch_size or args.batch_size, not quantization
+    sampler = Sampler(args, tokenizer, model, accelerator, length, processors, fast, stops, batch_size=batch)
+    accelerator.print(f"rollouts: {sampler.name}{', weights synced after each update' * bool(args.use_vllm)}")
+    return sampler, settings
+
+
+def prepare_training(args: Args, accelerator: Accelerator, model, step_size: int):
+    """The model prepared with its Adam optimizer (fused: one kernel over all parameters, several times faster than the
+    per-tensor update; a separate critic is a parameter group of its own) and a constant or linearly annealed learning
+    rate."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    critic = [p for p in getattr(model, "critic", torch.nn.Module()).parameters() if p.requires_grad]
+    if critic:  # the separate critic: a parameter group of its own (its learning rate, its own Adam moments)
+        ids = {id(p) for p in critic}
+        critic_lr = args.critic_learning_rate or args.learning_rate
+        trainable = [{"params": [p for p in trainable if id(p) not in ids]}, {"params": critic, "lr": critic_lr}]
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.Adam(trainable, lr=args.learning_rate, betas=betas, eps=args.adam_eps, fused=True)
+    optimizer_steps = args.num_updates * args.ppo_epochs * args.batch_size // step_size
+    # accelerate's prepared scheduler steps once per process per optimizer step
+    scheduler = get_scheduler(
+        "linear" if args.lr_anneal else "constant",
+        optimizer,
+        num_warmup_steps=0,
+        num_training_steps=optimizer_steps * args.world_size,
+    )
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+@torch.no_grad()
+def sampling_forwards(args: Args, accelerator, unwrapped, ref_model, settings, queries, query_mask, responses, response_mask):
+    """Phase 3's forward passes without gradients, by mini-batches: the policy's log-probs and values at sampling time
+    ("old") and the reference's log-probs, logits / temperature as in sampling (Huang et al. 2023, detail 8); and what
+    the KL penalty reads (the full distributions [B, T, V] for --kl-penalty full, else the two log-probs)."""
+    full = args.kl_penalty == "full"  # the exact KL needs both full distributions [B, T, V]
+    old_logprobs, ref_logprobs, values, full_logprobs, full_ref_logprobs = [], [], [], [], []
+    for i in range(0, args.batch_size, args.mini_batch_size):
+        mb = slice(i, i + args.mini_batch_size)
+        inputs = (queries[mb], query_mask[mb], responses[mb], response_mask[mb])
+        logits, value = forward(unwrapped, *inputs, **settings)
+        with reference_context(unwrapped, ref_model), accelerator.autocast():  # the reference is not prepared
+            ref_logits, _ = forward(ref_model if ref_model is not None else unwrapped, *inputs, **settings)
+        old_logprobs.append(logprobs_from_logits(logits, responses[mb]))
+        ref_logprobs.append(logprobs_from_logits(ref_logits, responses[mb]))
+        values.append(value)
+        if full:
+            full_logprobs.append(torch.log_softmax(logits.float(), -1))
+            full_ref_logprobs.append(torch.log_softmax(ref_logits.float(), -1))
+    old_logprobs, ref_logprobs, values = torch.cat(old_logprobs), torch.cat(ref_logprobs), torch.cat(values)
+    kl_inputs = (torch.cat(full_logprobs), torch.cat(full_ref_logprobs)) if full else (old_logprobs, ref_logprobs)
+    return old_logprobs, ref_logprobs, values, kl_inputs
+
+
+def update_metrics(args: Args, accelerator, values: dict, grad_norms, marks, kl_ctl, scheduler, update: int) -> dict:
+    """An update's metrics (TRL 0.8's names), averaged over the processes: the PPO statistics of every mini-batch, the
+    objective's KL, entropy and non-score reward, the scores, lengths, the gradient norm, each phase's time, the
+    throughput; then the adaptive KL coefficient moves towards its target (Ziegler et al. 2019)."""
+    mask, stats = values["mask"], values["stats"]
+    with torch.no_grad():
+        metrics = {k: torch.stack([s[k].float() for s in stats]).mean() for k in stats[0]}
+        metrics["ppo/val/var_explained"] = torch.stack([s["ppo/val/var_explained"] for s in stats]).nanmean()
+        metrics |= {
+            "objective/kl": values["kls"].sum(1).mean(),
+            "objective/entropy": (-values["old_logprobs"] * mask).sum(1).mean(),
+            "objective/non_score_reward": values["non_score_rewards"].sum(1).mean(),
+            "env/reward_mean": values["raw_scores"].mean(),
+            "env/reward_std": values["raw_scores"].std(),
+            "env/score_mean": values["scores"].mean(),
+            "env/contains_eos": values["ended"].float().mean(),
+            "tokens/query_len": values["query_mask"].sum(1).float().mean(),
+            "tokens/response_len": mask.sum(1).mean(),
+            "ppo/epochs_done": torch.tensor(float(values["epochs_done"])),
+        }
+        metrics = pooled(accelerator, [metrics])
+    norms = [float(g) for g in grad_norms if g is not None]  # measured only with --max-grad-norm (clipping)
+    if norms:
+        metrics["ppo/grad_norm"] = sum(norms) / len(norms)
+    check_finite(update + 1, {k: metrics[k] for k in ("ppo/loss/total", "ppo/grad_norm") if k in metrics})
+    metrics["objective/kl_coef"] = kl_ctl.value  # the coefficient used in this update's rewards
+    kl_ctl.update(metrics["objective/kl"], args.batch_size * args.world_size)  # towards its target KL
+    phases = ("rollout", "score", None, "forward", "optimise")  # None: the --save-best interval, not timed
+    times = {name: b - a for name, a, b in zip(phases, marks, marks[1:]) if name}
+    step_time, tokens = sum(times.values()), metrics["tokens/query_len"] + metrics["tokens/response_len"]
+    per_update = args.batch_size * args.world_size
+    return (
+        metrics
+        | {f"time/{phase}": t for phase, t in times.items()}
+        | {
+            "throughput/episodes_per_s": per_update / step_time,
+            "throughput/tokens_per_s": per_update * tokens / step_time,
+            "charts/learning_rate": scheduler.get_last_lr()[0],
+            "charts/episodes": (update + 1) * per_update,
+        }
+    )
+
+
 @torch.no_grad()
 @torch.random.fork_rng()  # evaluation draws from its own RNG: how often it runs never changes training
-def evaluate(args: Args, sampling: Sampling, scoring: Rewards, policy, eval_rows, logger, update: int) -> dict[str, float]:
+def evaluate(args: Args, sampler: Sampler, scoring: Rewards, policy, eval_rows, logger, update: int) -> dict[str, float]:
     """Sample on the held-out prompts and report reward and `metric_fn` metrics over every process's samples."""
-    accelerator = sampling.accelerator
+    accelerator = sampler.accelerator
     torch.manual_seed(args.seed + accelerator.process_index)
-    queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in eval_rows])
+    queries, query_mask = sampler.pad_left([r["prompt_ids"] for r in eval_rows])
     policy.eval()
-    responses, response_mask, ended, _ = sampling.generate(queries, query_mask, args.max_new_tokens)
-    responses_text, response_ids = sampling.texts(responses, response_mask)
+    responses, response_mask, ended, _ = sampler.generate(queries, query_mask, args.max_new_tokens)
+    responses_text, response_ids = decode(sampler.tokenizer, responses, response_mask)
     scores = scoring(eval_rows, responses_text, response_ids, ended.tolist())
     queries_text = [text_of(r["prompt"]) for r in eval_rows]
     extra = metric_fn(queries_text, responses_text)  # per-sample values; every process scores as many samples
@@ -1162,25 +944,25 @@ def evaluate(args: Args, sampling: Sampling, scoring: Rewards, policy, eval_rows
     return metrics
 
 
-def log_samples(args: Args, sampling: Sampling, scoring: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
+def log_samples(args: Args, sampler: Sampler, scoring: Rewards, logger, policy, ref_model, sampled: tuple, step: int):
     """The update's sample table (query, response, score), with the reference model's responses to the same queries
     and their scores beside them (and env/ref_reward_mean) with --log-ref-responses."""
     rows, responses_text, raw_scores, queries, query_mask, max_new_tokens = sampled
     columns = {"query": [text_of(r["prompt"]) for r in rows], "response": responses_text, "score": raw_scores.tolist()}
     if args.log_ref_responses:
-        columns |= ref_responses(sampling, scoring, policy, ref_model, rows, queries, query_mask, max_new_tokens)
-        ref_mean = pooled(sampling.accelerator, [{"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}])
+        columns |= ref_responses(sampler, scoring, policy, ref_model, rows, queries, query_mask, max_new_tokens)
+        ref_mean = pooled(sampler.accelerator, [{"env/ref_reward_mean": torch.tensor(columns["ref score"]).mean()}])
         logger.log(ref_mean, step)
     logger.samples("samples", columns, step)
 
 
 @torch.no_grad()
 @torch.random.fork_rng()  # sampling from the reference never changes the training run's random stream
-def ref_responses(sampling: Sampling, scoring: Rewards, policy, ref_model, rows, queries, query_mask, max_new_tokens):
+def ref_responses(sampler: Sampler, scoring: Rewards, policy, ref_model, rows, queries, query_mask, max_new_tokens):
     """Reference-model responses to the logged queries and their scores, as sample-table columns."""
     with reference_context(policy, ref_model):
-        responses, mask, ended, _ = sampling.generate(queries, query_mask, max_new_tokens, model=ref_model or policy)
-    responses_text, ids = sampling.texts(responses, mask)
+        responses, mask, ended = sampler.generate_with(ref_model or policy, queries, query_mask, max_new_tokens)
+    responses_text, ids = decode(sampler.tokenizer, responses, mask)
     return {"ref response": responses_text, "ref score": scoring(rows, responses_text, ids, ended.tolist()).tolist()}
 
 
@@ -1204,17 +986,46 @@ def save_model(args: Args, accelerator, policy, tokenizer, path: str, metrics: d
         tokenizer.push_to_hub(args.hub_model_id or run_name)
 
 
-def clock(device: torch.device) -> float:
-    """Wall time once the device has finished its queued work, so that phase times add up on a GPU too."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.time()
-
-
-def top_token_share(tokens: list[int]) -> float:
-    """The share of the most frequent token among all response tokens: a collapse into one repeated word shows as a
-    share near 1; varied replies stay low."""
-    return max(map(tokens.count, set(tokens))) / len(tokens) if tokens else 0.0
+def summary(args: Args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward):
+    """The run's last lines: what it did and what moved, then the health line (a reward that rose while the policy
+    left its reference is reward hacking, not learning)."""
+    per_update, (reward_history, kl_history, explained_history) = args.batch_size * args.world_size, histories
+    window = max(1, len(reward_history) // 10)
+    final_kl = float(np.mean(kl_history[-window:]))
+    accelerator.print(
+        f"ppo: {args.num_updates - start_update} updates, {(args.num_updates - start_update) * per_update} episodes in "
+        f"{time.time() - start_time:.0f}s; train reward {np.mean(reward_history[:window]):.3f} -> "
+        f"{np.mean(reward_history[-window:]):.3f}; eval reward {first_eval['eval/reward_mean']:.3f} -> "
+        f"{last_eval['eval/reward_mean']:.3f} (initial std {first_eval['eval/reward_std']:.3f}); "
+        + "".join(f"{k[5:]} {first_eval[k]:.3f} -> {v:.3f}; " for k, v in last_eval.items() if k.startswith("eval/gold/"))
+        + f"KL {final_kl:.2f}; "
+        f"model saved to {args.output_dir}"
+        + (f" (best batch reward {best_reward:.3f}: {args.output_dir}_best)" if args.save_best else "")
+    )
+    # ---- health: a reward that rose while the policy left its reference is reward hacking, not learning ----
+    golds = [k for k in last_eval if k.startswith("eval/gold/") and k != "eval/gold/correlation"]
+    # verifiable rewards (--reward-funcs) are their own gold: replies that agree on a checked answer are no hacking
+    verified = ("+".join(args.reward_funcs), first_eval["eval/reward_mean"], last_eval["eval/reward_mean"])
+    verified = verified if args.reward_funcs else None
+    health, warning = health_check(
+        final_kl,
+        args.target,
+        last_eval["eval/top_token_share"],
+        last_eval["eval/distinct_words"],
+        last_eval["eval/distinct_2"],
+        first_eval["eval/distinct_2"],
+        first_eval["eval/top_token_share"],
+        (golds[0].removeprefix("eval/gold/"), first_eval[golds[0]], last_eval[golds[0]]) if golds else verified,
+    )
+    accelerator.print(health + (f"\n{warning}" if warning else ""))
+    explained = [x for x in explained_history[-window:] if np.isfinite(x)]  # NaN: returns that did not vary
+    explained = float(np.mean(explained)) if explained else float("nan")  # the critic explains the returns, or not
+    if explained < 0.05:  # near zero: the values are no better than their mean
+        fix = "--critic-learning-rate, or warm it up with --freezing-actor-steps" if args.value_model_path else "--vf-coef"
+        accelerator.print(
+            f"warning: the critic does not learn (it explains {explained:.2f} of the returns' variance over the last "
+            f"updates): its advantages are the raw returns' noise; raise {fix}"
+        )
 
 
 def health_check(
@@ -1261,6 +1072,167 @@ def health_check(
             f"the start); {advice}"
         )
     return line, None
+
+
+def top_token_share(tokens: list[int]) -> float:
+    """The share of the most frequent token among all response tokens: a collapse into one repeated word shows as a
+    share near 1; varied replies stay low."""
+    return max(map(tokens.count, set(tokens))) / len(tokens) if tokens else 0.0
+
+
+def main(args: Args) -> None:
+    """The run: setup (the helpers above), then the loop in its numbered phases, then the final save."""
+    check(args)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    quantization = quantization_kwargs(args.model_name, args.load_in_8bit, args.load_in_4bit, args.use_peft)
+    device, step_size = accelerator.device, batch_sizes(args, accelerator)  # sets args.world_size and num_updates
+    run_name, logger = start_run(args, accelerator)
+    tokenizer = load_tokenizer(args.model_name, padding_side="left")
+    train_rows, eval_rows, chat = load_queries(args, tokenizer, accelerator)
+    model, ref_model, scoring = load_models(args, accelerator, tokenizer, quantization, chat, train_rows, eval_rows)
+    sampler, settings = load_sampler(args, tokenizer, model, accelerator, quantization, train_rows + eval_rows)
+    model, optimizer, scheduler = prepare_training(args, accelerator, model, step_size)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    ref_model = place_frozen(accelerator, ref_model) if ref_model is not None else None
+    scoring.ready(unwrapped)
+    kl_ctl, running = FixedKLController(args.init_kl_coef), RunningMoments()
+    if args.adap_kl_ctrl:  # Ziegler et al. 2019: the coefficient moves the KL towards --target
+        kl_ctl = AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
+    state = resume(args, accelerator, args.num_updates, "--total-episodes")  # {} without --resume-from
+    if state:  # the KL coefficient and the running score moments go on as they were
+        kl_ctl.value = state["kl_coef"]
+        running.__dict__.update(state["running_moments"])
+    start_update, best_reward = state.get("update", 0), state.get("best_reward", float("-inf"))
+
+    first_eval = evaluate(args, sampler, scoring, unwrapped, eval_rows, logger, start_update)
+    first_eval = state.get("first_eval", first_eval)  # after a resume: the summary compares with the run's start
+    reward_history, kl_history = state.get("reward_history", []), state.get("kl_history", [])
+    explained_history = state.get("explained_history", [])  # the critic's explained variance, update by update
+    clipping = dict(cliprange=args.cliprange, cliprange_value=args.cliprange_value, ratio_threshold=args.ratio_threshold)
+    clipping |= dict(loss_agg_mode=args.loss_agg_mode)
+    actor = [p for p in unwrapped.pretrained_model.parameters() if p.requires_grad] if args.freezing_actor_steps else []
+    start_time = time.time()
+    progress = tqdm(range(start_update, args.num_updates), disable=not accelerator.is_local_main_process, desc="ppo")
+    for update in progress:
+        # ================================ the algorithm: phases 1-6 ================================
+        marks = [clock(device)]  # phase boundaries, for time/* (bookkeeping below)
+
+        # 1. rollout: this rank's queries, responses of a length drawn from [min, max]_new_tokens (TRL's LengthSampler)
+        n = args.n_samples_per_prompt  # each query answered n times (OpenRLHF's n_samples_per_prompt)
+        rows = epoch_rows(train_rows, args.batch_size // n, update, args.seed, accelerator)  # seeded reshuffle per epoch
+        rows = [row for row in rows for _ in range(n)]
+        queries, query_mask = sampler.pad_left([r["prompt_ids"] for r in rows])
+        max_new_tokens = int(np.random.randint(args.min_new_tokens, args.max_new_tokens + 1))
+        unwrapped.eval()
+        responses, mask, ended, sampler_logprobs = sampler.generate(queries, query_mask, max_new_tokens)  # mask: float
+        response_mask = mask.long()
+        marks.append(clock(device))
+
+        # 2. score: one scalar per response, then the optional shaping (EOS penalty, running scaling, clipping)
+        responses_text, response_ids = decode(tokenizer, responses, mask)
+        raw_scores = scoring(rows, responses_text, response_ids, ended.tolist()).to(device)  # [B]
+        scores = shape_scores(args, raw_scores, ended, running, accelerator.gather)
+        marks.append(clock(device))
+        if args.save_best and update % args.compare_steps == 0:  # plumbing: the weights before this update's changes
+            best_reward = save_best(args, accelerator, unwrapped, tokenizer, raw_scores, best_reward, update, run_name)
+        marks.append(clock(device))  # saving the best weights is not part of the step time
+
+        # 3. forward passes without gradients: the policy's log-probs and values at sampling time ("old"), and the
+        #    reference's log-probs, with logits / temperature as in sampling (Huang et al. 2023, detail 8)
+        old_logprobs, ref_logprobs, values, kl_inputs = sampling_forwards(
+            args, accelerator, unwrapped, ref_model, settings, queries, query_mask, responses, response_mask
+        )
+        with torch.no_grad():
+            # 4. per-token rewards: r_t = -kl_coef * KL_t, plus the score at the last response token (compute_rewards)
+            #    (with --use-kl-loss the KL leaves the reward for the policy loss: r_t is the score alone)
+            kl_coef = 0.0 if args.use_kl_loss else kl_ctl.value
+            rewards, non_score_rewards, kls = compute_rewards(scores, *kl_inputs, mask, kl_coef, args.kl_penalty)
+            del kl_inputs
+
+            # 5. advantages: GAE, A_t = delta_t + gamma * lam * A_{t+1} with delta_t = r_t + gamma V_{t+1} - V_t
+            #    (compute_advantages), then whitened; returns = A + V are the value head's targets
+            #    (gae_targets: the critic's targets may take their own lambda, VC-PPO's decoupled GAE; the policy's
+            #    lambda may adapt to each response's length, VAPO's)
+            lam = length_adaptive_lam(mask, args.lam_length_alpha) if args.lam_length_alpha else args.lam
+            critic_lam = args.lam if args.critic_lam is None else args.critic_lam
+            values, advantages, returns = gae_targets(values, rewards, mask, args.gamma, lam, critic_lam, args.whiten_rewards)
+            # Padding gets an obviously wrong log-prob *after* the rewards used the real ones: a masking bug in the
+            # loss then shows up as exploding ratios instead of passing silently
+            old_logprobs = old_logprobs.masked_fill(mask == 0, INVALID_LOGPROB)
+        marks.append(clock(device))
+
+        # 6. optimise: ppo_epochs passes over shuffled mini-batches of the clipped policy and value losses (ppo_loss);
+        #    for the first --freezing-actor-steps updates only the critic learns (VC-PPO's value pretraining)
+        frozen = update < args.freezing_actor_steps
+        model.train()
+        all_stats, epochs_done, grad_norms = [], 0, []
+        for _ in range(args.ppo_epochs):
+            for mb in torch.randperm(args.batch_size).split(args.mini_batch_size):
+                with accelerator.accumulate(model):
+                    logits, vpreds = forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **settings)
+                    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V], once: the log-probs and the entropy
+                    logprobs = torch.gather(logp, -1, responses[mb].unsqueeze(-1)).squeeze(-1)
+                    old, value, adv, ret = old_logprobs[mb], values[mb], advantages[mb], returns[mb]
+                    pg_loss, vf_loss, stats = ppo_loss(
+                        old, value, logprobs, vpreds, mask[mb], adv, ret, vf_coef=args.vf_coef, **clipping
+                    )
+                    loss = pg_loss * (not frozen) + vf_loss  # frozen: 0 x the policy loss keeps every rank's graph alike
+                    if args.use_kl_loss:  # OpenRLHF's use_kl_loss: kl_coef x the mean per-token estimate
+                        kl = aggregate(kl_estimate(logprobs, ref_logprobs[mb], args.kl_penalty), mask[mb], args.loss_agg_mode)
+                        loss, stats["ppo/policy/kl_loss"] = loss + kl_ctl.value * kl * (not frozen), kl.detach()
+                    accelerator.backward(loss)
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:
+                        grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                    for p in actor if frozen and accelerator.sync_gradients else ():
+                        p.grad = None  # Adam skips the policy: its weights and moments stay as they are
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                with torch.no_grad():
+                    stats["ppo/policy/entropy"] = entropy_from_logprobs(logp[mask[mb].bool()]).mean()  # response tokens
+                all_stats.append(stats)
+            epochs_done += 1
+            if args.early_stopping:  # TRL 0.8: checked on the last mini-batch's policy KL, across ranks
+                policykl = accelerator.reduce(stats["ppo/policy/policykl"].to(device), "mean").item()
+                if policykl > 1.5 * args.target_kl:
+                    optimizer.zero_grad()
+                    break
+        sampler.sync(unwrapped)  # vLLM's copy of the weights (a no-op otherwise): the next rollout is on-policy
+        marks.append(clock(device))
+
+        # ================================ bookkeeping: plumbing from here on ================================
+        phases = dict(stats=all_stats, kls=kls, old_logprobs=old_logprobs, mask=mask, non_score_rewards=non_score_rewards)
+        batch = dict(raw_scores=raw_scores, scores=scores, ended=ended, query_mask=query_mask, epochs_done=epochs_done)
+        watched = scoring.watch(rows, responses_text, response_ids, ended.tolist(), raw_scores, "env")
+        metrics = update_metrics(args, accelerator, phases | batch, grad_norms, marks, kl_ctl, scheduler, update) | watched
+        if sampler_logprobs is not None:  # vLLM: how far its log-probs lie from the trainer's (TRL 1.16's sampling/*)
+            metrics |= pooled(accelerator, [sampler_gap(old_logprobs, sampler_logprobs, mask)])
+        logger.log(metrics, update + 1)
+        reward_history.append(metrics["env/reward_mean"])
+        kl_history.append(metrics["objective/kl"])
+        explained_history.append(metrics["ppo/val/var_explained"])
+        progress.set_postfix(reward=f"{reward_history[-1]:.3f}", kl=f"{kl_history[-1]:.2f}")
+        if (update + 1) % args.log_freq == 0:
+            sampled = (rows, responses_text, raw_scores, queries, query_mask, max_new_tokens)
+            log_samples(args, sampler, scoring, logger, unwrapped, ref_model, sampled, update + 1)
+        if args.eval_freq and (update + 1) % args.eval_freq == 0 and update + 1 < args.num_updates:
+            evaluate(args, sampler, scoring, unwrapped, eval_rows, logger, update + 1)
+        if args.save_freq and (update + 1) % args.save_freq == 0:
+            folder = os.path.join(args.checkpoint_dir or f"{args.output_dir}_checkpoints", f"update_{update + 1}")
+            # the run's first evaluation and histories too: the summary and the health line compare with its start
+            state = dict(update=update + 1, kl_coef=kl_ctl.value, running_moments=running.__dict__, best_reward=best_reward)
+            state |= dict(first_eval=first_eval, reward_history=reward_history, kl_history=kl_history)
+            state |= dict(explained_history=explained_history)
+            save_checkpoint(accelerator, folder, state, unwrapped, tokenizer, total_limit=args.save_total_limit)
+
+    # ---- final evaluation and save (plain from_pretrained format; a peft policy is merged) ----
+    last_eval = evaluate(args, sampler, scoring, unwrapped, eval_rows, logger, args.num_updates)
+    accelerator.wait_for_everyone()
+    save_model(args, accelerator, unwrapped, tokenizer, args.output_dir, last_eval, final=True, run_name=run_name)
+    histories = (reward_history, kl_history, explained_history)
+    summary(args, accelerator, start_update, start_time, histories, first_eval, last_eval, best_reward)
+    sampler.close()  # vLLM shut down while the process group exists
+    end_run(accelerator, logger)  # every rank leaves together
 
 
 if __name__ == "__main__":

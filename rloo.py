@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from common.chat import text_of
 from common.checkpoints import save_policy
 from common.cli import cli
-from common.core import EntropyBonus, UsageError, check_adam, nanstd, pooled
+from common.core import EntropyBonus, UsageError, check_adam, clock, nanstd, pooled
 from common.models import sync_reference
 from common.rollout import (
     Engine,
@@ -475,13 +475,11 @@ def main(args: Args) -> None:
             args.beta > 0,
             args.old_logprobs == "recompute",
         )
-        forward_start = time.time()
+        forward_start = clock(device)
         old_logprobs, ref_logprobs = sampling_logprobs(
             args, accelerator, policy, ref_model, rollout, recompute and (not on_policy or beta), beta
         )
-        if device.type == "cuda":  # the forwards' own time, not only their launch's
-            torch.cuda.synchronize()
-        forward_time = time.time() - forward_start
+        forward_time = clock(device) - forward_start  # the forwards' own time, not only their launch's
         old_logps = (old_logprobs * loss_mask).sum(1) if old_logprobs is not None else None  # [N]
         old_logps = sampled if not recompute else old_logps
         ref_logps = (ref_logprobs * loss_mask).sum(1) if ref_logprobs is not None else None

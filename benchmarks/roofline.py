@@ -5,7 +5,7 @@ prompts, completions of at most 32 tokens), run through the functions the script
   score, sampling_logprobs; the training forward and backward of common.sampling.per_token_logprobs, then AdamW; their
   losses add no matmul);
 - ppo.py with its separate critic, at benchmarks/real_model.py's ppo_critic settings: 8 prompts x 4, one epoch of 4
-  mini-batches of 8, an Adam step each (its Sampling, Rewards, sampling_forwards, forward and ppo_loss).
+  mini-batches of 8, an Adam step each (its load_sampler, Rewards, sampling_forwards, forward and ppo_loss).
 For each phase: its time (the median of --repeats, after a warm-up), the FLOPs it executes (torch's FlopCounterMode:
 every matmul and attention product, padding included), the useful FLOPs (PaLM's count over the real tokens only), and
 the share of the float32 matmul rate each achieves. Writes benchmarks/RESULTS-roofline.json, from which
@@ -134,6 +134,7 @@ def ppo_phases(repeats: int, rate: float) -> dict:
 
     import ppo
     from common.loading import load_tokenizer
+    from common.sampling import decode
 
     run = ppo.Args(**PPO_RECIPE)
     accelerator = Accelerator()
@@ -141,33 +142,32 @@ def ppo_phases(repeats: int, rate: float) -> dict:
     tokenizer = load_tokenizer(run.model_name, padding_side="left")
     train_rows, eval_rows, chat = ppo.load_queries(run, tokenizer, accelerator)
     model, ref_model, scoring = ppo.load_models(run, accelerator, tokenizer, {}, chat, train_rows, eval_rows)
-    sampling = ppo.Sampling(run, tokenizer, model, accelerator, {}, max(len(r["prompt_ids"]) for r in train_rows))
+    sampler, settings = ppo.load_sampler(run, tokenizer, model, accelerator, {}, train_rows)
     model, optimizer, _ = ppo.prepare_training(run, accelerator, model, step_size)
     policy = accelerator.unwrap_model(model)
     scoring.ready(policy)
     rows = [row for row in train_rows[: run.batch_size // run.n_samples_per_prompt] for _ in range(run.n_samples_per_prompt)]
-    queries, query_mask = sampling.sampler.pad_left([r["prompt_ids"] for r in rows])
+    queries, query_mask = sampler.pad_left([r["prompt_ids"] for r in rows])
     torch.manual_seed(0)
     policy.eval()
-    responses, response_mask, ended, _ = sampling.generate(queries, query_mask, run.max_new_tokens)
-    texts, ids = sampling.texts(responses, response_mask)
+    responses, response_mask, ended, _ = sampler.generate(queries, query_mask, run.max_new_tokens)
+    texts, ids = decode(tokenizer, responses, response_mask)
+    response_mask = response_mask.long()  # as ppo.py's loop holds it
     batch = (queries, query_mask, responses, response_mask)
-    old, _, values, _ = ppo.sampling_forwards(run, accelerator, policy, ref_model, sampling, *batch)
+    old, _, values, _ = ppo.sampling_forwards(run, accelerator, policy, ref_model, settings, *batch)
     mask, advantages, returns = response_mask.float(), torch.randn_like(old), torch.randn_like(old)
 
     def generate():
         policy.eval()
-        sampling.generate(queries, query_mask, run.max_new_tokens)
+        sampler.generate(queries, query_mask, run.max_new_tokens)
 
     def forwards():
-        ppo.sampling_forwards(run, accelerator, policy, ref_model, sampling, *batch)
+        ppo.sampling_forwards(run, accelerator, policy, ref_model, settings, *batch)
 
     def train():  # one epoch over the mini-batches: the policy's and the critic's forward, backward and Adam step each
         model.train()
         for mb in torch.arange(run.batch_size).split(run.mini_batch_size):
-            logits, vpreds = ppo.forward(
-                model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **sampling.forward_kwargs
-            )
+            logits, vpreds = ppo.forward(model, queries[mb], query_mask[mb], responses[mb], response_mask[mb], **settings)
             logprobs = torch.gather(F.log_softmax(logits.float(), -1), -1, responses[mb, :, None])[..., 0]
             pg_loss, vf_loss, _ = ppo.ppo_loss(
                 old[mb], values[mb], logprobs, vpreds, mask[mb], advantages[mb], returns[mb], 0.2, 0.2, run.vf_coef

@@ -6,6 +6,7 @@ import ctypes
 import json
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -317,6 +318,13 @@ def check_args(args, positive: str = "", non_negative: str = "", fractions: str 
             value = getattr(args, name)
             if value is not None and not ok(value):
                 raise UsageError(f"--{name.replace('_', '-')} {value}: it must be {wanted}.")
+
+
+def clock(device: torch.device) -> float:
+    """Wall time once the device has finished its queued work, so that phase times add up on a GPU too."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 def exact_div(a: int, b: int, a_is: str = "", b_is: str = "") -> int:

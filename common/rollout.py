@@ -52,7 +52,7 @@ from common.rewards import (
     score_completions,
 )
 from common.run import rank_batches
-from common.sampling import Sampler, check_sampling_args, per_token_logprobs
+from common.sampling import Sampler, check_sampling_args, decode, per_token_logprobs
 from common.tools import Toolset, run_calls, tool_suffix_ids
 
 # ================================ the flags every online script shares ================================
@@ -736,10 +736,9 @@ def cat_rollouts(parts: list, pad_id: int) -> Rollout:
 def score(task: Task, rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor, list[str]]:
     """Rewards [N, F] of the completions (decoded, or the episodes' messages) by every reward function, and their texts."""
     completions, mask, ended, episodes = rollout.completions, rollout.mask, rollout.ended, rollout.episodes
-    ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+    texts, ids = decode(task.tokenizer, completions, mask)
     device = completions.device
     if episodes is None:
-        texts = task.tokenizer.batch_decode(completions, skip_special_tokens=True)
         return score_completions(task.reward_funcs, rows, texts, ids, ended.tolist(), device), texts
     environments = episodes.environments if task.toolset.factory else None
     rewards = score_completions(task.reward_funcs, rows, episodes.messages, ids, ended.tolist(), device, environments)

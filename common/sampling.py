@@ -244,6 +244,13 @@ class Sampler:
         return completions, mask, ended, sampled
 
 
+def decode(tokenizer, completions, mask) -> tuple[list[str], list[list[int]]]:
+    """What reward functions and sample tables read of completions [N, T]: their text (special tokens skipped), and
+    each one's token ids under `mask`."""
+    ids = [row[m.bool()].tolist() for row, m in zip(completions, mask)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True), ids
+
+
 def sampler_gap(old, sampled, mask) -> dict[str, torch.Tensor]:
     """How far the sampler's per-token log-probs lie from the trainer's (TRL 1.16's sampling/sampling_logp_difference):
     |log pi_old - log pi_sampler| over the tokens of `mask` [B, T], as [sum, count] and [max, 1] pairs for `pooled`."""

@@ -141,16 +141,14 @@ def test_args_docstrings_are_short():
 
 def test_every_script_has_one_skeleton():
     """Every script reads top to bottom: Args, the algorithm's functions, then main(), whose loop starts after a short
-    setup; no flat `if __name__` block (it calls main(cli(Args))); main() comes last, but in ppo.py, whose plumbing
-    follows its loop."""
+    setup; no flat `if __name__` block (it calls main(cli(Args))); main() comes last."""
     for script in SCRIPTS:
         tree = ast.parse(open(os.path.join(ROOT, f"{script}.py")).read())
         functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
         main = next(f for f in functions if f.name == "main")
         guard = tree.body[-1]
         assert isinstance(guard, ast.If) and ast.unparse(guard.body[0]) == "main(cli(Args))", f"{script}.py's __main__ block"
-        if script != "ppo":
-            assert functions[-1].name == "main", f"{script}.py: {functions[-1].name} comes after main()"
+        assert functions[-1].name == "main", f"{script}.py: {functions[-1].name} comes after main()"
         loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and ast.unparse(n.iter) == "progress")
         assert loop.lineno - main.lineno <= 70, f"{script}.py: main's loop starts {loop.lineno - main.lineno} lines in"
 
