@@ -12,6 +12,7 @@ Usage:
     accelerate launch --config_file configs/multi_gpu.yaml ppo.py --model-name gpt2 --reward-model outputs/reward_model
 """
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -650,6 +651,8 @@ def load_queries(args: Args, tokenizer, accelerator: Accelerator) -> tuple[list[
         data_seed = args.seed if args.data_seed is None else args.data_seed
         train_dataset, eval_dataset = train_eval_split(dataset, args.eval_fraction, data_seed)
         train_rows, eval_rows = train_dataset.to_list(), eval_dataset.to_list()[: args.eval_samples]
+        held_out = {json.dumps(r[args.query_column]) for r in eval_rows}  # no held-out query occurs in training
+        train_rows = [r for r in train_rows if json.dumps(r[args.query_column]) not in held_out]
         for row in train_rows + eval_rows:
             row["prompt"] = row[args.query_column]
             text = render(tokenizer, row["prompt"], system_prompt=args.system_prompt)[0] if chat else row["prompt"]

@@ -439,6 +439,22 @@ def test_a_bad_gold_reward_is_a_one_line_error_before_any_model_loads(tmp_path):
     assert "policy builtin:" not in out  # load_models prints this line once the policy is loaded
 
 
+def test_no_held_out_query_occurs_in_training(tmp_path):
+    """A dataset that repeats its queries: the copies of each held-out query leave the training rows, so evaluation
+    never scores a query the policy trained on."""
+    import ppo
+    from common.loading import load_tokenizer
+
+    path = tmp_path / "queries.jsonl"
+    path.write_text("".join(f'{{"prompt": "query number {i % 20}"}}\n' for i in range(60)))  # each query 3 times
+    args = ppo.Args(dataset_name=str(path), eval_fraction=0.25, batch_size=4, world_size=1, num_updates=1)
+    accelerator = SimpleNamespace(print=lambda *_: None)
+    train_rows, eval_rows, _ = ppo.load_queries(args, load_tokenizer(args.model_name, padding_side="left"), accelerator)
+    held_out = {r["prompt"] for r in eval_rows}
+    assert held_out and not held_out & {r["prompt"] for r in train_rows}
+    assert len(eval_rows) == 15 and len(train_rows) == 60 - 3 * len(held_out)  # only the copies left, the rest kept
+
+
 def test_health_check_warns_on_reward_hacking():
     from ppo import health_check, top_token_share
 
