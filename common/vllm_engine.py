@@ -387,6 +387,7 @@ class VLLMClient:
                 f"this run's prompts and completions need {max_model_len}: restart it with --max-model-len {max_model_len}."
             )
         if accelerator.is_main_process:  # the sender: the server's workers join its group as ranks 1..n
+            self._call("post", "/collective_rpc", json={"method": "close_open_weight_update"})  # an earlier trainer's
             world = self._call("get", "/get_world_size")["world_size"] + 1
             info = dict(master_address=self._address(), master_port=args.vllm_group_port, rank_offset=1, world_size=world)
             with ThreadPoolExecutor(1) as pool:  # the server blocks in the rendezvous while it answers

@@ -94,7 +94,17 @@ def _engine_class():
 
 class _WeightSync:
     """The server workers' extension (--worker-extension-cls): importing this module in a worker registers the gloo
-    engine with vLLM's factory, before the worker loads its model and builds its weight-transfer engine."""
+    engine with vLLM's factory, before the worker loads its model and builds its weight-transfer engine. Its method
+    joins the worker's own, callable through /collective_rpc."""
+
+    def close_open_weight_update(self) -> bool:
+        """Close the weight update a trainer left open (stopped between /start_weight_update and /finish_weight_update:
+        killed, or its connection cut), which vLLM would hold against every later trainer's push; the layers it had not
+        reloaded keep their weights, and a new trainer's first push replaces all of them. Whether one was open."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        self.finish_weight_update()
+        return True
 
 
 def _register() -> None:

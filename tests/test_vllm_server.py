@@ -97,13 +97,35 @@ print("RESULT", json.dumps(out))
 )
 
 
+# A trainer killed in the middle of a weight sync: it opened the update on the server, and never finished it
+KILLED = """
+import os, sys
+from types import SimpleNamespace
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+from common.loading import load_pretrained, load_tokenizer
+from common.vllm_engine import VLLMClient
+
+name = "builtin:tiny-arith"
+args = SimpleNamespace(vllm_server_base_url=sys.argv[1], vllm_group_port=int(sys.argv[2]), temperature=1.0)
+policy = load_pretrained(name, AutoModelForCausalLM, dtype="float32")
+sampler = VLLMClient(args, load_tokenizer(name), policy, Accelerator(), max_model_len=128)
+sampler._call("post", "/start_weight_update", json={})
+os._exit(0)
+"""
+
+
 @pytest.mark.slow
 def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_they_do_not(server, tmp_path):
     """The weights pushed over gloo reach the server: after each sync its log-probs of its own samples equal the float32
     policy's forward within the colocated engine's tolerance (2e-5 nats a token on average, 2e-4 at most); after a
-    change of the policy without a sync (its full weights, then a LoRA adapter's) the gap is far larger."""
+    change of the policy without a sync (its full weights, then a LoRA adapter's) the gap is far larger. The trainer
+    before it was killed in the middle of a sync: the update it left open does not stop the next trainer's."""
     import json
 
+    (tmp_path / "killed.py").write_text(KILLED)
+    result = python(["killed.py", server, free_port()], tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     (tmp_path / "sync.py").write_text(SYNC)
     result = python(["sync.py", server, free_port()], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
