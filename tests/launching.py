@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +50,10 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> 
     status = 0
     try:
         runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as exit:  # as the interpreter ends on one: None is 0, a message is printed and is 1
-        status = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        if status and not isinstance(exit.code, int):
-            print(exit.code, file=sys.stderr)
+    except SystemExit as stop:  # as the interpreter ends on one: None is 0, a message is printed and is 1
+        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        if status and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - what an uncaught exception does: the script's excepthook, then status 1
         sys.excepthook(*sys.exc_info())
         status = 1
@@ -95,7 +96,8 @@ def forks(args: list[str], env: dict[str, str]) -> bool:
 def run(args: list[str], cwd: str, env: dict[str, str], timeout: int) -> tuple[int, str, str]:
     """Run `python ARGS` (`script.py ...`, or `-m accelerate.commands.launch [launch options] script.py ...`) in `cwd`
     with `env`, in processes forked from the server; return the exit status (a launch's: its first failing rank's),
-    the stdout and the stderr (a launch's: its ranks' together, as the launcher's)."""
+    the stdout and the stderr (a launch's: its ranks' together, as the launcher's). Past `timeout` seconds the processes
+    are stopped and subprocess.TimeoutExpired is raised, as subprocess.run does."""
     global _context
     assert forks(args, env), args
     script_at = next(i for i, a in enumerate(args) if str(a).endswith(".py"))
@@ -127,10 +129,11 @@ def run(args: list[str], cwd: str, env: dict[str, str], timeout: int) -> tuple[i
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    deadline, status = time.time() + timeout, 0
+    deadline, status, late = time.time() + timeout, 0, False
     while any(p.is_alive() for p in processes):
         failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-        if failed or time.time() > deadline:  # as torchrun: one rank failed, so the others are stopped
+        late = time.time() > deadline
+        if failed or late:  # as torchrun: one rank failed, so the others are stopped
             status = failed[0] if failed else -signal.SIGKILL
             for p in processes:
                 p.terminate()
@@ -146,4 +149,6 @@ def run(args: list[str], cwd: str, env: dict[str, str], timeout: int) -> tuple[i
         with open(path) as f:
             outputs.append(f.read())
         os.remove(path)
+    if late:  # as subprocess.run(timeout=...) ends
+        raise subprocess.TimeoutExpired(["python", *map(str, args)], timeout, *outputs)
     return status, *outputs
