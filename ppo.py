@@ -15,6 +15,7 @@ Usage:
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -1080,7 +1081,7 @@ def health_check(
 def top_token_share(tokens: list[int]) -> float:
     """The share of the most frequent token among all response tokens: a collapse into one repeated word shows as a
     share near 1; varied replies stay low."""
-    return max(map(tokens.count, set(tokens))) / len(tokens) if tokens else 0.0
+    return Counter(tokens).most_common(1)[0][1] / len(tokens) if tokens else 0.0
 
 
 def main(args: Args) -> None:
