@@ -18,12 +18,21 @@ def untimed(line: str) -> str:
 
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of every point of `tag` in the TensorBoard run under `run_dir` ([] if it logged none)."""
+    """(step, value) of every point of `tag` in the newest TensorBoard run under `run_dir` ([] if there is none, or it
+    logged no such tag)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(glob.glob(os.path.join(run_dir, "*"))[0])
+    found = sorted(glob.glob(os.path.join(run_dir, "*")))
+    if not found:
+        return []
+    accumulator = EventAccumulator(found[-1])
     accumulator.Reload()
     return [(e.step, e.value) for e in accumulator.Scalars(tag)] if tag in accumulator.Tags()["scalars"] else []
+
+
+def median(values: list[float]) -> float:
+    """The upper median (the middle value of an odd count); nan for no values."""
+    return sorted(values)[len(values) // 2] if values else float("nan")
 
 
 def run_script(argv: list[str], folder: str) -> tuple[str, float]:

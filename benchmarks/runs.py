@@ -25,7 +25,7 @@ import tyro
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from records import header, machine, run_script, scalars, untimed  # noqa: E402
+from records import header, machine, median, run_script, scalars, untimed  # noqa: E402
 
 PPO_EVAL = ("reward_mean", "reward_std", "vader_sentiment", "distinct_2", "top_token_share")
 KTO_EVAL = ("rewards/margins", "rewards/chosen", "rewards/rejected", "kl", "logps/chosen", "logps/rejected", "loss")
@@ -37,10 +37,6 @@ PIPELINE_STAGES = {"sft": "sft: ", "reward_model": "reward model: ", "ppo": "ppo
 
 def series(logs: str, tag: str) -> list[float]:
     return [v for _, v in scalars(logs, tag)]
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def line_of(lines: list[str], prefix: str) -> str | None:

@@ -366,7 +366,7 @@ def real_model_full_table() -> str:
         for m in ("grpo", "rloo", "ppo", "ppo_critic", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
     ]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from real_model import comparison
+    from real_model_report import comparison
 
     compared = ("grpo", "rloo", "ppo", "ppo_critic", "trl_grpo", "trl_rloo", "grpo_linear", "rloo_linear", "grpo_vllm")
     stats = {m: r["aggregate"][m] for m in compared}
@@ -388,7 +388,7 @@ def ppo_critic() -> str:
     at the comparisons docs/real-model.md makes (benchmarks/RESULTS-real-model.json), with seed 1's command."""
     r = record("RESULTS-real-model.json")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from real_model import comparison
+    from real_model_report import comparison
 
     seeds = sorted((s for s in r["seeds"] if "ppo_critic" in r["seeds"][s]), key=int)
     rows = [
@@ -428,7 +428,7 @@ def grpo_features() -> str:
     each holds, update by update, and where the run ends."""
     r = record("RESULTS-real-model.json")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from real_model import FEATURES
+    from real_model_report import FEATURES
 
     runs = {m: r["seeds"]["1"][m] for m in ("grpo_entropy", "grpo_dynamic") if m in r["seeds"]["1"]}
     grpo = r["aggregate"]["grpo"]
@@ -684,7 +684,7 @@ def vllm_learning() -> str:
     token along each run (step times: the interleaved speed benchmark, not these runs of several machines)."""
     r = record("RESULTS-real-model.json")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from real_model import comparison
+    from real_model_report import comparison
 
     a, b = r["aggregate"]["grpo_vllm"], r["aggregate"]["grpo"]
     seeds = sorted(s for s, runs in r["seeds"].items() if "grpo_vllm" in runs)
