@@ -75,6 +75,30 @@ def test_every_figure_is_rendered_from_its_record(path):
     assert text == fresh, f"{os.path.relpath(path, ROOT)}: run python docs/build_assets.py"
 
 
+def test_the_sweeps_results_files_are_what_their_records_render(tmp_path):
+    """benchmarks/RESULTS-real-model.md and RESULTS-agents.md are what their renderers write from the records beside
+    them: a label changed in a renderer and not rendered again fails here (`python benchmarks/real_model.py
+    --report-only`, `python benchmarks/agent_runs.py --stages` render them again). The plots are drawn too, and left
+    unchecked: their bytes depend on the fonts a machine has."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import agent_report
+    import real_model
+    import real_model_report
+
+    benchmarks = os.path.join(ROOT, "benchmarks")
+    with open(os.path.join(benchmarks, "RESULTS-agents.json")) as f:
+        agent_report.report(json.load(f), str(tmp_path / "RESULTS-agents.md"))
+    with open(os.path.join(benchmarks, "RESULTS-real-model.json")) as f:
+        record = json.load(f)
+    args = real_model.Args(write=str(tmp_path / "RESULTS-real-model.md"))  # the sweep's defaults, as it ran
+    real_model_report.report(args, record, machine="-", torch_version="-")  # (the record names its own)
+    for name in ("RESULTS-agents.md", "RESULTS-real-model.md"):
+        with open(os.path.join(benchmarks, name)) as f:
+            assert (tmp_path / name).read_text() == f.read(), f"benchmarks/{name}: render it again from its record"
+
+
 def test_ci_installs_exactly_what_the_readme_says():
     """.ci/run fills its fresh environment with the README's install lines, in order, and runs the README's test
     command: what passes in CI passes for a new user who follows the README."""
