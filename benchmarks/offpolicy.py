@@ -218,8 +218,8 @@ def reading(results: dict) -> list[str]:
     return lines
 
 
-def report(results: dict) -> None:
-    """RESULTS-offpolicy.md and its PNG from the JSON."""
+def report(results: dict, path: str = os.path.join(HERE, "RESULTS-offpolicy.md")) -> None:
+    """RESULTS-offpolicy.md (at `path`) and its PNG beside it, from the JSON."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,7 +314,7 @@ def report(results: dict) -> None:
                 f" KL to the start of the final models: {spread(kl[0], 2)} recomputed against {spread(kl[1], 2)} "
                 f"with the sampler's ({len(kl[0])} and {len(kl[1])} seeds)."
             )
-    with open(os.path.join(HERE, "RESULTS-offpolicy.md"), "w") as f:
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, (_, _, label) in RUNS.items():
@@ -332,7 +332,7 @@ def report(results: dict) -> None:
     axes[1].set(xlabel="minutes of training (median s/update x updates)", title="against wall-clock")
     axes[0].legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(os.path.join(HERE, "RESULTS-offpolicy.png"), dpi=100)
+    figure.savefig(os.path.splitext(path)[0] + ".png", dpi=100)
 
 
 if __name__ == "__main__":

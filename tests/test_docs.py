@@ -76,14 +76,16 @@ def test_every_figure_is_rendered_from_its_record(path):
 
 
 def test_the_sweeps_results_files_are_what_their_records_render(tmp_path):
-    """benchmarks/RESULTS-real-model.md and RESULTS-agents.md are what their renderers write from the records beside
-    them: a label changed in a renderer and not rendered again fails here (`python benchmarks/real_model.py
-    --report-only`, `python benchmarks/agent_runs.py --stages` render them again). The plots are drawn too, and left
-    unchecked: their bytes depend on the fonts a machine has."""
+    """benchmarks/RESULTS-real-model.md, RESULTS-agents.md and RESULTS-offpolicy.md are what their renderers write from
+    the records beside them: a label changed in a renderer and not rendered again fails here (`python
+    benchmarks/real_model.py --report-only`, `python benchmarks/agent_runs.py --stages` and `python
+    benchmarks/offpolicy.py --report-only` render them again). The plots are drawn too, and left unchecked: their bytes
+    depend on the fonts a machine has."""
     import json
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import agent_report
+    import offpolicy
     import real_model
     import real_model_report
 
@@ -94,7 +96,9 @@ def test_the_sweeps_results_files_are_what_their_records_render(tmp_path):
         record = json.load(f)
     args = real_model.Args(write=str(tmp_path / "RESULTS-real-model.md"))  # the sweep's defaults, as it ran
     real_model_report.report(args, record, machine="-", torch_version="-")  # (the record names its own)
-    for name in ("RESULTS-agents.md", "RESULTS-real-model.md"):
+    with open(os.path.join(benchmarks, "RESULTS-offpolicy.json")) as f:
+        offpolicy.report(json.load(f), str(tmp_path / "RESULTS-offpolicy.md"))
+    for name in ("RESULTS-agents.md", "RESULTS-real-model.md", "RESULTS-offpolicy.md"):
         with open(os.path.join(benchmarks, name)) as f:
             assert (tmp_path / name).read_text() == f.read(), f"benchmarks/{name}: render it again from its record"
 
