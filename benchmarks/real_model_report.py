@@ -8,6 +8,7 @@ pages. benchmarks/real_model.py runs the sweep and calls `report`; reading a rec
 import json
 import math
 import os
+import re
 import statistics
 import time
 
@@ -240,6 +241,12 @@ verifier, over those samples; the last update's KL and KL coefficient.
 """
 
 
+def from_root(command: str) -> str:
+    """A recorded command with its paths from the repository root: the record keeps the absolute paths of the clone
+    that ran it, and the table reads the same wherever it is drawn."""
+    return re.sub(r"(?<!\S)/\S*?/(outputs/)", r"\1", command)
+
+
 def report(args, results: dict, machine: str, torch_version: str) -> None:
     """The table (markdown, at args.write), the plot of held-out accuracy against sampled completions beside it (mean
     and min-max band over the seeds), and the JSON of every seed's figures and their aggregate. `machine` and
@@ -323,8 +330,7 @@ def report(args, results: dict, machine: str, torch_version: str) -> None:
         if r
     )
     commands_md = "\n".join(
-        f"- {LABELS[m]}:\n"
-        + "\n".join(f"  `{c.replace(ROOT + os.sep, '')}`" for c in results["seeds"][seeds[0]][m].get("commands", []))
+        f"- {LABELS[m]}:\n" + "\n".join(f"  `{from_root(c)}`" for c in results["seeds"][seeds[0]][m].get("commands", []))
         for m in METHODS
         if m in results["seeds"][seeds[0]]
     )
