@@ -238,7 +238,7 @@ def search_figures(episodes: list[list[tuple[int, int, int]]], scores: list[floa
 
 def main(args: Args) -> None:
     results = json.load(open(args.results)) if os.path.exists(args.results) else {}
-    base_model = load_pretrained(BASE, AutoModelForCausalLM).eval()
+    base_model = load_pretrained(BASE, AutoModelForCausalLM).eval() if args.stages else None  # the KL's reference
 
     def save():
         with open(args.results + ".tmp", "w") as f:
