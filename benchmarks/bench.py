@@ -125,7 +125,7 @@ class Args:
     """internal: run one comparison (JSON spec) and print its results"""
 
 
-# ---------------------------------------------------------------- shared by the workers
+# ---------------------------------------------------------------- the worker: one comparison in a process of its own
 
 
 def rss_mb() -> float:
