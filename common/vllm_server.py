@@ -15,8 +15,10 @@ or a resumed checkpoint's), so the server samples what the trainer trains.
 """
 
 import json
+import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,16 @@ def _engine_class():
                 raise RuntimeError("the gloo weight transfer is not initialised: POST /init_weight_transfer_engine first")
             for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.group.broadcast(tensor, 0).wait()
+                try:
+                    self.group.broadcast(tensor, 0).wait()
+                except RuntimeError as error:  # the trainer's end of the group closed: it stopped mid-push
+                    self.group = None  # the next trainer opens its own (/init_weight_transfer_engine)
+                    logging.getLogger("vllm").warning(
+                        "a trainer stopped in the middle of pushing its weights (%s); the update stays open until "
+                        "the next trainer closes it and pushes all of them",
+                        str(error).split("] ", 1)[-1].split(". ", 1)[0],
+                    )
+                    return  # (raised, vLLM would log its traceback in every process it passes through)
                 self.model.load_weights([(name, tensor.to(self.device))])
 
         def shutdown(self) -> None:
@@ -150,13 +161,12 @@ class ServeArgs:
 
 
 def serve_command(args: ServeArgs) -> list[str]:
-    """vLLM's server command line for `args`: the RL endpoints' weight transfer over gloo, its engine registered by the
-    worker extension, log-probs after the temperature (as the trainer's log_softmax(logits / T), TRL's setting)."""
+    """vLLM's server flags for `args`: the RL endpoints' weight transfer over gloo, its engine registered by the worker
+    extension, log-probs after the temperature (as the trainer's log_softmax(logits / T), TRL's setting)."""
     from common.loading import resolve
 
     folder = resolve(args.model_name)  # a pretrained built-in's cached folder (built on first use)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder]
-    command += ["--served-model-name", args.model_name, "--host", args.host, "--port", str(args.port)]
+    command = ["--model", folder, "--served-model-name", args.model_name, "--host", args.host, "--port", str(args.port)]
     command += ["--dtype", args.dtype, "--seed", str(args.seed)]
     command += ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -175,14 +185,25 @@ def main() -> None:
     args = tyro.cli(ServeArgs, args=argv[:cut])
     args.vllm_args = argv[cut + 1 :]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", RLHF_VLLM_SERVER_WORKER="1")  # the RL endpoints; our engine
-    check_servable(args.model_name)  # (quiets vLLM's logging in this process only: the server keeps its own)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    # vLLM's server runs in this process, its engine and workers in processes it spawns, which inherit these: the RL
+    # endpoints, our weight-transfer engine (registered by each worker that imports this package), vLLM's own logging
+    os.environ.update(VLLM_SERVER_DEV_MODE="1", RLHF_VLLM_SERVER_WORKER="1")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"  # vLLM's use of torch.distributed.reduce_op, in workers
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+    check_servable(args.model_name)  # imports vLLM (quietly) where the model could be served: once, for both
+    os.environ["VLLM_LOGGING_LEVEL"] = level  # the server logs as vLLM's own does, it and the processes it starts
+    logging.getLogger("vllm").setLevel(level.upper())
     command = serve_command(args)
     print(f"serving {args.model_name} at http://{args.host}:{args.port} (vLLM's server, weight transfer over gloo)")
     sys.stdout.flush()
-    os.execve(sys.executable, command, env)
+    from vllm.entrypoints.launchers.api_server.entry import main as serve  # `vllm serve`'s server, as a function
+
+    sys.argv = ["vllm", *command]
+    warnings.filterwarnings("ignore", message="Setuptools is replacing distutils")  # at /server_info's first answer
+    serve()
 
 
 def check_servable(model_name: str) -> None:

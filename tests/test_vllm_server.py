@@ -4,6 +4,7 @@ server holds one policy's weights: two runs at once would overwrite each other's
 grpo.py under DDP against colocated engines, rloo.py with the calculator, ppo.py and gkd.py, and the one-line failures."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from conftest import ARITH, DDP_ENV, ROOT, ddp_launch, free_port, fsdp_launch, r
 from test_vllm import GAP, GRPO, colocated_ddp, python
 
 MODEL = "builtin:tiny-arith"
+LOGS = {}  # each server's log file, by its URL
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    LOGS[url] = log
     try:
         deadline = time.time() + 300
         while not answers(url):
@@ -99,18 +102,24 @@ print("RESULT", json.dumps(out))
 
 # A trainer killed in the middle of a weight sync: it opened the update on the server, and never finished it
 KILLED = """
-import os, sys
+import os, sys, threading, time
 from types import SimpleNamespace
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 from common.loading import load_pretrained, load_tokenizer
-from common.vllm_engine import VLLMClient
+from common.vllm_engine import VLLMClient, policy_weights
 
-name = "builtin:tiny-arith"
+name, accelerator = "builtin:tiny-arith", Accelerator()
 args = SimpleNamespace(vllm_server_base_url=sys.argv[1], vllm_group_port=int(sys.argv[2]), temperature=1.0)
 policy = load_pretrained(name, AutoModelForCausalLM, dtype="float32")
-sampler = VLLMClient(args, load_tokenizer(name), policy, Accelerator(), max_model_len=128)
+sampler = VLLMClient(args, load_tokenizer(name), policy, accelerator, max_model_len=128)
+weights = [(n, t.detach().cpu().contiguous()) for n, t in policy_weights(policy, accelerator)][:3]
+info = dict(names=[n for n, _ in weights], dtype_names=["float32"] * 3, shapes=[list(t.shape) for _, t in weights])
 sampler._call("post", "/start_weight_update", json={})
+push = dict(target=sampler._call, args=("post", "/update_weights"), kwargs=dict(json=dict(update_info=info)))
+threading.Thread(**push, daemon=True).start()
+sampler.group.broadcast(weights[0][1], 0).wait()  # the first of the three tensors, then the trainer is gone
+time.sleep(1)
 os._exit(0)
 """
 
@@ -120,12 +129,20 @@ def test_after_a_sync_the_servers_log_probs_equal_the_policys_and_without_one_th
     """The weights pushed over gloo reach the server: after each sync its log-probs of its own samples equal the float32
     policy's forward within the colocated engine's tolerance (2e-5 nats a token on average, 2e-4 at most); after a
     change of the policy without a sync (its full weights, then a LoRA adapter's) the gap is far larger. The trainer
-    before it was killed in the middle of a sync: the update it left open does not stop the next trainer's."""
+    before it was killed in the middle of pushing its weights: the server says so in one line (no traceback from vLLM's
+    processes), and the update it left open does not stop the next trainer's."""
     import json
 
     (tmp_path / "killed.py").write_text(KILLED)
+    start = LOGS[server].stat().st_size
     result = python(["killed.py", server, free_port()], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    deadline, said = time.time() + 30, "a trainer stopped in the middle of pushing its weights (Connection closed"
+    while said not in (logged := LOGS[server].read_bytes()[start:].decode(errors="replace")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert said in logged and "Traceback" not in logged and " ERROR " not in logged, logged[-4000:]
+    python_warning = re.search(r"\w+Warning: .*", LOGS[server].read_bytes().decode(errors="replace"))
+    assert python_warning is None, python_warning.group(0)  # a library's Python warning in the server's log
     (tmp_path / "sync.py").write_text(SYNC)
     result = python(["sync.py", server, free_port()], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
