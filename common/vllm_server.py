@@ -190,8 +190,11 @@ def main() -> None:
     os.environ.update(VLLM_SERVER_DEV_MODE="1", RLHF_VLLM_SERVER_WORKER="1")
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    quiet = "ignore::FutureWarning:vllm.triton_utils.dispatcher"  # vLLM's use of torch.distributed.reduce_op, in workers
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+    quiet = [  # in the processes vLLM starts: its use of torch.distributed.reduce_op; at a stop, what its killed
+        "ignore::FutureWarning:vllm.triton_utils.dispatcher",  # processes left for the resource tracker to clean up
+        "ignore::UserWarning:multiprocessing.resource_tracker",
+    ]
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *quiet]))
     level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
     check_servable(args.model_name)  # imports vLLM (quietly) where the model could be served: once, for both
     os.environ["VLLM_LOGGING_LEVEL"] = level  # the server logs as vLLM's own does, it and the processes it starts
@@ -203,7 +206,25 @@ def main() -> None:
 
     sys.argv = ["vllm", *command]
     warnings.filterwarnings("ignore", message="Setuptools is replacing distutils")  # at /server_info's first answer
+    stopping = _Stopping()
+    for name in ("vllm.entrypoints.launchers.launcher", "vllm.v1.engine.core_client", "vllm.v1.engine.async_llm"):
+        logging.getLogger(name).addFilter(stopping)
     serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # vLLM has shut down: no interpreter teardown, where triton's bindings list ~40 "leaked" objects
+
+
+class _Stopping(logging.Filter):
+    """At a stop the server was asked for (Ctrl-C, SIGTERM), vLLM kills its engine first, and the output handler then
+    logs the dead engine's traceback: dropped once vLLM has logged that its shutdown began (its "[shutdown]" lines)."""
+
+    began = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.began = self.began or record.getMessage().startswith("[shutdown]")
+        dead = record.exc_info is not None and record.exc_info[0] is not None
+        return not (self.began and dead and record.exc_info[0].__name__ == "EngineDeadError")
 
 
 def check_servable(model_name: str) -> None:

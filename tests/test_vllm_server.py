@@ -22,7 +22,9 @@ LOGS = {}  # each server's log file, by its URL
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`python -m common.vllm_server --model-name builtin:tiny-arith` on a free port, float32 (the trainer's dtype)."""
+    """`python -m common.vllm_server --model-name builtin:tiny-arith` on a free port, float32 (the trainer's dtype); at
+    the end stopped as Ctrl-C in its terminal stops it (SIGINT to its process group): exit status 0, and nothing in its
+    log from then on reads as an error (vLLM's dead-engine traceback, triton's "leaked" objects, Python warnings)."""
     require("vllm")
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
     command = [sys.executable, "-m", "common.vllm_server", "--model-name", MODEL, "--port", port, "--dtype", "float32"]
@@ -30,19 +32,25 @@ def server(tmp_path_factory):
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    LOGS[url] = log
+    LOGS[url], served = log, False
     try:
         deadline = time.time() + 300
         while not answers(url):
             assert process.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(1)
+        served = True
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        start = log.stat().st_size
+        os.killpg(process.pid, signal.SIGINT)
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+    stopped = log.read_bytes()[start:].decode(errors="replace")
+    if served:
+        noise = re.search(r"Traceback| ERROR |leaked|\w+Warning: ", stopped)
+        assert process.returncode == 0 and noise is None, stopped[-3000:]
 
 
 def answers(url: str) -> bool:
