@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -1298,6 +1299,7 @@ def trl_fields() -> str:
     TrainingArguments or TRL's shared base), against the script's `Args`: the flag of the same name, or the note of
     docs/trl-fields.json (another name, partial, or left out, and why). A field with neither fails the render."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # TRL imports the installed vLLM: its notes before it logs
     sys.path.insert(0, ROOT)
     notes = json.load(open(os.path.join(ROOT, "docs", "trl-fields.json")))
     counts, tables = ["| TRL 1.16 config | our script | fields | ours | partial | left out |", "|---|---|---|---|---|---|"], []
