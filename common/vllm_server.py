@@ -196,6 +196,7 @@ def main() -> None:
     ]
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *quiet]))
     level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+    check_address(args.host, args.port)
     check_servable(args.model_name)  # imports vLLM (quietly) where the model could be served: once, for both
     os.environ["VLLM_LOGGING_LEVEL"] = level  # the server logs as vLLM's own does, it and the processes it starts
     logging.getLogger("vllm").setLevel(level.upper())
@@ -225,6 +226,23 @@ class _Stopping(logging.Filter):
         self.began = self.began or record.getMessage().startswith("[shutdown]")
         dead = record.exc_info is not None and record.exc_info[0] is not None
         return not (self.began and dead and record.exc_info[0].__name__ == "EngineDeadError")
+
+
+def check_address(host: str, port: int) -> None:
+    """One line, before vLLM is imported, when the server could not listen at host:port: a port another process holds
+    (an earlier server still running), or an address of no interface of this machine."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's own socket: a stopped server's port
+            probe.bind(address)  # is free at once
+    except OSError as error:
+        fail(
+            f"--host {host} --port {port}: the server cannot listen there ({error.strerror or error}); stop what holds "
+            "the port (an earlier server?) or pick another --port"
+        )
 
 
 def check_servable(model_name: str) -> None:

@@ -313,9 +313,10 @@ def test_an_unreachable_server_is_one_line_naming_the_serve_command(tmp_path):
 
 @pytest.mark.slow
 def test_the_serve_command_refuses_what_it_cannot_serve_in_one_line(tmp_path):
-    """A random built-in (no folder of weights; refused before vLLM is imported) and a folder whose head size vLLM's CPU
-    attention cannot run (builtin:tiny-gpt2's 16) stop the serve command with one line each, exit status 2, before
-    vLLM starts."""
+    """A random built-in (no folder of weights; refused before vLLM is imported), a folder whose head size vLLM's CPU
+    attention cannot run (builtin:tiny-gpt2's 16) and a port another process listens on (refused before vLLM is
+    imported: vLLM's own refusal is a traceback, after its start) stop the serve command with one line each, exit
+    status 2, before vLLM starts."""
     require("vllm")
     from transformers import AutoModelForCausalLM
 
@@ -326,3 +327,14 @@ def test_the_serve_command_refuses_what_it_cannot_serve_in_one_line(tmp_path):
         result = python(["-m", "common.vllm_server", "--model-name", model, "--port", free_port()], ROOT)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
         assert result.stderr.startswith("error: ") and says in result.stderr, result.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        result = python(["-m", "common.vllm_server", "--model-name", MODEL, "--host", "127.0.0.1", "--port", port], ROOT)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == (
+        f"error: --host 127.0.0.1 --port {port}: the server cannot listen there (Address already in use); stop what "
+        "holds the port (an earlier server?) or pick another --port"
+    )
